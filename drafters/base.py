@@ -1,0 +1,166 @@
+"""The drafter contract: what train/ and inference/ know about any drafter (ARCHITECTURE.md section 4).
+
+Shapes: B batch, T sequence, D hidden, V target vocab, V_d draft vocab, K draft depth / proposal length.
+
+A drafter receives a frozen `TargetInfo` and its own config dataclass. It never holds the target model, the dataset
+or a launcher config. Training calls `forward(batch)` and `loss(output, batch)`; inference drives the stateful
+proposer `begin(context)` / `propose(k)` / `commit(num_accepted, context)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from drafters.configs import from_dict, to_dict
+
+NATIVE_KIND_KEY = "draftsmith_kind"
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a drafter may know about its target. Tensors are shared references, never trained.
+
+    `weights` maps the target's own parameter names to its tensors (for warm starts); `config` is the target's HF
+    config as a dict (head counts, rope theta, eps...) so a drafter can mirror its layer shapes.
+    """
+
+    name_or_path: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    embed_weight: torch.Tensor  # [V, D]
+    lm_head_weight: torch.Tensor  # [V, D]
+    final_norm_weight: torch.Tensor | None  # [D]
+    rms_norm_eps: float
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    config: Mapping[str, Any] = field(default_factory=dict)
+    weights: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class DraftContext:
+    """What the engine hands a proposer after each target forward.
+
+    input_ids:  [B, S] the tokens that forward read (the padded prompt, or [last token, drafts...] when verifying).
+    valid:      [B, S] bool, which of them are now part of the sequence (right-aligned padding and rejected drafts
+                are False). Accepted positions always form a prefix of each row's block after its padding.
+    position_ids: [B, S] the positions the target used for them.
+    hidden:     {layer_id: [B, S, D]} the target hidden states the drafter asked for (vLLM layer-id convention).
+    next_tokens: [B] the token the target emitted after the last valid position; it is not in any cache yet.
+    """
+
+    input_ids: torch.Tensor
+    valid: torch.Tensor
+    position_ids: torch.Tensor
+    hidden: dict[int, torch.Tensor]
+    next_tokens: torch.Tensor
+
+
+@dataclass
+class Proposal:
+    """tokens [B, K] in target ids; probs [B, K, V] draft distribution in target vocab, or None for deterministic
+    (argmax / lookup) drafts, which verification treats as one-hot q. `num_valid` [B] lets a row propose fewer than K
+    (an n-gram miss); positions past it are never accepted. `parents` is reserved for trees (None = chain)."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+    num_valid: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
+
+
+@dataclass
+class DraftOutput:
+    """Training output. logits [B, T, K, V_d]: depth k predicts the token k+2 places after position t."""
+
+    logits: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Drafter(nn.Module):
+    """Base class. Subclasses set `kind`, `Config`, and implement the methods below."""
+
+    kind: ClassVar[str] = ""
+    Config: ClassVar[type] = object
+
+    def __init__(self, config: Any, target_info: TargetInfo):
+        super().__init__()
+        self.config = config
+        self.target_info = target_info
+
+    # ---- what the drafter needs from the target -------------------------------------------------------------
+    def target_layer_ids(self) -> tuple[int, ...]:
+        """Hidden states to capture, by vLLM layer id (id k = input of decoder layer k, id N = final pre-norm)."""
+        return ()
+
+    # ---- training ----------------------------------------------------------------------------------------
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> DraftOutput:
+        """batch: input_ids [B, T], attention_mask [B, T], loss_mask [B, T], target_hidden {id: [B, T, D]},
+        target_last_hidden [B, T, D] (after the target's final norm), target_argmax [B, T]."""
+        raise NotImplementedError(f"drafter {self.kind!r} is not trainable")
+
+    def loss(self, output: DraftOutput, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError(f"drafter {self.kind!r} is not trainable")
+
+    # ---- inference: a stateful proposer ------------------------------------------------------------------
+    def begin(self, context: DraftContext) -> None:
+        raise NotImplementedError
+
+    def propose(self, num_tokens: int) -> Proposal:
+        raise NotImplementedError
+
+    def commit(self, num_accepted: torch.Tensor, context: DraftContext) -> None:
+        """num_accepted [B]: drafts accepted per row in the last round; context covers the verify forward."""
+        raise NotImplementedError
+
+    # ---- persistence: the native format is config.json + model.safetensors -----------------------------------
+    def save(self, directory: str, fmt: str = "native") -> None:
+        """Write the drafter. Subclasses add export formats (e.g. EAGLE-3's speculators / eagle3 layouts)."""
+        if fmt != "native":
+            raise ValueError(f"drafter {self.kind!r} cannot export format {fmt!r}; it writes: native")
+        os.makedirs(directory, exist_ok=True)
+        header = {
+            NATIVE_KIND_KEY: self.kind,
+            "drafter_config": to_dict(self.config),
+            "target": {
+                "name_or_path": self.target_info.name_or_path,
+                "hidden_size": self.target_info.hidden_size,
+                "vocab_size": self.target_info.vocab_size,
+                "num_layers": self.target_info.num_layers,
+            },
+            "target_layer_ids": list(self.target_layer_ids()),
+        }
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(header, f, indent=2)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(tensors, os.path.join(directory, "model.safetensors"))
+
+    @classmethod
+    def load(cls, directory: str, target_info: TargetInfo) -> "Drafter":
+        with open(os.path.join(directory, "config.json")) as f:
+            header = json.load(f)
+        target = header.get("target", {})
+        check_target_match(target_info, target.get("hidden_size"), target.get("vocab_size"), directory)
+        drafter = cls(from_dict(cls.Config, header["drafter_config"], "drafter"), target_info)
+        state = load_file(os.path.join(directory, "model.safetensors"))
+        drafter.load_state_dict(state, strict=True)
+        return drafter
+
+
+def check_target_match(target_info: TargetInfo, hidden_size: int, vocab_size: int, source: str) -> None:
+    """Raise a ValueError naming the field when a drafter was built for another target."""
+    if hidden_size != target_info.hidden_size:
+        raise ValueError(
+            f"{source}: hidden_size {hidden_size} does not match the target's hidden_size {target_info.hidden_size}"
+        )
+    if vocab_size != target_info.vocab_size:
+        raise ValueError(
+            f"{source}: vocab_size {vocab_size} does not match the target's vocab_size {target_info.vocab_size}"
+        )
