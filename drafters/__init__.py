@@ -1,7 +1,59 @@
-"""Drafter registry: one explicit dict, kind name -> class (STYLE.md, Registry)."""
+"""Drafter registry: one explicit dict, kind name -> class (STYLE.md, Registry), and `load_drafter` for any drafter path."""
 
-from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from __future__ import annotations
 
-DRAFTERS: dict[str, type[Drafter]] = {}
+import json
+import os
 
-__all__ = ["DRAFTERS", "DraftContext", "DraftOutput", "Drafter", "Proposal", "TargetInfo"]
+from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.draft_model import DraftModelDrafter, is_draft_model_dir
+from drafters.eagle3 import Eagle3Drafter
+from drafters.ngram import NgramDrafter
+
+DRAFTERS: dict[str, type[Drafter]] = {
+    "draft_model": DraftModelDrafter,
+    "eagle3": Eagle3Drafter,
+    "ngram": NgramDrafter,
+}
+
+
+def build_drafter(kind: str, config, target_info: TargetInfo) -> Drafter:
+    if kind not in DRAFTERS:
+        raise ValueError(f"unknown drafter kind {kind!r}; choose one of {sorted(DRAFTERS)}")
+    return DRAFTERS[kind](config, target_info)
+
+
+def checkpoint_kind(directory: str) -> str:
+    """Which registered drafter reads `directory`: the native header names it, else each class's `detect_format`."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{directory}: not a drafter or model directory (no config.json)")
+    with open(path) as f:
+        config = json.load(f)
+    if NATIVE_KIND_KEY in config:
+        return config[NATIVE_KIND_KEY]
+    for kind, cls in DRAFTERS.items():
+        detect = getattr(cls, "detect_format", None)
+        if detect is not None and detect(config) is not None:
+            return kind
+    if is_draft_model_dir(directory):
+        return "draft_model"
+    raise ValueError(f"{directory}: config.json is neither a draftsmith checkpoint, a known export nor an HF model")
+
+
+def load_drafter(spec: str, target_info: TargetInfo) -> Drafter | None:
+    """'none' -> None (plain autoregression); 'ngram' -> prompt lookup; a directory -> the drafter it holds."""
+    if spec in ("", "none"):
+        return None
+    if spec == "ngram":
+        return NgramDrafter(NgramDrafter.Config(), target_info)
+    if not os.path.isdir(spec):
+        raise ValueError(f"drafter {spec!r} is neither 'none', 'ngram' nor an existing directory")
+    kind = checkpoint_kind(spec)
+    if kind not in DRAFTERS:
+        raise ValueError(f"{spec}: drafter kind {kind!r} is not registered; known: {sorted(DRAFTERS)}")
+    return DRAFTERS[kind].load(spec, target_info)
+
+
+__all__ = ["DRAFTERS", "DraftContext", "DraftOutput", "Drafter", "Proposal", "TargetInfo", "build_drafter",
+           "load_drafter"]

@@ -55,6 +55,8 @@ class DraftContext:
     position_ids: [B, S] the positions the target used for them.
     hidden:     {layer_id: [B, S, D]} the target hidden states the drafter asked for (vLLM layer-id convention).
     next_tokens: [B] the token the target emitted after the last valid position; it is not in any cache yet.
+    generator:  the random stream a sampling drafter must draw from (independent of the verifier's stream, which a
+                drafter using the global RNG could otherwise replay under the same seed and so bias the output).
     """
 
     input_ids: torch.Tensor
@@ -62,6 +64,7 @@ class DraftContext:
     position_ids: torch.Tensor
     hidden: dict[int, torch.Tensor]
     next_tokens: torch.Tensor
+    generator: torch.Generator | None = None
 
 
 @dataclass
@@ -101,6 +104,10 @@ class Drafter(nn.Module):
         return ()
 
     # ---- training ----------------------------------------------------------------------------------------
+    def init_from_data(self, token_counts: torch.Tensor) -> None:
+        """Called once before training from scratch. token_counts [V]: how often each target token appears at
+        loss-masked positions of the training data. A drafter with a reduced vocabulary picks it here."""
+
     def forward(self, batch: Mapping[str, torch.Tensor]) -> DraftOutput:
         """batch: input_ids [B, T], attention_mask [B, T], loss_mask [B, T], target_hidden {id: [B, T, D]},
         target_last_hidden [B, T, D] (after the target's final norm), target_argmax [B, T]."""

@@ -1,0 +1,508 @@
+"""EAGLE-3 drafter (Li et al. 2025; reference algorithms_eagle3_mtp.md section A).
+
+One (or more) Llama decoder layers over [RMSNorm(token embedding) ; RMSNorm(hidden)], where the hidden input is
+fc(concat of low/mid/high target features) at the first draft step and the drafter's own pre-norm output after
+that. A new LM head over a reduced draft vocabulary (d2t / t2d, drafters/vocab.py) maps back to target ids.
+
+- Training: `forward` unrolls the training-time test (TTT, section A.4) for `config.ttt_steps` steps; `loss` is
+  the soft cross-entropy against the target distribution renormalised on the draft vocab, weighted step_decay**k.
+  `ttt_steps` is read from `self.config` at every forward, so a trainer may change it between steps
+  (e.g. `drafter.config.ttt_steps = 1` for a cheap first phase, then 7).
+- Inference: a stateful chain proposer with its own per-row KV cache (`begin` / `propose` / `commit`).
+- Export: native, "speculators" (vLLM speculators config) and "eagle3" (plain LlamaForCausalLMEagle3), see
+  drafters/export_eagle3.py; `Eagle3Drafter.load` reads all three.
+
+Parameter names follow the speculators checkpoint (fc, layers.0.self_attn.q_proj, ..., norm, lm_head, d2t, t2d).
+The target's embedding is used directly from TargetInfo and is never a parameter or a persistent buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters import export_eagle3
+from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.layers import (
+    KVCache,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    apply_rope,
+    attention,
+    attention_with_diagonal,
+    rope_inverse_frequencies,
+    rope_parameters,
+)
+from drafters.losses import decayed_sum, depth_metrics, masked_depth_means, soft_cross_entropy
+from drafters.vocab import DraftVocab
+
+
+@dataclass(kw_only=True)
+class Eagle3Config:
+    """The `drafter:` section of a recipe for kind "eagle3". None = mirror the target's config.
+
+    fc_init: "random" (nn.Linear default) or "identity_high" (fc starts as picking the highest tapped layer).
+    init_layer_from_target: copy that target decoder layer into the first draft layer. Its q/k/v weights go on the
+      hidden half of the 2D input (the hidden_norm gets the target layer's input norm); the embedding half keeps
+      its random init, so the token path trains exactly as from scratch (zeros there would also train, since the
+      hidden half is non-zero, but random keeps the token visible from step one).
+    sample_drafts: propose by sampling from the draft distribution q and return it (sampling runs); else argmax.
+    """
+
+    layer_ids: tuple[int, ...] = ()
+    num_layers: int = 1
+    draft_vocab_size: int = 8192
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float | None = None
+    norm_before_residual: bool = False
+    init_head_from_target: bool = True
+    init_layer_from_target: int | None = None
+    fc_init: Literal["random", "identity_high"] = "random"
+    sample_drafts: bool = False
+
+
+def resolve_layer_ids(config: Eagle3Config, num_target_layers: int) -> tuple[int, ...]:
+    """The configured ids, or EAGLE-3's default (2, N//2, N-3); every id must lie in [0, N] (vLLM convention)."""
+    n = num_target_layers
+    layer_ids = tuple(config.layer_ids) or (2, n // 2, n - 3)
+    bad = [i for i in layer_ids if not 0 <= i <= n]
+    if bad:
+        source = "" if config.layer_ids else f" (the default (2, N//2, N-3) for N={n}; set it explicitly)"
+        raise ValueError(f"drafter.layer_ids {list(layer_ids)}{source}: ids {bad} are outside [0, {n}]")
+    return layer_ids
+
+
+def draft_layer_config(config: Eagle3Config, target_info: TargetInfo) -> dict[str, Any]:
+    """The draft decoder layer as an HF Llama config dict (also written as speculators transformer_layer_config)."""
+    target = target_info.config
+    if "hidden_size" not in target and isinstance(target.get("text_config"), Mapping):
+        target = target["text_config"]
+    hidden = target_info.hidden_size
+    heads = config.num_attention_heads or target.get("num_attention_heads")
+    if not heads or hidden % heads and not (config.head_dim or target.get("head_dim")):
+        raise ValueError(f"drafter.num_attention_heads: cannot derive a head count from {heads!r} (hidden {hidden})")
+    kv_heads = config.num_key_value_heads or target.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ValueError(f"drafter.num_key_value_heads {kv_heads} must divide num_attention_heads {heads}")
+    intermediate = config.intermediate_size or target.get("intermediate_size")
+    if not intermediate:
+        raise ValueError("drafter.intermediate_size: the target config has none; set it")
+    rope = rope_parameters(target)
+    if config.rope_theta is not None:
+        rope["rope_theta"] = float(config.rope_theta)
+    legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
+    return {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(intermediate),
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": int(heads),
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": int(config.head_dim or target.get("head_dim") or hidden // heads),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(target.get("max_position_embeddings", 4096)),
+        "rms_norm_eps": float(target_info.rms_norm_eps),
+        "vocab_size": target_info.vocab_size,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": legacy_scaling,
+        "rope_parameters": rope,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+class Eagle3Attention(nn.Module):
+    """q/k/v/o projections (no bias); q/k/v read `in_features` (2D for the first draft layer, D after)."""
+
+    def __init__(self, in_features: int, layer_config: Mapping[str, Any]):
+        super().__init__()
+        self.num_heads = layer_config["num_attention_heads"]
+        self.num_kv_heads = layer_config["num_key_value_heads"]
+        self.head_dim = layer_config["head_dim"]
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, layer_config["hidden_size"], bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, n, in] -> q [B, H, n, d], k and v [B, H_kv, n, d], RoPE applied to q and k."""
+        batch, n, _ = x.shape
+        q = self.q_proj(x).view(batch, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """attended [B, H, n, d] -> [B, n, D]."""
+        batch, _, n, _ = attended.shape
+        return self.o_proj(attended.transpose(1, 2).reshape(batch, n, self.num_heads * self.head_dim))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """A Llama decoder layer; the first one reads [input_layernorm(embedding) ; hidden_norm(hidden)] (2D)."""
+
+    def __init__(self, layer_config: Mapping[str, Any], first: bool, norm_before_residual: bool):
+        super().__init__()
+        hidden, eps = layer_config["hidden_size"], layer_config["rms_norm_eps"]
+        self.first = first
+        self.norm_before_residual = norm_before_residual
+        self.self_attn = Eagle3Attention(2 * hidden if first else hidden, layer_config)
+        self.mlp = SwiGLU(hidden, layer_config["intermediate_size"])
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        if first:
+            self.hidden_norm = RMSNorm(hidden, eps)
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (attention input [B, n, 2D or D], residual [B, n, D]). Concat order is [embedding ; hidden]."""
+        if not self.first:
+            return self.input_layernorm(hidden), hidden
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
+
+    def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, H, n, d] + residual, then the MLP block; returns the pre-norm output [B, n, D]."""
+        x = residual + self.self_attn.output(attended)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+_QKV_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+
+
+class Eagle3Drafter(Drafter):
+    """EAGLE-3 drafter. See the module docstring for the training, inference and export contracts."""
+
+    kind = "eagle3"
+    Config = Eagle3Config
+
+    def __init__(self, config: Eagle3Config, target_info: TargetInfo):
+        super().__init__(config, target_info)
+        vocab_size, hidden = target_info.vocab_size, target_info.hidden_size
+        if not 0 < config.draft_vocab_size <= vocab_size:
+            raise ValueError(f"drafter.draft_vocab_size {config.draft_vocab_size} must be in [1, {vocab_size}]")
+        if config.num_layers < 1 or config.ttt_steps < 1:
+            raise ValueError("drafter.num_layers and drafter.ttt_steps must be >= 1")
+        self.layer_ids = resolve_layer_ids(config, target_info.num_layers)
+        self.layer_config = draft_layer_config(config, target_info)
+        self.fc = nn.Linear(len(self.layer_ids) * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList(
+            Eagle3DecoderLayer(self.layer_config, i == 0, config.norm_before_residual) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(hidden, self.layer_config["rms_norm_eps"])
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(*rope_inverse_frequencies(self.layer_config))
+        vocab = DraftVocab(torch.arange(config.draft_vocab_size), vocab_size)
+        self.register_buffer("d2t", vocab.d2t)
+        self.register_buffer("t2d", vocab.t2d)
+        self._frozen: dict[tuple, torch.Tensor] = {}
+        self._caches: list[KVCache] = []
+        self._state: dict[str, torch.Tensor] = {}
+        self._init_fc()
+        if config.init_layer_from_target is not None:
+            self._init_layer_from_target(config.init_layer_from_target)
+        self._init_head()
+
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.layer_ids
+
+    # ---- vocabulary and warm starts ------------------------------------------------------------------------
+    def init_from_data(self, token_counts: torch.Tensor) -> None:
+        """Pick the draft vocab (top draft_vocab_size by count, ties to the smaller id) and warm-start the head."""
+        if token_counts.numel() != self.target_info.vocab_size:
+            raise ValueError(f"token_counts has {token_counts.numel()} entries, target vocab is {self.t2d.numel()}")
+        self.set_vocab(DraftVocab.from_counts(token_counts.cpu(), self.config.draft_vocab_size))
+        self._init_head()
+
+    def set_vocab(self, vocab: DraftVocab) -> None:
+        """Install a draft vocabulary (its size must equal draft_vocab_size)."""
+        if vocab.size != self.config.draft_vocab_size or vocab.target_vocab_size != self.t2d.numel():
+            raise ValueError(f"vocab of size {vocab.size} / target {vocab.target_vocab_size} does not fit this drafter")
+        self.d2t.copy_(vocab.d2t.to(self.d2t.device))
+        self.t2d.copy_(vocab.t2d.to(self.t2d.device))
+
+    def draft_ids(self) -> torch.Tensor:
+        """int64 [V_d]: the target id of each draft id."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    @torch.no_grad()
+    def _init_head(self) -> None:
+        if not self.config.init_head_from_target:
+            return
+        rows = self.target_info.lm_head_weight.index_select(0, self.draft_ids().to(self.target_info.lm_head_weight.device))
+        self.lm_head.weight.copy_(rows)
+        if self.target_info.final_norm_weight is not None:
+            self.norm.weight.copy_(self.target_info.final_norm_weight)
+
+    @torch.no_grad()
+    def _init_fc(self) -> None:
+        if self.config.fc_init == "identity_high":
+            hidden = self.target_info.hidden_size
+            block = self.layer_ids.index(max(self.layer_ids))
+            self.fc.weight.zero_()
+            self.fc.weight[:, block * hidden : (block + 1) * hidden] = torch.eye(hidden)
+
+    @torch.no_grad()
+    def _init_layer_from_target(self, index: int) -> None:
+        """Copy target decoder layer `index` into the first draft layer (see Eagle3Config for the 2D inputs)."""
+        if not 0 <= index < self.target_info.num_layers:
+            raise ValueError(f"drafter.init_layer_from_target {index} is outside [0, {self.target_info.num_layers})")
+        layer, hidden = self.layers[0], self.target_info.hidden_size
+        prefix = f"model.layers.{index}."
+        copies = {f"self_attn.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")}
+        copies |= {f"mlp.{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+        copies |= {"post_attention_layernorm.weight": "post_attention_layernorm.weight"}
+        copies |= {"hidden_norm.weight": "input_layernorm.weight"}
+        params = dict(layer.named_parameters())
+        for ours, theirs in copies.items():
+            source = self.target_info.weights.get(prefix + theirs)
+            if source is None:
+                raise ValueError(f"drafter.init_layer_from_target: target weight {prefix + theirs} not found")
+            # q/k/v read [embedding ; hidden]: the target weights go on the hidden half (columns D..2D).
+            target = params[ours][:, hidden:] if ours in _QKV_WEIGHTS else params[ours]
+            if target.shape != source.shape:
+                raise ValueError(f"drafter.init_layer_from_target: {prefix + theirs} has shape {tuple(source.shape)},"
+                                 f" the draft layer expects {tuple(target.shape)} (head/intermediate overrides?)")
+            target.copy_(source)
+
+    def _target_tensor(self, name: str) -> torch.Tensor:
+        """A frozen TargetInfo tensor on this module's device/dtype (copied once per device, never a buffer)."""
+        weight = self.fc.weight
+        key = (name, weight.device, weight.dtype)
+        if key not in self._frozen:
+            self._frozen[key] = getattr(self.target_info, name).detach().to(weight.device, weight.dtype)
+        return self._frozen[key]
+
+    # ---- training: the training-time test (reference A.4) ---------------------------------------------------
+    def forward(self, batch: Mapping[str, Any]) -> DraftOutput:
+        """Unroll `self.config.ttt_steps` TTT steps over the whole batch.
+
+        Drafter position t (0 <= t < T-1) reads (fc(target features at t), token x_{t+1}) at step 0. Step k reads
+        the step k-1 pre-norm output at t (gradient flows through it), the ground-truth token x_{t+1+k} and RoPE
+        position t+k; it attends to step-0 keys at real positions <= t and to its own keys of steps 1..k at t.
+        The head runs only on loss positions: target position s (1 <= s <= T-2) is kept when token x_{s+1} is
+        in loss_mask and the target argmax at s is in the draft vocab; depth k predicts x_{s+1} from t = s-1-k.
+
+        Returns:
+            DraftOutput with logits [N, K, V_d] (N kept target positions) and extras batch_index [N],
+            target_position [N], depth_valid [N, K] (False where t = s-1-k < 0).
+        """
+        input_ids = batch["input_ids"]
+        batch_size, seq_len = input_ids.shape
+        steps = self.config.ttt_steps
+        if seq_len < 3:
+            raise ValueError(f"EAGLE-3 training needs sequences of at least 3 tokens, got {seq_len}")
+        length = seq_len - 1  # drafter positions: the last token has no next token to read
+        real = batch["attention_mask"].bool()
+        pair_valid = real[:, :-1] & real[:, 1:]  # [B, L]
+        batch_index, target_position = self._loss_positions(batch)
+
+        tokens = F.pad(input_ids[:, 1:], (0, steps - 1))  # step k at t reads tokens[t + k] = x_{t+1+k}
+        embeds = F.embedding(tokens, self._target_tensor("embed_weight"))  # [B, L + K - 1, D]
+        features = torch.cat([batch["target_hidden"][i][:, :length] for i in self.layer_ids], dim=-1)
+        hidden = self.fc(features.to(self.fc.weight.dtype))  # [B, L, D]
+        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
+        eye = torch.eye(length, dtype=torch.bool, device=input_ids.device)
+        mask = ((causal & pair_valid[:, None, :]) | eye).unsqueeze(1)  # [B, 1, L, L]; eye keeps rows non-empty
+        positions = torch.arange(length, device=input_ids.device).expand(batch_size, length)
+        step_keys: list[dict[str, Any]] = [{"diag_k": [], "diag_v": []} for _ in self.layers]
+        logits = []
+        for step in range(steps):
+            cos, sin = self.rotary(positions + step, hidden.dtype)
+            hidden = self._ttt_layers(embeds[:, step : step + length], hidden, cos, sin, mask, step_keys, step)
+            rows = (target_position - 1 - step).clamp(min=0)
+            logits.append(self.lm_head(self.norm(hidden[batch_index, rows])))
+        depth = torch.arange(steps, device=input_ids.device)
+        depth_valid = target_position.unsqueeze(1) - 1 - depth >= 0
+        extras = {"batch_index": batch_index, "target_position": target_position, "depth_valid": depth_valid}
+        return DraftOutput(logits=torch.stack(logits, dim=1), extras=extras)
+
+    def _ttt_layers(self, embeds, hidden, cos, sin, mask, step_keys, step: int) -> torch.Tensor:
+        """One TTT step through every draft layer. step_keys[i] keeps layer i's step-0 keys and diagonal keys."""
+        x = hidden
+        for layer, keys in zip(self.layers, step_keys):
+            attention_in, residual = layer.attention_input(embeds, x)
+            q, k, v = layer.self_attn.project(attention_in, cos, sin)
+            if step == 0:
+                keys["k"], keys["v"] = k, v
+                attended = attention(q, k, v, mask)
+            else:
+                keys["diag_k"].append(k)
+                keys["diag_v"].append(v)
+                attended = attention_with_diagonal(q, keys["k"], keys["v"], mask, keys["diag_k"], keys["diag_v"])
+            x = layer.finish(attended, residual)
+        return x
+
+    def _loss_positions(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch index [N], target position s [N]) of the positions that carry a loss (see `forward`)."""
+        predicted = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+        in_vocab = self.t2d[batch["target_argmax"]]
+        keep = torch.zeros_like(predicted)
+        keep[:, 1:-1] = predicted[:, 2:] & in_vocab[:, 1:-1]
+        return keep.nonzero(as_tuple=True)
+
+    def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """sum_k step_decay**k * L_k, L_k = mean soft CE at depth k over its valid positions (EAGLE-3 averages over
+        all B*T positions instead; a per-depth mean keeps loss_k comparable across batches and padding).
+
+        The teacher is softmax(target_last_hidden @ lm_head[draft ids].T), i.e. the target distribution
+        renormalised on the draft vocab; acc_k is top-1 agreement with the target's own argmax.
+        """
+        batch_index, target_position = output.extras["batch_index"], output.extras["target_position"]
+        with torch.no_grad():
+            head = self._target_tensor("lm_head_weight").index_select(0, self.draft_ids())  # [V_d, D]
+            teacher_hidden = batch["target_last_hidden"][batch_index, target_position].to(head.dtype)
+            teacher_logits = teacher_hidden @ head.T  # [N, V_d]
+            teacher = torch.softmax(teacher_logits.to(torch.promote_types(head.dtype, torch.float32)), dim=-1)
+            to_draft = self.t2d.long().cumsum(0) - 1  # [V] draft id of each in-vocab target id
+            teacher_top = to_draft[batch["target_argmax"][batch_index, target_position]]
+        valid = output.extras["depth_valid"]
+        per_depth, counts = masked_depth_means(soft_cross_entropy(output.logits, teacher.unsqueeze(1)), valid)
+        correct = (output.logits.detach().argmax(dim=-1) == teacher_top.unsqueeze(1)).float()
+        accuracy, _ = masked_depth_means(correct, valid)
+        loss = decayed_sum(per_depth, self.config.step_decay)
+        return loss, depth_metrics(per_depth.detach(), accuracy, counts)
+
+    # ---- inference: a stateful chain proposer ----------------------------------------------------------------
+    @torch.no_grad()
+    def begin(self, context: DraftContext) -> None:
+        """Absorb the (left-padded) prompt. The input at position j is (features at j, token j+1), with the
+        target's next token as the last one; the output at the last position gives the first draft."""
+        batch, seq_len = context.input_ids.shape
+        weight = self.fc.weight
+        self._caches = [
+            KVCache(batch, layer.self_attn.num_kv_heads, layer.self_attn.head_dim, weight.device, weight.dtype,
+                    capacity=seq_len + 64)
+            for layer in self.layers
+        ]
+        self._state = {}
+        tokens = torch.cat([context.input_ids[:, 1:], context.next_tokens.view(-1, 1)], dim=1)
+        last = torch.full((batch,), seq_len - 1, dtype=torch.long, device=tokens.device)
+        self._absorb(context, tokens, last, active=torch.ones(batch, dtype=torch.bool, device=tokens.device))
+
+    @torch.no_grad()
+    def commit(self, num_accepted: torch.Tensor, context: DraftContext) -> None:
+        """Drop the last proposal's speculative entries and absorb the verified block [next token, drafts...];
+        row b keeps its first num_accepted[b] + 1 positions (all of them invalid for a finished row)."""
+        for cache in self._caches:
+            cache.rewind()
+        batch, block = context.input_ids.shape
+        num_valid = context.valid.sum(dim=1)
+        active = num_valid > 0
+        if bool((active & (num_valid != num_accepted.to(num_valid.device) + 1)).any()):
+            raise ValueError("commit: context.valid must mark exactly num_accepted + 1 positions of each active row")
+        last = (num_valid - 1).clamp(min=0)
+        tokens = torch.cat([context.input_ids[:, 1:], context.input_ids[:, :1]], dim=1).clone()
+        tokens[torch.arange(batch, device=tokens.device), last] = context.next_tokens
+        self._absorb(context, tokens, last, active)
+
+    def _absorb(self, context: DraftContext, tokens: torch.Tensor, last: torch.Tensor, active: torch.Tensor) -> None:
+        """Run verified positions through the layers into the caches; keep row b's output at index last[b]."""
+        embeds = F.embedding(tokens, self._target_tensor("embed_weight"))
+        features = torch.cat([context.hidden[i] for i in self.layer_ids], dim=-1).to(self.fc.weight.dtype)
+        out = self._cached_layers(embeds, self.fc(features), context.position_ids, context.valid)
+        for cache in self._caches:
+            cache.mark()
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        new = {"hidden": out[rows, last], "position": context.position_ids[rows, last]}
+        new["logits"] = self.lm_head(self.norm(new["hidden"]))
+        for name, value in new.items():
+            keep = active.view(-1, *([1] * (value.dim() - 1)))
+            self._state[name] = torch.where(keep, value, self._state[name]) if name in self._state else value
+
+    def _cached_layers(self, embeds, hidden, position_ids, valid) -> torch.Tensor:
+        """embeds, hidden [B, n, D], position_ids [B, n], valid [B, n] -> pre-norm output [B, n, D]; appends K/V."""
+        cos, sin = self.rotary(position_ids, hidden.dtype)
+        x = hidden
+        for layer, cache in zip(self.layers, self._caches):
+            attention_in, residual = layer.attention_input(embeds, x)
+            q, k, v = layer.self_attn.project(attention_in, cos, sin)
+            keys, values, mask = cache.append(k, v, valid)
+            x = layer.finish(attention(q, keys, values, mask), residual)
+        return x
+
+    @torch.no_grad()
+    def propose(self, num_tokens: int) -> Proposal:
+        """Draft a chain of num_tokens per row (target ids). probs [B, K, V] only when config.sample_drafts."""
+        if not self._state:
+            raise ValueError("propose() called before begin()")
+        for cache in self._caches:
+            cache.rewind()
+        hidden, logits = self._state["hidden"], self._state["logits"]
+        batch = hidden.shape[0]
+        draft_ids = self.draft_ids()
+        tokens, probs = [], []
+        for j in range(num_tokens):
+            draft, q = self._choose(logits)
+            tokens.append(draft_ids[draft])
+            probs.append(q)
+            if j + 1 == num_tokens:
+                break
+            embeds = F.embedding(tokens[-1].view(-1, 1), self._target_tensor("embed_weight"))
+            positions = (self._state["position"] + j + 1).view(-1, 1)
+            valid = torch.ones(batch, 1, dtype=torch.bool, device=hidden.device)
+            hidden = self._cached_layers(embeds, hidden.unsqueeze(1), positions, valid)[:, 0]
+            logits = self.lm_head(self.norm(hidden))
+        if num_tokens == 0:
+            return Proposal(tokens=torch.zeros(batch, 0, dtype=torch.long, device=hidden.device))
+        if not self.config.sample_drafts:
+            return Proposal(tokens=torch.stack(tokens, dim=1))
+        q = torch.stack(probs, dim=1)  # [B, K, V_d]
+        full = q.new_zeros(batch, num_tokens, self.t2d.numel())
+        full[:, :, draft_ids] = q
+        return Proposal(tokens=torch.stack(tokens, dim=1), probs=full)
+
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [B, V_d] -> draft ids [B] and q [B, V_d] (None for argmax drafts)."""
+        if not self.config.sample_drafts:
+            return logits.argmax(dim=-1), None
+        q = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        return torch.multinomial(q, 1).squeeze(1), q
+
+    # ---- persistence ---------------------------------------------------------------------------------------
+    @staticmethod
+    def detect_format(config: Mapping[str, Any]) -> str | None:
+        """"native", "speculators" or "eagle3" for an EAGLE-3 checkpoint's config.json dict, else None."""
+        return export_eagle3.detect_format(config, "eagle3")
+
+    def save(self, directory: str, fmt: str = "native") -> None:
+        """Write `fmt`: "native" (config + state dict), "speculators" or "eagle3" (see export_eagle3)."""
+        if fmt == "native":
+            super().save(directory, fmt)
+            return
+        if fmt not in export_eagle3.EXPORT_FORMATS:
+            raise ValueError(f"eagle3 cannot export format {fmt!r}; it writes: native, {', '.join(export_eagle3.EXPORT_FORMATS)}")
+        export_eagle3.write(self, directory, fmt)
+
+    @classmethod
+    def load(cls, directory: str, target_info: TargetInfo) -> "Eagle3Drafter":
+        """Load any of the three formats (detected from config.json) for `target_info`."""
+        with open(os.path.join(directory, "config.json")) as f:
+            header = json.load(f)
+        fmt = detect_format(header)
+        if fmt is None:
+            raise ValueError(f"{directory}: config.json is not an EAGLE-3 checkpoint (native, speculators or eagle3)")
+        if fmt == "native":
+            return super().load(directory, target_info)
+        config, state = export_eagle3.read(directory, header, fmt, target_info)
+        drafter = cls(config, target_info)
+        drafter.load_state_dict(state, strict=True)
+        return drafter
+
+
+def detect_format(config: Mapping[str, Any]) -> str | None:
+    """"native", "speculators" or "eagle3" for an EAGLE-3 checkpoint's config.json dict, else None."""
+    return export_eagle3.detect_format(config, Eagle3Drafter.kind)

@@ -1,0 +1,212 @@
+"""Building blocks shared by drafters: RMSNorm, rotary embeddings, SwiGLU MLP, attention over an explicit mask,
+attention with per-query extra keys (EAGLE-3 training-time test), and a per-row KV cache with holes.
+
+Shapes: B batch, H query heads, H_kv key/value heads, n query positions, C cache columns, d head dim, D hidden.
+Boolean masks use True = may attend, as `torch.nn.functional.scaled_dot_product_attention` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight (Llama convention: scale by `weight`, not `1 + weight`); computed in >= fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.promote_types(dtype, torch.float32))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class SwiGLU(nn.Module):
+    """Llama MLP: down(silu(gate(x)) * up(x)); parameter names match HF/vLLM (gate_proj, up_proj, down_proj)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of an HF config dict in transformers-5 form: {"rope_type", "rope_theta", ...scaling}.
+
+    Reads `rope_parameters` (transformers 5) or the older `rope_theta` + `rope_scaling` pair.
+    """
+    params = dict(config.get("rope_parameters") or {})
+    if not params:
+        params = dict(config.get("rope_scaling") or {})
+        params["rope_theta"] = float(config.get("rope_theta", 10000.0))
+    params["rope_type"] = params.pop("type", None) or params.get("rope_type") or "default"
+    params.setdefault("rope_theta", float(config.get("rope_theta", 10000.0)))
+    return params
+
+
+def rope_inverse_frequencies(layer_config: Mapping[str, Any]) -> tuple[torch.Tensor, float]:
+    """inv_freq [d/2] and the cos/sin scale for a Llama-style layer config dict (hidden_size, num_attention_heads,
+    head_dim, rope_parameters, max_position_embeddings). Scaled variants (linear, llama3, yarn...) are computed by
+    transformers' own rope functions so that training matches what a serving engine builds from the same config."""
+    params = rope_parameters(layer_config)
+    head_dim = int(layer_config["head_dim"])
+    if params["rope_type"] == "default":
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (params["rope_theta"] ** exponent), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type {params['rope_type']!r} is not supported; known: {sorted(ROPE_INIT_FUNCTIONS)}")
+    hf_config = LlamaConfig(**{**dict(layer_config), "rope_parameters": params})
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config, None)
+    return inv_freq.float(), float(scale)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for arbitrary position ids (rotate-half / NeoX layout, as HF Llama and vLLM use).
+
+    Not a module: inv_freq stays a float64 master copy (a bf16 cast of the drafter must not degrade the angles);
+    angles are computed in float32, or float64 for a float64 model, on the device of the position ids.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float = 1.0):
+        self.inv_freq = inv_freq.double()
+        self.scale = scale
+        self._on_device: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, n] -> cos, sin [B, 1, n, d] in `dtype`, ready to broadcast over heads."""
+        compute = torch.promote_types(dtype, torch.float32)
+        key = (position_ids.device, compute)
+        if key not in self._on_device:
+            self._on_device[key] = self.inv_freq.to(position_ids.device, compute)
+        angles = position_ids.to(compute).unsqueeze(-1) * self._on_device[key]  # [B, n, d/2]
+        angles = torch.cat([angles, angles], dim=-1)
+        return (angles.cos() * self.scale).to(dtype).unsqueeze(1), (angles.sin() * self.scale).to(dtype).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, h, n, d] rotated by the angles in cos/sin [B, 1, n, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads over an explicit boolean mask.
+
+    Args:
+        q: [B, H, n, d]; k, v: [B, H_kv, C, d] with H a multiple of H_kv.
+        mask: [B, 1, n, C] bool, True = may attend. Every query row must allow at least one key.
+    Returns:
+        [B, H, n, d]
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attention_with_diagonal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    diagonal_k: list[torch.Tensor],
+    diagonal_v: list[torch.Tensor],
+) -> torch.Tensor:
+    """Attention over [the masked keys k | one extra key per query and per entry of `diagonal_k`].
+
+    Query i additionally sees diagonal_k[j][:, :, i] for every j, at the same position i. This is the EAGLE-3
+    training-time-test mask (ARCHITECTURE / reference A.4) without building the (J+1)n x (J+1)n matrix: the
+    causal block is a plain score matrix, the diagonal blocks are elementwise dot products, and one softmax runs
+    over both.
+
+    Args:
+        q: [B, H, n, d]; k, v: [B, H_kv, n, d]; mask: [B, 1, n, n] bool.
+        diagonal_k, diagonal_v: J tensors [B, H_kv, n, d].
+    Returns:
+        [B, H, n, d]
+    """
+    batch, num_heads, n, head_dim = q.shape
+    num_kv = k.shape[1]
+    groups = num_heads // num_kv
+    qg = q.view(batch, num_kv, groups, n, head_dim) * head_dim**-0.5
+    scores = qg @ k.unsqueeze(2).transpose(-1, -2)  # [B, H_kv, G, n, n]
+    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    dk = torch.stack(diagonal_k, dim=-2)  # [B, H_kv, n, J, d]
+    dv = torch.stack(diagonal_v, dim=-2)
+    diag_scores = torch.einsum("bhgnd,bhnjd->bhgnj", qg, dk)
+    probs = torch.softmax(torch.cat([scores, diag_scores], dim=-1), dim=-1)
+    out = probs[..., :n] @ v.unsqueeze(2) + torch.einsum("bhgnj,bhnjd->bhgnd", probs[..., n:], dv)
+    return out.reshape(batch, num_heads, n, head_dim)
+
+
+class KVCache:
+    """Per-row key/value cache for one attention layer, with holes.
+
+    Each row b holds `lengths[b]` used columns; `valid[b, c]` says which of them are real (left padding of the
+    prompt stays as holes). `append` writes a block at each row's own offset and advances the row by its last
+    valid entry, so rejected drafts (a valid prefix followed by invalid entries) are overwritten by the next block
+    instead of leaving holes. `mark()` / `rewind()` save and restore the lengths (speculative entries).
+    """
+
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, device, dtype, capacity: int = 256):
+        self.keys = torch.zeros(batch, num_kv_heads, capacity, head_dim, device=device, dtype=dtype)
+        self.values = torch.zeros_like(self.keys)
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self._marked = self.lengths.clone()
+
+    def append(
+        self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write a block and return what its queries may attend to.
+
+        Args:
+            k, v: [B, H_kv, n, d] keys/values of the new block (RoPE applied); valid: [B, n] bool.
+        Returns:
+            keys, values [B, H_kv, C, d] and mask [B, 1, n, C] (True = may attend): the row's earlier valid
+            columns, the block causally, and always the query's own column so no row is empty.
+        """
+        batch, _, n, _ = k.shape
+        self._reserve(int(self.lengths.max()) + n)
+        columns = self.lengths.unsqueeze(1) + torch.arange(n, device=k.device)  # [B, n]
+        rows = torch.arange(batch, device=k.device).unsqueeze(1).expand(batch, n)
+        self.keys[rows, :, columns] = k.transpose(1, 2)
+        self.values[rows, :, columns] = v.transpose(1, 2)
+        self.valid[rows, columns] = valid
+        used = int(columns.max()) + 1
+        column_ids = torch.arange(used, device=k.device)
+        mask = self.valid[:, None, :used] & (column_ids <= columns.unsqueeze(-1))  # [B, n, C]
+        pass
+        last_valid = torch.where(valid, torch.arange(1, n + 1, device=k.device), 0).amax(dim=1)
+        self.lengths = self.lengths + last_valid
+        return self.keys[:, :, :used], self.values[:, :, :used], mask.unsqueeze(1)
+
+    def mark(self) -> None:
+        """Remember the current lengths (the committed state)."""
+        self._marked = self.lengths.clone()
+
+    def rewind(self) -> None:
+        """Drop everything appended since the last `mark()`."""
+        self.lengths = self._marked.clone()
+
+    def _reserve(self, needed: int) -> None:
+        capacity = self.keys.shape[2]
+        if needed <= capacity:
+            return
+        grow = max(needed, 2 * capacity) - capacity
+        self.keys = F.pad(self.keys, (0, 0, 0, grow))
+        self.values = F.pad(self.values, (0, 0, 0, grow))
+        self.valid = F.pad(self.valid, (0, grow), value=False)

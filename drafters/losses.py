@@ -1,0 +1,65 @@
+"""Loss and metric functions shared by all drafters, so every drafter reports the same numbers the same way.
+
+Legend: N positions (flattened), K draft depth, V_d draft vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def soft_cross_entropy(student_logits: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
+    """Per-position soft cross-entropy -sum_v p(v) log q(v) (forward KL to the teacher plus its entropy).
+
+    Args:
+        student_logits: [..., V_d]; teacher_probs: broadcastable to it, rows summing to 1 (no gradient).
+    Returns:
+        [...] per-position loss.
+    """
+    log_q = torch.log_softmax(student_logits.to(torch.promote_types(student_logits.dtype, torch.float32)), dim=-1)
+    return -(teacher_probs * log_q).sum(dim=-1)
+
+
+def masked_depth_means(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean of values [N, K] over the rows where mask [N, K] is set, per depth.
+
+    Returns:
+        means [K] (0 at a depth without any position) and counts [K].
+    """
+    mask = mask.to(values.dtype)
+    counts = mask.sum(dim=0)
+    return (values * mask).sum(dim=0) / counts.clamp(min=1), counts
+
+
+def decayed_sum(per_depth: torch.Tensor, step_decay: float) -> torch.Tensor:
+    """sum_k step_decay**k * per_depth[k] (EAGLE-3 weights its TTT steps by 0.8**k)."""
+    weights = step_decay ** torch.arange(per_depth.numel(), device=per_depth.device, dtype=per_depth.dtype)
+    return (weights * per_depth).sum()
+
+
+def simulated_accept_length(per_depth_acc: Sequence[float]) -> float:
+    """Expected tokens per round of a chain with the given per-depth accuracies, bonus token included:
+    1 + sum_k prod_{j<=k} acc_j. acc_k is measured with ground-truth inputs, i.e. it stands in for the
+    acceptance at depth k given that all earlier drafts were accepted."""
+    total, running = 1.0, 1.0
+    for acc in per_depth_acc:
+        running *= float(acc)
+        total += running
+    return total
+
+
+def depth_metrics(losses: torch.Tensor, accuracies: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
+    """The metrics every drafter reports: loss_k, acc_k, positions_k per depth and sim_accept_length.
+
+    Args:
+        losses, accuracies, counts: [K] per-depth mean loss, top-1 agreement with the teacher, positions used.
+    """
+    metrics: dict[str, float] = {}
+    for k in range(losses.numel()):
+        metrics[f"loss_{k}"] = float(losses[k])
+        metrics[f"acc_{k}"] = float(accuracies[k])
+        metrics[f"positions_{k}"] = float(counts[k])
+    metrics["sim_accept_length"] = simulated_accept_length(accuracies.tolist())
+    return metrics

@@ -1,0 +1,98 @@
+"""An HF causal LM with a KV cache that rows of a batch extend and roll back independently.
+
+Used by the target (inference/target.py) and by the draft-model drafter. Rows of a batch accept different numbers of
+draft tokens, so the cache keeps one slot per token fed and a validity mask [B, L] over the slots: rejected slots
+stay in the cache as holes the attention mask hides, and trailing slots that no row kept are cropped. With batch size 1
+there are never holes: a rejection is a plain crop. Position ids count only a row's valid slots, so a row with holes
+sees exactly the positions it would have seen without them.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+
+class RaggedLM:
+    """Wraps `model` (an HF causal LM). Shapes: B batch, S new tokens, L cache slots, V vocab."""
+
+    def __init__(self, model):
+        self.model = model
+        # transformers >= 5.2x names the argument `cache`; earlier releases call it `past_key_values`.
+        parameters = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in parameters else "past_key_values"
+        self.cache: DynamicCache | None = None
+        self.slot_mask: torch.Tensor | None = None  # [B, L] long, 1 = a token of the sequence
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] number of tokens of each row in the cache (= the next position id)."""
+        return self.slot_mask.sum(-1)
+
+    @property
+    def num_slots(self) -> int:
+        return 0 if self.slot_mask is None else self.slot_mask.shape[1]
+
+    def reset(self) -> None:
+        self.cache, self.slot_mask = None, None
+
+    @torch.no_grad()
+    def extend(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed a block of tokens to every row and return its logits.
+
+        Args:
+            input_ids: [B, S] new tokens; the first call is the prefill (left padding allowed).
+            valid: [B, S] bool; False marks padding slots that never become part of the sequence.
+        Returns:
+            logits [B, S, V] (float32).
+        """
+        batch, num_new = input_ids.shape
+        if valid is None:
+            valid = torch.ones_like(input_ids, dtype=torch.bool)
+        valid = valid.to(self.device)
+        start = (
+            torch.zeros(batch, dtype=torch.long, device=self.device) if self.slot_mask is None else self.lengths
+        )
+        # Padding slots reuse the position of the next real token; they are masked as keys, so it never matters.
+        position_ids = start[:, None] + (valid.long().cumsum(-1) - 1).clamp(min=0)
+        new_mask = valid.long()
+        if self.slot_mask is None:
+            self.cache = DynamicCache(config=self.model.config)
+            self.slot_mask = new_mask
+        else:
+            self.slot_mask = torch.cat([self.slot_mask, new_mask], dim=1)
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=self.slot_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            **{self.cache_arg: self.cache},
+        )
+        return out.logits.float()
+
+    def mark(self) -> int:
+        """The current number of cache slots, to roll back to with `keep_after`."""
+        return self.num_slots
+
+    def keep_after(self, mark: int, keep: torch.Tensor) -> None:
+        """Keep, for row b, only the first keep[b] valid slots added since `mark`; crop slots no row kept.
+
+        Args:
+            mark: a value returned by `mark()` before the blocks to roll back were fed.
+            keep: [B] long, how many of the row's new valid tokens stay in its sequence.
+        """
+        new = self.slot_mask[:, mark:]
+        rank = new.cumsum(-1)  # 1-based rank of each valid new slot
+        kept = (new == 1) & (rank <= keep.to(new.device)[:, None])
+        self.slot_mask = torch.cat([self.slot_mask[:, :mark], kept.long()], dim=1)
+        last_kept = int(kept.any(0).nonzero().max()) + 1 if bool(kept.any()) else 0
+        num_drop = new.shape[1] - last_kept
+        if num_drop > 0:
+            self.cache.crop(-num_drop)
+            self.slot_mask = self.slot_mask[:, : self.slot_mask.shape[1] - num_drop]

@@ -1,0 +1,304 @@
+"""`draftsmith eval`: speculative decoding against the real target over prompt sets, with a report.
+
+    draftsmith eval --target smollm2-135m-instruct --drafter ngram,runs/eagle3/final \\
+        --prompts mt_bench,gsm8k --num-prompts 20 --max-new-tokens 128 --num-draft-tokens 1,3,5,7 \\
+        --out runs/eval/report.json --outputs runs/eval/outputs.jsonl
+
+For each prompt set and temperature, the plain autoregressive baseline (k = 0, the same engine and batch size) runs
+once; then every drafter x k runs over the same prompts. Questions are FastChat records; turn t+1 is asked after the
+model's own answer to turn t, so turns run index by index, batched within a category. Records (inference/metrics.py)
+cover every dataset x category (plus "all") x method, the baseline included as drafter "none", k = 0. The report
+(inference/report.py) is the JSON at --out, a Markdown table beside it (also printed) and PNG plots. Every input is
+checked before any generation starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from drafters import load_drafter
+from inference.generate import GenerateOutput, speculative_generate
+from inference.metrics import annotate_recommendations, build_record, merge_outputs
+from inference.prompts import load_questions, select_spread
+from inference.report import format_table, write_report
+from inference.target import TargetModel
+
+WARMUP_TOKENS = 4
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, help="target name (smollm2-135m-instruct) or HF model directory")
+    parser.add_argument("--drafter", default="ngram",
+                        help="comma-separated: none, ngram, a draft-model directory, a drafter checkpoint directory")
+    parser.add_argument("--prompts", default="mt_bench",
+                        help="comma-separated: FastChat question .jsonl paths or builtin names (mt_bench, gsm8k, ...)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="questions per prompt set (default: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", default="0", help="comma-separated temperatures; 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--num-draft-tokens", default="5", help="comma-separated k values, e.g. 1,3,5,7")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="eval_report.json", help="JSON report; <stem>.md and PNG plots go beside it")
+    parser.add_argument("--outputs", default=None, help="jsonl of generated answers, one line per prompt and turn")
+    parser.add_argument("--no-chat-template", action="store_true", help="feed turns as plain text")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    return parser
+
+
+def _split(text: str) -> list[str]:
+    return list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+
+
+def _numbers(text: str, flag: str, kind: type) -> list:
+    try:
+        values = [kind(part) for part in _split(text)]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag}: no value given")
+    if any(value < 0 for value in values):
+        raise ValueError(f"{flag}: values must be >= 0, got {text!r}")
+    return values
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Parse the list flags in place and reject impossible values (ValueError naming the flag)."""
+    args.num_draft_tokens = _numbers(args.num_draft_tokens, "--num-draft-tokens", int)
+    args.temperature = _numbers(args.temperature, "--temperature", float)
+    args.drafter = _split(args.drafter) or ["none"]
+    args.prompts = _split(args.prompts)
+    args.categories = _split(args.categories) if args.categories else None
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1),
+                             ("--top-k", args.top_k, 0), ("--threads", args.threads, 1),
+                             ("--num-prompts", args.num_prompts, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not args.prompts:
+        raise ValueError("--prompts: no prompt set given")
+    for path in (args.out, args.outputs):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def environment(device: torch.device) -> dict:
+    """Software and hardware the numbers were measured on (no host name)."""
+    cpu = platform.processor()
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    env = {"torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
+           "device": str(device), "dtype": "float32", "threads": torch.get_num_threads(), "cpu": cpu}
+    if device.type == "cuda":
+        env["accelerator"] = torch.cuda.get_device_name(device)
+    return env
+
+
+@dataclass
+class Method:
+    """One thing to evaluate: a drafter (None = plain AR) at one k."""
+
+    name: str
+    drafter: object
+    num_draft_tokens: int
+
+
+def load_methods(names: list[str], target: TargetModel, ks: list[int]) -> list[Method]:
+    """Load every drafter (errors name the drafter) and pair it with every k > 0; k = 0 is the baseline run."""
+    info = target.target_info()
+    methods = []
+    for name in names:
+        try:
+            drafter = load_drafter(name, info)
+        except (ValueError, OSError) as err:
+            raise ValueError(f"--drafter {name!r}: {err}") from None
+        if drafter is None:
+            continue
+        label = name if name == "ngram" else f"{drafter.kind}:{os.path.basename(os.path.normpath(name))}"
+        methods += [Method(label, drafter, k) for k in ks if k > 0]
+    return methods
+
+
+def check_chat_template(tokenizer, use_chat_template: bool, target_name: str) -> None:
+    if use_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"target {target_name!r} has no chat template in its tokenizer; pass --no-chat-template to "
+                         "feed the prompts as plain text")
+
+
+def render_prompt(tokenizer, turns: list[str], answers: list[str], use_chat_template: bool) -> list[int]:
+    """Token ids of the conversation so far: turns[i] answered by answers[i], the last turn not yet answered."""
+    if not use_chat_template:
+        parts = [text for pair in zip(turns, answers + [None]) for text in pair if text is not None]
+        return tokenizer("\n\n".join(parts))["input_ids"]
+    messages = []
+    for turn, answer in zip(turns, answers + [None]):
+        messages.append({"role": "user", "content": turn})
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class RunResult:
+    """One method over one prompt set: GenerateOutputs per category, token ids per (question index, turn)."""
+
+    by_category: dict[str, list[GenerateOutput]] = field(default_factory=dict)
+    tokens: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+
+
+def run_method(target, method: Method, questions: list, args, temperature: float, progress, sink) -> RunResult:
+    """Generate every turn of every question, turn index by turn index, batched within each category."""
+    result = RunResult()
+    answers: dict[int, list[str]] = {index: [] for index in range(len(questions))}
+    eos = target.target_info().eos_token_ids
+    categories = list(dict.fromkeys(question.category for question in questions))
+    calls = 0
+    for turn in range(max(len(question.turns) for question in questions)):
+        for category in categories:
+            active = [i for i, q in enumerate(questions) if q.category == category and len(q.turns) > turn]
+            for start in range(0, len(active), args.batch_size):
+                batch = active[start: start + args.batch_size]
+                prompts = [render_prompt(target.tokenizer, questions[i].turns[: turn + 1], answers[i],
+                                         not args.no_chat_template) for i in batch]
+                out = speculative_generate(
+                    target, method.drafter, prompts, num_draft_tokens=method.num_draft_tokens,
+                    max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
+                    seed=args.seed + calls, eos_token_ids=eos)
+                calls += 1
+                result.by_category.setdefault(category, []).append(out)
+                for index, tokens in zip(batch, out.tokens):
+                    text = target.tokenizer.decode(tokens, skip_special_tokens=True)
+                    answers[index].append(text)
+                    result.tokens[(index, turn)] = tokens
+                    sink(questions[index].question_id, turn, tokens, text)
+                progress.update(len(batch))
+    return result
+
+
+def exact_match(run: RunResult, reference: RunResult, keys: list[tuple[int, int]]) -> float:
+    """Share of (question, turn) outputs identical to the reference's."""
+    return sum(run.tokens[key] == reference.tokens[key] for key in keys) / len(keys)
+
+
+def dataset_records(dataset: str, questions: list, runs: list[tuple[Method, RunResult]], ar: RunResult,
+                    temperature: float, args, env: dict) -> list[dict]:
+    """Records for one dataset and temperature: category "all" first, then each category; baseline first."""
+    categories = list(ar.by_category)
+    records = []
+    for category in ["all"] + categories:
+        chosen = categories if category == "all" else [category]
+        indices = {i for i, q in enumerate(questions) if q.category in chosen}
+        keys = [key for key in ar.tokens if key[0] in indices]
+        ar_out = merge_outputs([out for name in chosen for out in ar.by_category[name]])
+        common = dict(dataset=dataset, category=category, temperature=temperature, batch_size=args.batch_size,
+                      num_prompts=len(indices), env=env)
+        records.append(build_record(ar_out, ar=ar_out, drafter_name="none", greedy_exact_match=None, **common))
+        for method, run in runs:
+            out = merge_outputs([o for name in chosen for o in run.by_category[name]])
+            match = exact_match(run, ar, keys) if temperature == 0 else None
+            records.append(build_record(out, ar=ar_out, drafter_name=method.name, greedy_exact_match=match, **common))
+    return records
+
+
+def load_prompt_sets(args) -> list[tuple[str, list]]:
+    """Every prompt set, filtered by --categories, then cut to --num-prompts spread over categories.
+
+    With several prompt sets a category only needs to exist in one of them; a set left empty is an error.
+    """
+    sets = []
+    for spec in args.prompts:
+        dataset, questions = load_questions(spec)
+        if args.categories:
+            questions = [q for q in questions if q.category in args.categories]
+        if not questions:
+            raise ValueError(f"--prompts {spec!r}: no question in categories {args.categories}")
+        if args.num_prompts is not None:
+            questions = select_spread(questions, args.num_prompts)
+        sets.append((dataset, questions))
+    return sets
+
+
+def warm_up(target, methods: list[Method], questions: list, args) -> None:
+    """One short untimed generation per drafter so one-time costs do not land in the first timed run."""
+    prompt = [render_prompt(target.tokenizer, questions[0].turns[:1], [], not args.no_chat_template)]
+    eos = target.target_info().eos_token_ids
+    seen = set()
+    for method in [Method("none", None, 0)] + methods:
+        if id(method.drafter) not in seen:
+            seen.add(id(method.drafter))
+            speculative_generate(target, method.drafter, prompt, num_draft_tokens=method.num_draft_tokens,
+                                 max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens), eos_token_ids=eos)
+
+
+def evaluate(args, target, methods: list[Method], prompt_sets: list, sink) -> list[dict]:
+    """Run the baseline and every method over every prompt set and temperature; return all records."""
+    env = environment(target.device)
+    total = sum(len(q.turns) for _, questions in prompt_sets for q in questions)
+    total *= len(args.temperature) * (1 + len(methods))
+    warm_up(target, methods, prompt_sets[0][1], args)
+    records = []
+    with tqdm(total=total, desc="draftsmith eval", unit="turn", file=sys.stderr) as progress:
+        for dataset, questions in prompt_sets:
+            for temperature in args.temperature:
+                baseline = Method("none", None, 0)
+                ar = run_method(target, baseline, questions, args, temperature, progress,
+                                partial(sink, dataset, baseline, temperature))
+                runs = [(m, run_method(target, m, questions, args, temperature, progress,
+                                       partial(sink, dataset, m, temperature))) for m in methods]
+                records += dataset_records(dataset, questions, runs, ar, temperature, args, env)
+    annotate_recommendations(records)
+    return records
+
+
+def _outputs_sink(handle):
+    def sink(dataset, method, temperature, question_id, turn, tokens, text):
+        if handle is not None:
+            line = {"dataset": dataset, "drafter": method.name, "num_draft_tokens": method.num_draft_tokens,
+                    "temperature": temperature, "question_id": question_id, "turn": turn, "token_ids": tokens,
+                    "text": text}
+            handle.write(json.dumps(line) + "\n")
+    return sink
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `draftsmith eval`; returns the exit status (2 on bad input, with the cause on stderr)."""
+    args = build_parser().parse_args(argv)
+    try:
+        validate(args)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        prompt_sets = load_prompt_sets(args)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        target = TargetModel.from_pretrained(args.target, dtype=torch.float32, device=device)
+        check_chat_template(target.tokenizer, not args.no_chat_template, args.target)
+        methods = load_methods(args.drafter, target, args.num_draft_tokens)
+    except (ValueError, OSError) as err:
+        print(f"draftsmith eval: error: {err}", file=sys.stderr)
+        return 2
+    handle = open(args.outputs, "w") if args.outputs else None
+    try:
+        records = evaluate(args, target, methods, prompt_sets, _outputs_sink(handle))
+    finally:
+        if handle is not None:
+            handle.close()
+    written = write_report(records, args.out)
+    print(format_table(records))
+    print("wrote " + ", ".join(written))
+    return 0

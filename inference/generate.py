@@ -1,0 +1,210 @@
+"""The speculative decoding loop: draft, verify in one target forward, accept left to right, roll back.
+
+    out = speculative_generate(target, drafter, prompts, num_draft_tokens=7, max_new_tokens=128)
+
+Batch size >= 1 with per-row acceptance (ragged KV cache, see drafters/ragged_lm.py), EOS and max-new-tokens per row,
+greedy and lossless sampling (inference/verify.py). `drafter=None` or `num_draft_tokens=0` is plain autoregression
+through the same code: one target forward per token, the fair baseline for speedup.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from drafters.base import DraftContext, Drafter
+from inference.verify import greedy_verify, sample_verify, sampling_probs
+
+
+@dataclass
+class GenerateOutput:
+    """What one `speculative_generate` call returns; inference/metrics.py turns it into the report record.
+
+    tokens:          per row, the new token ids (prompt excluded, EOS included when emitted, cut at max_new_tokens).
+    accept_lengths:  per row, per round that row took part in: drafts accepted (0..k). Empty lists when k = 0.
+    proposed:        per row, per round: drafts actually proposed (k, or fewer on an n-gram miss).
+    num_draft_tokens: k.
+    target_forwards: batched target forwards, prefill included.
+    verify_forwards: batched target forwards after prefill (one per round; for k = 0 one per AR step).
+    time_draft / time_verify / time_prefill / time_other / time_total: seconds (wall clock, this call).
+    time_draft counts the drafter's propose and commit (its catch-up forward); time_prefill the target prefill and
+    the drafter's begin; time_verify the target verify forwards and the accept/reject decision.
+    """
+
+    tokens: list[list[int]]
+    accept_lengths: list[list[int]]
+    proposed: list[list[int]]
+    num_draft_tokens: int
+    target_forwards: int = 0
+    verify_forwards: int = 0
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_prefill: float = 0.0
+    time_other: float = 0.0
+    time_total: float = 0.0
+    extras: dict = field(default_factory=dict)
+
+
+class _Clock:
+    """Accumulates wall time per phase; synchronises an accelerator so device work lands in the right phase."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.totals = {"draft": 0.0, "verify": 0.0, "prefill": 0.0}
+
+    def sync(self) -> None:
+        if self.device.type != "cpu" and hasattr(torch, "accelerator"):
+            torch.accelerator.synchronize()
+
+    def run(self, phase: str, fn, *args, **kwargs):
+        self.sync()
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        self.sync()
+        self.totals[phase] += time.perf_counter() - start
+        return result
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """prompts -> input_ids [B, S], attention_mask [B, S] with left padding."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {row} is empty")
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return input_ids, mask
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    drafter: Drafter | None,
+    prompts: list[list[int]],
+    *,
+    num_draft_tokens: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    eos_token_ids=None,
+) -> GenerateOutput:
+    """Generate up to max_new_tokens per prompt. See the module docstring; target is an inference.target.TargetModel."""
+    if num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    num_draft = num_draft_tokens if drafter is not None else 0
+    device = target.device
+    info_eos = eos_token_ids if eos_token_ids is not None else target.target_info().eos_token_ids
+    eos = {int(e) for e in info_eos}
+    generator = torch.Generator(device=device).manual_seed(seed)
+    draft_generator = torch.Generator(device=device).manual_seed(seed + 1_000_003)  # an independent stream
+    layer_ids = tuple(drafter.target_layer_ids()) if num_draft > 0 else ()
+    clock = _Clock(device)
+    start = time.perf_counter()
+
+    def pick(logits):  # the target's own sampling rule, also used for the k = 0 path
+        return sampling_probs(logits, temperature, top_k, top_p)
+
+    pad_id = min(eos) if eos else 0
+    input_ids, attention_mask = left_pad(prompts, pad_id)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    logits, hidden = clock.run("prefill", target.prefill, input_ids, attention_mask, layer_ids)
+    next_tokens = _sample(pick(logits[:, -1]), temperature, generator)
+    batch = len(prompts)
+    out = GenerateOutput([[] for _ in range(batch)], [[] for _ in range(batch)], [[] for _ in range(batch)], num_draft)
+    out.target_forwards = 1
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    no_drafts = next_tokens.new_zeros((batch, 0))
+    active = _emit(out, active, no_drafts, torch.zeros_like(next_tokens), next_tokens, eos, max_new_tokens)
+    if num_draft > 0:
+        context = DraftContext(input_ids, attention_mask.bool(), _positions(attention_mask), hidden, next_tokens,
+                               draft_generator)
+        clock.run("prefill", drafter.begin, context)
+
+    while bool(active.any()):
+        if num_draft > 0:
+            proposal = clock.run("draft", drafter.propose, num_draft)
+            num_valid = _num_valid(proposal, active, num_draft)
+            width = int(num_valid.max())
+            drafts = proposal.tokens[:, :width].to(device)
+            draft_probs = None if proposal.probs is None else proposal.probs[:, :width].to(device)
+        else:
+            width, drafts, draft_probs = 0, next_tokens.new_zeros((batch, 0)), None
+            num_valid = torch.zeros(batch, dtype=torch.long, device=device)
+        block = torch.cat([next_tokens[:, None], drafts], dim=1)  # [B, width + 1]
+        num_accepted, new_tokens, hidden = clock.run(
+            "verify", _verify_block, target, block, drafts, draft_probs, num_valid, layer_ids, pick,
+            temperature, generator, active,
+        )
+        out.target_forwards += 1
+        out.verify_forwards += 1
+        for row in active.nonzero().flatten().tolist():
+            if num_draft > 0:
+                out.accept_lengths[row].append(int(num_accepted[row]))
+                out.proposed[row].append(int(num_valid[row]))
+        was_active = active.clone()
+        active = _emit(out, active, drafts, num_accepted, new_tokens, eos, max_new_tokens)
+        next_tokens = new_tokens
+        if num_draft > 0:
+            valid = (torch.arange(width + 1, device=device)[None, :] <= num_accepted[:, None]) & was_active[:, None]
+            positions = target.runner.lengths[:, None] - valid.long().sum(-1, keepdim=True) + torch.arange(width + 1, device=device)
+            context = DraftContext(block, valid, positions, hidden, next_tokens, draft_generator)
+            clock.run("draft", drafter.commit, num_accepted, context)
+
+    out.time_total = time.perf_counter() - start
+    out.time_draft, out.time_verify = clock.totals["draft"], clock.totals["verify"]
+    out.time_prefill = clock.totals["prefill"]
+    out.time_other = max(out.time_total - out.time_draft - out.time_verify - out.time_prefill, 0.0)
+    return out
+
+
+def _verify_block(target, block, drafts, draft_probs, num_valid, layer_ids, pick, temperature, generator, active):
+    """One target forward over [next token, drafts], the accept decision, and the KV rollback."""
+    mark = target.mark()
+    logits, hidden = target.extend(block, layer_ids)
+    if temperature == 0:
+        num_accepted, new_tokens = greedy_verify(drafts, logits, num_valid)
+    else:
+        num_accepted, new_tokens = sample_verify(drafts, draft_probs, pick(logits), num_valid, generator)
+    # Row b keeps its last emitted token and the accepted drafts; finished rows keep nothing.
+    target.keep_after(mark, torch.where(active, num_accepted + 1, torch.zeros_like(num_accepted)))
+    return num_accepted, new_tokens, hidden
+
+
+def _sample(probs: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    if temperature == 0:
+        return probs.argmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _num_valid(proposal, active: torch.Tensor, num_draft: int) -> torch.Tensor:
+    if proposal.tokens.shape[1] < num_draft and proposal.num_valid is None:
+        raise ValueError(f"drafter proposed {proposal.tokens.shape[1]} tokens, {num_draft} were asked for")
+    num_valid = torch.full_like(active, num_draft, dtype=torch.long)
+    if proposal.num_valid is not None:
+        num_valid = proposal.num_valid.to(active.device).clamp(max=num_draft)
+    return torch.where(active, num_valid, torch.zeros_like(num_valid))
+
+
+def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _emit(out: GenerateOutput, active, drafts, num_accepted, new_tokens, eos, max_new_tokens) -> torch.Tensor:
+    """Append drafts[b, :num_accepted[b]] and new_tokens[b] to active rows, stopping at EOS or max_new_tokens.
+    Returns the new active mask [B]."""
+    still = active.clone()
+    for row in active.nonzero().flatten().tolist():
+        for token in drafts[row, : int(num_accepted[row])].tolist() + [int(new_tokens[row])]:
+            out.tokens[row].append(token)
+            if token in eos or len(out.tokens[row]) >= max_new_tokens:  # eos: a set of ids
+                still[row] = False
+                break
+    return still

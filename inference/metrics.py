@@ -1,0 +1,211 @@
+"""Turn `GenerateOutput`s into the report record (ARCHITECTURE.md section 5; reference theory_and_metrics.md D.2, E).
+
+Counting follows vLLM's spec-decode counters, per row:
+- rounds: rounds summed over rows (vLLM `num_drafts`). Rounds where an n-gram drafter proposed nothing still count,
+  so tau is the real mean number of tokens a row gains per target verify forward.
+- tau = 1 + accepted / rounds (the bonus or correction token included); acceptance_rate = accepted / proposed.
+- per-position acceptance, unconditional: p_j = share of rounds whose first j drafts were all accepted (vLLM's
+  per-position vector), so tau = 1 + sum_j p_j.
+- per-position acceptance, conditional: alpha_j = P(draft j accepted | drafts < j accepted and draft j proposed);
+  equals p_j / p_{j-1} when every round proposes k drafts.
+
+Costs are in units of one plain autoregressive (AR) target step of the same engine and batch size, measured by the
+k = 0 run: c = draft time per round / k / AR step, v(k) = verify forward time / AR step, and the theoretical speedup
+is tau / (k c + v(k)) (D.2, batched form: a batched round costs k c + v(k) AR steps and each of its rows gains tau
+tokens on average). Prefill time is reported on its own (`time_s.prefill`) and is not part of `time_s.other`.
+"""
+
+from __future__ import annotations
+
+from inference.generate import GenerateOutput
+
+
+def merge_outputs(outputs: list[GenerateOutput]) -> GenerateOutput:
+    """Concatenate rows and sum counters and timers of several calls made with the same k (batches, turns)."""
+    if not outputs:
+        raise ValueError("merge_outputs needs at least one GenerateOutput")
+    ks = {out.num_draft_tokens for out in outputs}
+    if len(ks) != 1:
+        raise ValueError(f"cannot merge outputs with different num_draft_tokens {sorted(ks)}")
+    merged = GenerateOutput(tokens=[], accept_lengths=[], proposed=[], num_draft_tokens=ks.pop())
+    for out in outputs:
+        merged.tokens += out.tokens
+        merged.accept_lengths += out.accept_lengths
+        merged.proposed += out.proposed
+        for name in ("target_forwards", "verify_forwards", "time_draft", "time_verify", "time_prefill",
+                     "time_other", "time_total"):
+            setattr(merged, name, getattr(merged, name) + getattr(out, name))
+    return merged
+
+
+def acceptance_counts(out: GenerateOutput) -> dict:
+    """Counters over every row and round of `out`.
+
+    Returns:
+        dict with rounds, accepted, proposed, accept_length_histogram (list, index = accept length 0..k, sums to
+        rounds), survived (list of k: rounds whose first j+1 drafts were accepted) and offered (list of k: rounds
+        whose first j drafts were accepted and that proposed a draft at position j+1).
+    """
+    k = out.num_draft_tokens
+    histogram = [0] * (k + 1)
+    survived = [0] * k
+    offered = [0] * k
+    rounds = accepted = proposed = 0
+    for row_accepts, row_proposed in zip(out.accept_lengths, out.proposed, strict=True):
+        if len(row_accepts) != len(row_proposed):
+            raise ValueError("accept_lengths and proposed must have one entry per round for every row")
+        for num_accepted, num_proposed in zip(row_accepts, row_proposed):
+            if not 0 <= num_accepted <= num_proposed <= k:
+                raise ValueError(f"round with {num_accepted} accepted of {num_proposed} proposed (k = {k})")
+            rounds += 1
+            accepted += num_accepted
+            proposed += num_proposed
+            histogram[num_accepted] += 1
+            for j in range(num_accepted):
+                survived[j] += 1
+                offered[j] += 1
+            if num_accepted < num_proposed:
+                offered[num_accepted] += 1  # the first rejected position was offered and failed
+    return {"rounds": rounds, "accepted": accepted, "proposed": proposed, "accept_length_histogram": histogram,
+            "survived": survived, "offered": offered}
+
+
+def ar_step_time(ar: GenerateOutput | None) -> float | None:
+    """Seconds per batched AR decode step (prefill excluded), from a k = 0 run."""
+    if ar is None or ar.verify_forwards == 0:
+        return None
+    return ar.time_verify / ar.verify_forwards
+
+
+def tokens_per_second(out: GenerateOutput) -> float | None:
+    new_tokens = sum(len(row) for row in out.tokens)
+    return new_tokens / out.time_total if out.time_total > 0 else None
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def cost_ratios(out: GenerateOutput, ar: GenerateOutput | None) -> tuple[float | None, float | None]:
+    """(c, v(k)): draft cost per drafted position and verify cost per round, both in AR steps (None if unknown)."""
+    step = ar_step_time(ar)
+    k = out.num_draft_tokens
+    if step is None or out.verify_forwards == 0:
+        return None, None
+    draft_per_round = out.time_draft / out.verify_forwards
+    c = draft_per_round / k / step if k > 0 else None
+    return c, out.time_verify / out.verify_forwards / step
+
+
+def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str, category: str, drafter_name: str,
+                 temperature: float, batch_size: int, num_prompts: int, greedy_exact_match: float | None,
+                 env: dict) -> dict:
+    """One report record (a JSON-ready dict) for one dataset x category x drafter x k x temperature.
+
+    Args:
+        out: the speculative run (all batches and turns merged, see `merge_outputs`).
+        ar: the k = 0 run of the same engine over the same prompts, batch size and temperature; None leaves
+            tokens_per_s_ar, speedup, c, v(k) and the theoretical speedup as None.
+        greedy_exact_match: share of prompts whose output equals the plain greedy output (None when T > 0).
+    """
+    k = out.num_draft_tokens
+    counts = acceptance_counts(out)
+    rounds = counts["rounds"]
+    tau = 1.0 if k == 0 else _ratio(rounds + counts["accepted"], rounds)
+    c, v = cost_ratios(out, ar)
+    theoretical = None
+    if tau is not None and v is not None and (k == 0 or c is not None):
+        theoretical = tau / ((k * c if k else 0.0) + v)
+    tokens_per_s = tokens_per_second(out)
+    tokens_per_s_ar = tokens_per_second(ar) if ar is not None else None
+    return {
+        "dataset": dataset, "category": category, "drafter": drafter_name, "temperature": temperature,
+        "num_draft_tokens": k, "batch_size": batch_size, "num_prompts": num_prompts,
+        "num_sequences": len(out.tokens), "new_tokens": sum(len(row) for row in out.tokens),
+        "rounds": rounds, "accepted": counts["accepted"], "proposed": counts["proposed"],
+        "tau": tau, "acceptance_rate": _ratio(counts["accepted"], counts["proposed"]),
+        "per_position_acceptance_conditional": [_ratio(s, o) for s, o in zip(counts["survived"], counts["offered"])],
+        "per_position_acceptance_unconditional": [_ratio(s, rounds) for s in counts["survived"]],
+        "accept_length_histogram": counts["accept_length_histogram"],
+        "target_forwards": out.target_forwards, "verify_forwards": out.verify_forwards,
+        "time_s": {"draft": out.time_draft, "verify": out.time_verify, "prefill": out.time_prefill,
+                   "other": out.time_other, "total": out.time_total},
+        "tokens_per_s": tokens_per_s, "tokens_per_s_ar": tokens_per_s_ar,
+        "speedup": _ratio(tokens_per_s, tokens_per_s_ar),
+        "draft_cost_ratio": c, "verify_cost_ratio": v, "theoretical_speedup": theoretical,
+        "greedy_exact_match": greedy_exact_match,
+        "recommended_num_draft_tokens": None, "recommendation_basis": None,
+        "env": env,
+    }
+
+
+def recommend_num_draft_tokens(per_position_unconditional: list[float], c: float,
+                               v_of_k: dict[int, float]) -> int:
+    """The k maximising the expected speedup (1 + sum_{j<=k} p_j) / (k c + v(k)) (theory D.2, D.3).
+
+    Args:
+        per_position_unconditional: p_1..p_K, prefix-survival acceptance measured with the largest k.
+        c: draft cost per drafted token in AR steps.
+        v_of_k: measured verify cost per round in AR steps, keyed by k. k = 0 is plain AR (cost 1, gain 1) and always
+            a candidate, so 0 means "do not speculate". A k between two measured ones uses the linear interpolation;
+            a k below the smallest measured one uses that one's v (an over-estimate, since v grows with k); k beyond
+            the largest measured one or beyond len(p) is not considered.
+    Returns:
+        The recommended number of draft tokens.
+    """
+    best_k, best_speedup = 0, 1.0
+    for k in range(1, len(per_position_unconditional) + 1):
+        v = _interpolate(v_of_k, k)
+        if v is None:
+            continue
+        speedup = (1.0 + sum(per_position_unconditional[:k])) / (k * c + v)
+        if speedup > best_speedup:
+            best_k, best_speedup = k, speedup
+    return best_k
+
+
+def _interpolate(v_of_k: dict[int, float], k: int) -> float | None:
+    measured = sorted(key for key in v_of_k if key > 0)
+    if not measured or k > measured[-1]:
+        return None
+    if k <= measured[0]:
+        return v_of_k[measured[0]]
+    upper = next(key for key in measured if key >= k)
+    lower = max(key for key in measured if key <= k)
+    if upper == lower:
+        return v_of_k[k]
+    weight = (k - lower) / (upper - lower)
+    return v_of_k[lower] * (1 - weight) + v_of_k[upper] * weight
+
+
+def annotate_recommendations(records: list[dict]) -> None:
+    """Set recommended_num_draft_tokens / recommendation_basis on every speculative record, in place.
+
+    Records are grouped by (dataset, category, drafter, temperature, batch size); each group uses p and c from its
+    record with the largest k and v(k) from all of its records.
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for record in records:
+        if record["num_draft_tokens"] > 0:
+            key = tuple(record[name] for name in ("dataset", "category", "drafter", "temperature", "batch_size"))
+            groups.setdefault(key, []).append(record)
+    for group in groups.values():
+        largest = max(group, key=lambda record: record["num_draft_tokens"])
+        p = largest["per_position_acceptance_unconditional"]
+        c = largest["draft_cost_ratio"]
+        v_of_k = {r["num_draft_tokens"]: r["verify_cost_ratio"] for r in group if r["verify_cost_ratio"] is not None}
+        if c is None or not v_of_k or any(value is None for value in p):
+            continue
+        recommended = recommend_num_draft_tokens(p, c, v_of_k)
+        measured = sorted(v_of_k)
+        if len(measured) == 1:
+            basis = (f"p_j and c from k={largest['num_draft_tokens']}; v(k) measured only at k={measured[0]} and "
+                     f"used for every smaller k (approximation: v grows with k)")
+        else:
+            basis = (f"p_j and c from k={largest['num_draft_tokens']}; v(k) measured at k={measured}, "
+                     f"linearly interpolated between them")
+        for record in group:
+            record["recommended_num_draft_tokens"] = recommended
+            record["recommendation_basis"] = basis

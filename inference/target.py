@@ -1,0 +1,135 @@
+"""TargetModel: the target LLM behind one interface for the engine and for training (ARCHITECTURE.md section 5).
+
+Wraps any HF `AutoModelForCausalLM` whose decoder exposes `.layers` and `.norm` (Llama, Qwen2/3, Mistral, Gemma...).
+Hidden states are captured with forward hooks by the vLLM layer-id convention (section 3): id k < N is the residual
+stream entering decoder layer k (= HF `hidden_states[k]`), id N is the final pre-norm output. Only the layers asked
+for are captured; nothing else is materialised.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from drafters.base import TargetInfo
+from drafters.ragged_lm import RaggedLM
+
+
+@dataclass
+class TargetFeatures:
+    """hidden {id: [B, T, D]}; last_hidden [B, T, D] after the final norm; argmax [B, T]; logits [B, T, V] or None."""
+
+    hidden: dict[int, torch.Tensor]
+    last_hidden: torch.Tensor
+    argmax: torch.Tensor
+    logits: torch.Tensor | None = None
+
+
+class TargetModel:
+    """The frozen target. `runner` holds the engine's KV cache (one generation at a time)."""
+
+    def __init__(self, model, tokenizer=None, name_or_path: str = ""):
+        self.model = model.eval()
+        for parameter in self.model.parameters():
+            parameter.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "")
+        decoder = model.get_decoder()
+        self.layers = decoder.layers
+        self.final_norm = decoder.norm
+        self.num_layers = len(self.layers)
+        self.runner = RaggedLM(model)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, dtype=torch.float32, device="cpu") -> "TargetModel":
+        """Load a target by name (the embedded default) or HF directory; never downloads."""
+        from inference.assets import resolve_target
+
+        path = resolve_target(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(model, tokenizer, name_or_path=path)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def target_info(self) -> TargetInfo:
+        config = self.model.config
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = config.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        return TargetInfo(
+            name_or_path=self.name_or_path,
+            hidden_size=config.hidden_size,
+            vocab_size=self.model.get_output_embeddings().weight.shape[0],
+            num_layers=self.num_layers,
+            embed_weight=self.model.get_input_embeddings().weight,
+            lm_head_weight=self.model.get_output_embeddings().weight,
+            final_norm_weight=getattr(self.final_norm, "weight", None),
+            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+            eos_token_ids=eos_ids,
+            pad_token_id=getattr(config, "pad_token_id", None),
+            config=config.to_dict(),
+            weights=dict(self.model.state_dict(keep_vars=False)),
+        )
+
+    def check_layer_ids(self, layer_ids) -> None:
+        for layer_id in layer_ids:
+            if not 0 <= int(layer_id) <= self.num_layers:
+                raise ValueError(f"layer id {layer_id} is out of range 0..{self.num_layers} for this target")
+
+    @contextmanager
+    def capture(self, layer_ids, want_last_hidden: bool = False):
+        """Yield a dict that fills with {id: [B, S, D]} (and "last" -> normed output) during forwards in the block."""
+        self.check_layer_ids(layer_ids)
+        captured: dict = {}
+        handles = []
+
+        def grab(key):
+            def hook(module, args, kwargs):
+                captured[key] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+            return hook
+
+        for layer_id in layer_ids:
+            module = self.layers[layer_id] if layer_id < self.num_layers else self.final_norm
+            handles.append(module.register_forward_pre_hook(grab(int(layer_id)), with_kwargs=True))
+        if want_last_hidden:
+            handles.append(self.final_norm.register_forward_hook(lambda m, a, out: captured.__setitem__("last", out)))
+        try:
+            yield captured
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @torch.no_grad()
+    def features(self, input_ids, attention_mask, layer_ids, return_logits: bool = False) -> TargetFeatures:
+        """One cache-free forward for training. input_ids, attention_mask [B, T] (right padding)."""
+        with self.capture(layer_ids, want_last_hidden=True) as captured:
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        hidden = {layer_id: captured[layer_id] for layer_id in layer_ids}
+        return TargetFeatures(hidden, captured["last"], logits.argmax(-1), logits if return_logits else None)
+
+    # ---- engine: KV-cached forwards ------------------------------------------------------------------------
+    def prefill(self, input_ids, attention_mask, layer_ids=()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Start a generation: input_ids [B, S] left-padded, attention_mask [B, S]. Returns logits [B, S, V], hidden."""
+        self.runner.reset()
+        return self.extend(input_ids, layer_ids, valid=attention_mask.bool())
+
+    def extend(self, input_ids, layer_ids=(), valid=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Verify forward over a block [B, S] appended after each row's sequence. Returns logits [B, S, V], hidden."""
+        with self.capture(layer_ids) as captured:
+            logits = self.runner.extend(input_ids, valid)
+        return logits, {layer_id: captured[layer_id] for layer_id in layer_ids}
+
+    def mark(self) -> int:
+        return self.runner.mark()
+
+    def keep_after(self, mark: int, keep: torch.Tensor) -> None:
+        """Roll back: row b keeps the first keep[b] tokens fed since `mark` (crop on rejection)."""
+        self.runner.keep_after(mark, keep)

@@ -1,0 +1,108 @@
+"""Verification: pure functions, no model code (ARCHITECTURE.md section 5; theory_and_metrics.md D.1).
+
+Shapes: B batch, K drafts per row, V vocab. Target probabilities `p` are [B, K+1, V]: position j is the target's
+distribution for the token after draft j (position 0 = after the last accepted token), already transformed by
+temperature / top-k / top-p exactly as plain sampling does (`sampling_probs`).
+
+Greedy: accept the longest prefix where the draft equals the target argmax; the next token is the target argmax at
+the first mismatch (correction) or after the last draft (bonus).
+Sampling (Leviathan et al. 2023): accept draft x with probability min(1, p(x) / q(x)); on the first rejection emit a
+token from the residual norm(max(p - q, 0)); if all are accepted emit a bonus token from p. Deterministic drafts
+(argmax, n-gram) use q = one-hot, so acceptance is p(x) and the residual is p with x removed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] after temperature, top-k, then top-p (the HF / vLLM order).
+
+    temperature 0 gives the one-hot argmax distribution (greedy).
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    logits = logits.float()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / temperature
+    if top_k and top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= top_p  # keep the smallest prefix whose mass reaches top_p (always >= 1 token)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_valid: torch.Tensor | None = None):
+    """Args: draft_tokens [B, K]; target_logits [B, K+1, V]; num_valid [B] (drafts past it never accepted).
+    Returns: (num_accepted [B] long, next_tokens [B] long)."""
+    target_tokens = target_logits.argmax(-1)  # [B, K+1]
+    return _accept_prefix(draft_tokens == target_tokens[:, :-1], num_valid, lambda rows, pos: target_tokens[rows, pos])
+
+
+def acceptance_probability(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """min(1, p(x)/q(x)) for each drafted x. p [..., V], q [..., V] or None (one-hot draft), tokens [...]."""
+    p_x = p.gather(-1, tokens[..., None]).squeeze(-1)
+    if q is None:
+        return p_x.clamp(max=1.0)
+    q_x = q.gather(-1, tokens[..., None]).squeeze(-1)
+    return torch.where(q_x > 0, (p_x / q_x.clamp(min=1e-30)).clamp(max=1.0), torch.ones_like(p_x))
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """norm(max(p - q, 0)) [..., V]; q None means one-hot at `tokens`. Falls back to p where the residual is empty
+    (only possible when p == q, in which case rejection has probability 0)."""
+    if q is None:
+        q = torch.nn.functional.one_hot(tokens, p.shape[-1]).to(p.dtype)
+    residual = (p - q).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
+
+
+def sample_verify(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    num_valid: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+):
+    """Lossless rejection sampling over a chain.
+
+    Args: draft_tokens [B, K]; draft_probs [B, K, V] or None (deterministic drafts); target_probs [B, K+1, V];
+    num_valid [B]; generator for the uniforms and the emitted token.
+    Returns: (num_accepted [B] long, next_tokens [B] long).
+    """
+    batch, num_drafts = draft_tokens.shape
+    accept_p = acceptance_probability(target_probs[:, :num_drafts], draft_probs, draft_tokens)  # [B, K]
+    uniforms = torch.rand(accept_p.shape, generator=generator, device=accept_p.device)
+
+    def emit(rows, pos):
+        # Rejected at pos < K: residual at pos; all accepted (pos == number drafted): bonus from p at pos.
+        probs = target_probs[rows, pos].clone()
+        limit = torch.full_like(pos, num_drafts) if num_valid is None else num_valid[rows].clamp(max=num_drafts)
+        rejected = pos < limit  # stopping at num_valid after accepting every valid draft is a bonus, not a rejection
+        if bool(rejected.any()):
+            r_rows, r_pos = rows[rejected], pos[rejected]
+            q = None if draft_probs is None else draft_probs[r_rows, r_pos]
+            probs[rejected] = residual_distribution(target_probs[r_rows, r_pos], q, draft_tokens[r_rows, r_pos])
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    return _accept_prefix(uniforms < accept_p, num_valid, emit)
+
+
+def _accept_prefix(accepted: torch.Tensor, num_valid: torch.Tensor | None, emit):
+    """accepted [B, K] per-draft test results -> (num_accepted [B], next_tokens [B] = emit(rows, first_rejected))."""
+    batch, num_drafts = accepted.shape
+    if num_valid is not None:
+        accepted = accepted & (torch.arange(num_drafts, device=accepted.device)[None, :] < num_valid[:, None])
+    num_accepted = accepted.long().cumprod(-1).sum(-1)
+    rows = torch.arange(batch, device=accepted.device)
+    return num_accepted, emit(rows, num_accepted)

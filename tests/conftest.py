@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny seeded random targets (hidden 64, 2 layers, vocab 256), offline and single-threaded."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+torch.set_num_threads(1)
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 64}),
+}
+
+
+def make_tiny_model(arch: str = "llama", seed: int = 0, num_layers: int = 2, dtype=torch.float64):
+    """A seeded random causal LM. float64 by default so that a k-token verify forward and k one-token forwards pick
+    the same argmax (fp32 near-ties would make exact-match tests flaky without saying anything about the engine)."""
+    config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    config = config_cls(**{**TINY, "num_hidden_layers": num_layers, **extra})
+    model = model_cls(config).to(dtype).eval()
+    # Sharper logits than the default init so that random models produce repetitive, partly predictable text.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(params=["llama"])
+def tiny_target(request):
+    from inference.target import TargetModel
+
+    return TargetModel(make_tiny_model(request.param), name_or_path=f"tiny-{request.param}")
+
+
+def random_prompts(num: int, seed: int = 0, min_len: int = 3, max_len: int = 12, vocab: int = 256):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (num,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]

@@ -1,0 +1,137 @@
+"""`draftsmith eval` end to end on a tiny random target directory, and its input errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import TINY
+from inference.eval import main
+from offline_tokenizers import build_tokenizer
+
+DATA = Path(__file__).parent / "data"
+RECORD_KEYS = {
+    "dataset", "category", "drafter", "temperature", "num_draft_tokens", "batch_size", "num_prompts", "new_tokens",
+    "rounds", "tau", "acceptance_rate", "per_position_acceptance_conditional",
+    "per_position_acceptance_unconditional", "accept_length_histogram", "target_forwards", "time_s",
+    "tokens_per_s", "tokens_per_s_ar", "speedup", "draft_cost_ratio", "verify_cost_ratio", "theoretical_speedup",
+    "greedy_exact_match", "recommended_num_draft_tokens", "recommendation_basis", "env",
+}
+
+
+def save_tiny_llama(directory: Path, tokenizer, *, seed: int, num_layers: int, vocab_size: int | None = None):
+    """A seeded random Llama saved as an HF directory (sharpened head: repetitive text, no fp32 near-ties)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**TINY, "num_hidden_layers": num_layers, "vocab_size": vocab_size or len(tokenizer),
+                            "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
+                            "pad_token_id": tokenizer.pad_token_id})
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_cli")
+    tokenizer = build_tokenizer("chatml")
+    save_tiny_llama(root / "target", tokenizer, seed=0, num_layers=2)
+    save_tiny_llama(root / "draft", tokenizer, seed=0, num_layers=1)
+    save_tiny_llama(root / "bad_draft", tokenizer, seed=1, num_layers=1, vocab_size=len(tokenizer) - 7)
+    save_tiny_llama(root / "no_template", build_tokenizer(None), seed=0, num_layers=2)
+    # a native drafter checkpoint header written for a target with another hidden size
+    (root / "other_target_ckpt").mkdir()
+    header = {"draftsmith_kind": "ngram", "drafter_config": {},
+              "target": {"hidden_size": TINY["hidden_size"] // 2, "vocab_size": len(tokenizer)}}
+    (root / "other_target_ckpt" / "config.json").write_text(json.dumps(header))
+    return root
+
+
+def run_eval(dirs, tmp_path, *extra: str, drafter: str = "ngram") -> int:
+    argv = ["--target", str(dirs / "target"), "--drafter", drafter, "--prompts", str(DATA / "questions_small.jsonl"),
+            "--max-new-tokens", "12", "--out", str(tmp_path / "report.json"), *extra]
+    return main(argv)
+
+
+def test_greedy_eval_matches_plain_greedy_and_writes_the_report(dirs, tmp_path, capsys):
+    drafters = f"ngram,{dirs / 'draft'}"
+    rc = run_eval(dirs, tmp_path, "--num-prompts", "4", "--num-draft-tokens", "2,3", "--batch-size", "2",
+                  "--outputs", str(tmp_path / "outputs.jsonl"), "--threads", "1", drafter=drafters)
+    assert rc == 0
+    records = json.loads((tmp_path / "report.json").read_text())["records"]
+    categories = {record["category"] for record in records}
+    assert "all" in categories and len(categories) >= 3
+    # per category: the baseline, then 2 drafters x 2 k
+    assert len(records) == 5 * len(categories)
+    for record in records:
+        assert RECORD_KEYS <= set(record)
+        if record["num_draft_tokens"] == 0:
+            assert record["drafter"] == "none" and record["speedup"] == pytest.approx(1.0)
+            continue
+        assert record["greedy_exact_match"] == 1.0, record["drafter"]
+        assert sum(record["accept_length_histogram"]) == record["rounds"]
+        assert record["tau"] == pytest.approx(1 + sum(record["per_position_acceptance_unconditional"]))
+        assert record["recommended_num_draft_tokens"] is not None
+    drafter_names = {record["drafter"] for record in records}
+    assert drafter_names == {"none", "ngram", "draft_model:draft"}
+    # the draft model is an unrelated random 1-layer LM: it is rarely accepted, but the output stays lossless
+    assert (tmp_path / "report.md").read_text().count("\n") == len(records) + 2
+    assert (tmp_path / "report_acceptance_questions_small.png").is_file()
+    assert (tmp_path / "report_speedup_questions_small.png").is_file()
+    lines = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    num_turns = sum(record["num_sequences"] for record in records if record["category"] == "all"
+                    and record["drafter"] == "none")
+    assert len(lines) == num_turns * 5  # baseline + 4 methods
+    assert {"question_id", "turn", "token_ids", "text"} <= set(lines[0])
+    assert 1 in {line["turn"] for line in lines}  # the second turn ran after the first
+    assert "| dataset |" in capsys.readouterr().out
+
+
+def test_sampling_eval_runs_without_exact_match(dirs, tmp_path):
+    rc = run_eval(dirs, tmp_path, "--num-prompts", "2", "--num-draft-tokens", "2", "--temperature", "0.8",
+                  "--top-k", "20", "--categories", "math,coding")
+    assert rc == 0
+    records = json.loads((tmp_path / "report.json").read_text())["records"]
+    assert {record["category"] for record in records} == {"all", "math", "coding"}
+    assert all(record["greedy_exact_match"] is None for record in records)
+
+
+@pytest.mark.parametrize("extra, drafter, message", [
+    (("--num-draft-tokens", "2,-1"), "ngram", "--num-draft-tokens: values must be >= 0"),
+    (("--temperature", "-0.5"), "ngram", "--temperature: values must be >= 0"),
+    (("--top-p", "0"), "ngram", "--top-p must be in (0, 1]"),
+    ((), "BAD_DRAFT", "vocab_size"),
+    ((), "OTHER_TARGET", "hidden_size 32 does not match"),
+    ((), "missing_dir", "missing_dir"),
+    (("--categories", "poetry"), "ngram", "no question in categories"),
+])
+def test_bad_input_is_named(dirs, tmp_path, capsys, extra, drafter, message):
+    drafter = {"BAD_DRAFT": str(dirs / "bad_draft"), "OTHER_TARGET": str(dirs / "other_target_ckpt"),
+               "missing_dir": str(tmp_path / "missing_dir")}.get(drafter, drafter)
+    assert run_eval(dirs, tmp_path, *extra, drafter=drafter) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_bad_prompt_file_names_the_line(dirs, tmp_path, capsys):
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text('{"question_id": 1, "category": "a", "turns": ["hi"]}\n{"question_id": 2, "turns": 3}\n')
+    rc = main(["--target", str(dirs / "target"), "--prompts", str(prompts), "--out", str(tmp_path / "r.json")])
+    assert rc == 2
+    assert f"{prompts}:2" in capsys.readouterr().err
+    rc = main(["--target", str(dirs / "target"), "--prompts", str(tmp_path / "nope.jsonl")])
+    assert rc == 2 and "nope.jsonl" in capsys.readouterr().err
+
+
+def test_missing_chat_template_is_an_error_unless_disabled(dirs, tmp_path, capsys):
+    argv = ["--target", str(dirs / "no_template"), "--prompts", str(DATA / "questions_small.jsonl"),
+            "--num-prompts", "1", "--max-new-tokens", "4", "--num-draft-tokens", "2", "--out", str(tmp_path / "r.json")]
+    assert main(argv) == 2
+    assert "no chat template" in capsys.readouterr().err
+    assert main(argv + ["--no-chat-template"]) == 0

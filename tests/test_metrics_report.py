@@ -1,0 +1,168 @@
+"""Report record counters on hand-built GenerateOutputs, the k recommendation, and the report files."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from inference.generate import GenerateOutput
+from inference.metrics import (
+    annotate_recommendations,
+    build_record,
+    merge_outputs,
+    recommend_num_draft_tokens,
+)
+from inference.report import format_table, write_report
+
+ENV = {"torch": "test"}
+
+
+def spec_output() -> GenerateOutput:
+    """k = 3, two rows: row 0 accepts 3, 1, 0; row 1 accepts 2, 3. Three batched rounds after one prefill."""
+    return GenerateOutput(
+        tokens=[list(range(8)), list(range(8))],
+        accept_lengths=[[3, 1, 0], [2, 3]],
+        proposed=[[3, 3, 3], [3, 3]],
+        num_draft_tokens=3,
+        target_forwards=4, verify_forwards=3,
+        time_draft=0.6, time_verify=1.0, time_prefill=0.2, time_other=0.2, time_total=2.0,
+    )
+
+
+def ar_output() -> GenerateOutput:
+    """The k = 0 baseline: 16 tokens in 15 decode steps of 0.1 s each, 4 s in all."""
+    return GenerateOutput(tokens=[list(range(8)), list(range(8))], accept_lengths=[[], []], proposed=[[], []],
+                          num_draft_tokens=0, target_forwards=16, verify_forwards=15, time_verify=1.5,
+                          time_prefill=0.2, time_total=4.0)
+
+
+def record_for(out: GenerateOutput, ar: GenerateOutput | None = None, drafter: str = "d", temperature: float = 0.0):
+    return build_record(out, ar=ar, dataset="set", category="all", drafter_name=drafter, temperature=temperature,
+                        batch_size=2, num_prompts=2, greedy_exact_match=1.0 if temperature == 0 else None, env=ENV)
+
+
+def test_counters_agree_with_the_definitions():
+    record = record_for(spec_output(), ar_output())
+    assert record["rounds"] == 5 and record["accepted"] == 9 and record["proposed"] == 15
+    assert record["tau"] == pytest.approx(1 + 9 / 5)
+    assert record["acceptance_rate"] == pytest.approx(9 / 15)
+    assert record["accept_length_histogram"] == [1, 1, 1, 2]
+    assert sum(record["accept_length_histogram"]) == record["rounds"]
+    unconditional = record["per_position_acceptance_unconditional"]
+    assert unconditional == pytest.approx([4 / 5, 3 / 5, 2 / 5])
+    assert sum(unconditional) == pytest.approx(record["tau"] - 1)
+    conditional = record["per_position_acceptance_conditional"]
+    assert conditional == pytest.approx([0.8, 0.75, 2 / 3])
+    assert record["target_forwards"] == 4 and record["verify_forwards"] == 3
+    assert record["new_tokens"] == 16
+
+
+def test_costs_and_speedups():
+    record = record_for(spec_output(), ar_output())
+    step = 1.5 / 15
+    assert record["tokens_per_s"] == pytest.approx(8.0)
+    assert record["tokens_per_s_ar"] == pytest.approx(4.0)
+    assert record["speedup"] == pytest.approx(2.0)
+    c = 0.6 / 3 / 3 / step
+    v = 1.0 / 3 / step
+    assert record["draft_cost_ratio"] == pytest.approx(c)
+    assert record["verify_cost_ratio"] == pytest.approx(v)
+    assert record["theoretical_speedup"] == pytest.approx(2.8 / (3 * c + v))
+    assert record["time_s"] == {"draft": 0.6, "verify": 1.0, "prefill": 0.2, "other": 0.2, "total": 2.0}
+
+
+def test_without_baseline_the_relative_numbers_are_missing():
+    record = record_for(spec_output(), None)
+    for key in ("tokens_per_s_ar", "speedup", "draft_cost_ratio", "verify_cost_ratio", "theoretical_speedup"):
+        assert record[key] is None
+    assert record["tau"] == pytest.approx(2.8)
+
+
+def test_baseline_record_is_one():
+    record = record_for(ar_output(), ar_output(), drafter="none")
+    assert record["tau"] == 1.0 and record["rounds"] == 0
+    assert record["speedup"] == pytest.approx(1.0) and record["theoretical_speedup"] == pytest.approx(1.0)
+    assert record["per_position_acceptance_unconditional"] == [] and record["accept_length_histogram"] == [0]
+
+
+def test_short_proposals_count_rounds_and_condition_on_offered_positions():
+    """An n-gram miss proposes nothing: the round counts for tau, but no position was offered."""
+    out = GenerateOutput(tokens=[[1, 2, 3, 4, 5]], accept_lengths=[[0, 2, 1]], proposed=[[0, 2, 3]],
+                         num_draft_tokens=3, target_forwards=4, verify_forwards=3, time_total=1.0)
+    record = record_for(out)
+    assert record["tau"] == pytest.approx(1 + 3 / 3)
+    assert record["acceptance_rate"] == pytest.approx(3 / 5)
+    assert record["per_position_acceptance_unconditional"] == pytest.approx([2 / 3, 1 / 3, 0.0])
+    assert sum(record["per_position_acceptance_unconditional"]) == pytest.approx(record["tau"] - 1)
+    # position 1 offered twice (both accepted), position 2 offered twice (once accepted), position 3 never
+    assert record["per_position_acceptance_conditional"] == [1.0, 0.5, None]
+
+
+def test_inconsistent_counters_are_rejected():
+    bad = GenerateOutput(tokens=[[1]], accept_lengths=[[2]], proposed=[[1]], num_draft_tokens=3)
+    with pytest.raises(ValueError, match="2 accepted of 1 proposed"):
+        record_for(bad)
+
+
+def test_merge_sums_counters_and_concatenates_rows():
+    merged = merge_outputs([spec_output(), spec_output()])
+    assert len(merged.tokens) == 4 and merged.verify_forwards == 6 and merged.time_total == pytest.approx(4.0)
+    assert record_for(merged)["tau"] == pytest.approx(2.8)
+    with pytest.raises(ValueError, match="different num_draft_tokens"):
+        merge_outputs([spec_output(), ar_output()])
+
+
+def test_recommendation_picks_the_best_k():
+    p = [0.9, 0.8, 0.5, 0.2]
+    # speedups with v = 1.2 everywhere: 1.46, 1.93, 2.133, 2.125 -> k = 3
+    assert recommend_num_draft_tokens(p, 0.1, {4: 1.2}) == 3
+    # v interpolated between k = 1 (1.0) and k = 4 (1.6): 1.73, 1.93, 1.88, 1.70 -> k = 2
+    assert recommend_num_draft_tokens(p, 0.1, {1: 1.0, 4: 1.6}) == 2
+    # a drafter as slow as the target never pays off -> do not speculate
+    assert recommend_num_draft_tokens(p, 1.0, {4: 1.2}) == 0
+
+
+def test_annotate_recommendations_names_its_basis():
+    ar = ar_output()
+    records = [record_for(ar, ar, drafter="none"), record_for(spec_output(), ar)]
+    annotate_recommendations(records)
+    assert records[0]["recommended_num_draft_tokens"] is None
+    assert isinstance(records[1]["recommended_num_draft_tokens"], int)
+    assert "only at k=3" in records[1]["recommendation_basis"]
+
+
+def sweep_records() -> list[dict]:
+    ar = ar_output()
+    records = [record_for(ar, ar, drafter="none")]
+    for k in (1, 3):
+        out = spec_output() if k == 3 else GenerateOutput(
+            tokens=[list(range(8))], accept_lengths=[[1, 0, 1, 1]], proposed=[[1, 1, 1, 1]], num_draft_tokens=1,
+            target_forwards=5, verify_forwards=4, time_draft=0.1, time_verify=0.8, time_total=1.5)
+        records.append(record_for(out, ar))
+    annotate_recommendations(records)
+    return records
+
+
+def test_report_files_are_written_and_parse(tmp_path):
+    records = sweep_records()
+    out = str(tmp_path / "sub" / "report.json")
+    written = write_report(records, out)
+    with open(out) as f:
+        assert json.load(f)["records"] == json.loads(json.dumps(records))
+    table = (tmp_path / "sub" / "report.md").read_text()
+    assert table == format_table(records)
+    rows = [line for line in table.splitlines() if line.startswith("| set")]
+    assert len(rows) == len(records)
+    assert "| - |" in rows[0]  # the baseline has no draft cost
+    pngs = sorted(os.path.basename(path) for path in written if path.endswith(".png"))
+    assert pngs == ["report_acceptance_set.png", "report_speedup_set.png"]
+    for name in pngs:
+        assert (tmp_path / "sub" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_single_k_writes_no_speedup_plot(tmp_path):
+    records = [record_for(spec_output(), ar_output())]
+    written = write_report(records, str(tmp_path / "r.json"))
+    assert [os.path.basename(path) for path in written] == ["r.json", "r.md", "r_acceptance_set.png"]

@@ -1,0 +1,40 @@
+"""`draftsmith train RECIPE [key=value ...]` and `accelerate launch [--config_file X.yaml] -m train RECIPE [k=v ...]`.
+
+Load the recipe, build the run, fit. For example:
+
+    draftsmith train recipes/debug/tiny_eagle3.yaml output.dir=runs/debug
+    accelerate launch --config_file recipes/accelerate/8gpu_ddp.yaml -m train recipes/llama3.1-8b/eagle3.yaml \\
+        train.resume_from=latest
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from train.config import load_recipe
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="draftsmith train", description="Train a drafter from a recipe.")
+    parser.add_argument("recipe", help="recipe YAML (recipes/...)")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides, e.g. optim.lr=3e-4")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    recipe = load_recipe(args.recipe, args.overrides)
+    from train.build import build_trainer  # after the recipe is known to be valid: torch/accelerate import is slow
+
+    started = time.perf_counter()
+    trainer = build_trainer(recipe)
+    final_dir = trainer.fit()
+    trainer.accelerator.print(f"wrote {final_dir} ({time.perf_counter() - started:.1f} s, step {trainer.step})")
+    trainer.accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Building a run from a recipe: the target, the data, the drafter, the feature providers, and the Trainer.
+
+`train`, `prepare` and `estimate` share these, so each builds the target and data exactly the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import set_seed
+
+from drafters import DRAFTERS
+from inference.target import TargetModel
+from train.checkpoint import load_checkpoint, resolve_resume
+from train.config import Recipe, derive, recipe_to_dict, save_recipe
+from train.data import build_dataset
+from train.debug_target import resolve_target_path
+from train.features import FeatureCache, FeatureProvider, cache_meta
+from train.loop import Trainer
+from train.metrics import flat_config, load_eval_prompts
+from train.optim import build_optimizer, build_scheduler
+from train.vocab import count_tokens
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" -> float32 on CPU (bf16 matmuls are ~100x slower there), bfloat16 on accelerators."""
+    if name == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    return getattr(torch, name)
+
+
+def load_target(recipe: Recipe, device) -> TargetModel:
+    """The frozen target on `device` in target.dtype (a debug:NAME target is built on first use)."""
+    path = resolve_target_path(recipe.target.name_or_path)
+    return TargetModel.from_pretrained(path, dtype=resolve_dtype(recipe.target.dtype, device), device=device)
+
+
+def load_data(recipe: Recipe, target: TargetModel, state: PartialState):
+    """Tokenised train/eval splits; the main process builds the `datasets` cache first, the others then read it."""
+    with state.main_process_first():
+        return build_dataset(target.tokenizer, recipe.data)
+
+
+def build_drafter(recipe: Recipe, target: TargetModel) -> torch.nn.Module:
+    """DRAFTERS[kind] on its own copy of the drafter config (phases change the copy, never the recipe)."""
+    drafter = DRAFTERS[recipe.drafter_kind](copy.deepcopy(recipe.drafter), target.target_info())
+    try:
+        target.check_layer_ids(drafter.target_layer_ids())
+    except ValueError as err:
+        raise ValueError(f"drafter: {err}") from None
+    return drafter.to(target.device)
+
+
+def feature_provider(recipe: Recipe, split: str, target: TargetModel, layer_ids, num_samples: int,
+                     rank: int) -> FeatureProvider:
+    """The split's provider; offline/hybrid ones read/write <features.cache_dir>/<split>."""
+    mode = recipe.features.mode
+    if mode == "online":
+        return FeatureProvider(mode, target, layer_ids)
+    if not recipe.features.cache_dir:
+        raise ValueError(f"features.cache_dir must be set for features.mode={mode}")
+    dtype = target.model.dtype if recipe.features.dtype == "auto" else getattr(torch, recipe.features.dtype)
+    meta = cache_meta(target.target_info(), layer_ids, dtype, num_samples)
+    cache = FeatureCache(os.path.join(recipe.features.cache_dir, split), meta, rank=rank)
+    return FeatureProvider(mode, target, layer_ids, cache)
+
+
+def build_trainer(recipe: Recipe) -> Trainer:
+    """Everything `fit` needs, in order: seed, target, data, derived values, accelerator, drafter (initialised from
+    the data or restored from a checkpoint), optimizer, schedule, feature providers, trackers."""
+    set_seed(recipe.train.seed)
+    state = PartialState()
+    target = load_target(recipe, state.device)
+    data = load_data(recipe, target, state)
+    derived = derive(recipe, world_size=state.num_processes, num_train_samples=len(data.train))
+    trackers = list(recipe.logging.trackers)
+    accelerator = Accelerator(gradient_accumulation_steps=derived.grad_accum, log_with=trackers or None,
+                              project_dir=recipe.output.dir)
+    accelerator.print(f"derived: {derived}; data: {data.counts}")
+    drafter = build_drafter(recipe, target)
+    resume = resolve_resume(recipe.output.dir, recipe.train.resume_from)
+    if resume is None:
+        drafter.init_from_data(count_tokens(data.train, target.target_info().vocab_size))
+    optimizer = build_optimizer(drafter, recipe.optim)
+    scheduler = build_scheduler(optimizer, recipe.schedule, derived.max_steps)
+    drafter, optimizer = accelerator.prepare(drafter, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    layer_ids = accelerator.unwrap_model(drafter).target_layer_ids()
+    rank = accelerator.process_index
+    trainer = Trainer(
+        recipe=recipe, derived=derived, accelerator=accelerator, target=target, drafter=drafter, optimizer=optimizer,
+        scheduler=scheduler, data=data,
+        train_features=feature_provider(recipe, "train", target, layer_ids, len(data.train), rank),
+        eval_features=feature_provider(recipe, "eval", target, layer_ids, len(data.eval), rank),
+        eval_prompts=(load_eval_prompts(target.tokenizer, recipe.eval.prompts, recipe.eval.num_prompts)
+                      if recipe.eval.num_prompts > 0 else []),
+        pad_token_id=target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0)
+    if resume is not None:
+        trainer.restore(load_checkpoint(accelerator, resume, trainer.model.target_info))
+        accelerator.print(f"resumed from {resume} at step {trainer.step}")
+    if accelerator.is_main_process:
+        os.makedirs(recipe.output.dir, exist_ok=True)
+        save_recipe(recipe, os.path.join(recipe.output.dir, "recipe.yaml"))
+    if trackers:
+        accelerator.init_trackers(recipe.logging.project, config=flat_config(recipe_to_dict(recipe)))
+    return trainer

@@ -1,0 +1,100 @@
+"""Training checkpoints: `accelerator.save_state` plus the recipe, the trainer position and the target, atomically.
+
+Layout: <output.dir>/checkpoints/step_<N>/ holds what accelerate writes (drafter weights, optimizer, scheduler, one
+RNG file per process) and ours: recipe.yaml (the resolved recipe), trainer_state.json (step, tokens seen, wall time,
+the data-order parameters) and target.json (the target it was trained against). The directory is written as
+.tmp_step_<N> and renamed into place once complete, so a crash mid-save leaves the previous checkpoint as the latest.
+The data order is a pure function of (seed, epoch, step) (train/loop.py), so the step fixes the data position.
+All processes must share the output directory (one filesystem), as accelerate itself assumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+from train.config import Recipe, save_recipe
+
+CHECKPOINTS = "checkpoints"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints under output_dir, as (step, path), oldest first."""
+    root = os.path.join(output_dir, CHECKPOINTS)
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root) if (m := _STEP_DIR.match(name))]
+    return sorted(found)
+
+
+def resolve_resume(output_dir: str, resume_from: str | None) -> str | None:
+    """train.resume_from -> a checkpoint directory, or None to start from scratch.
+
+    "latest" is the newest checkpoint in output_dir (None when there is none yet, so a preemptible job can always
+    pass it); anything else must be an existing checkpoint directory.
+    """
+    if resume_from is None:
+        return None
+    if resume_from == "latest":
+        checkpoints = list_checkpoints(output_dir)
+        return checkpoints[-1][1] if checkpoints else None
+    if not os.path.isfile(os.path.join(resume_from, "trainer_state.json")):
+        raise ValueError(f"train.resume_from: {resume_from!r} is not a checkpoint directory (no trainer_state.json)")
+    return resume_from
+
+
+def target_record(target_info) -> dict[str, Any]:
+    """What identifies the target a drafter is trained against."""
+    return {"name": os.path.basename(os.path.normpath(target_info.name_or_path)),
+            "hidden_size": target_info.hidden_size, "vocab_size": target_info.vocab_size,
+            "num_layers": target_info.num_layers}
+
+
+def check_target(checkpoint_dir: str, target_info) -> None:
+    """Raise ValueError naming the field when the checkpoint was trained against another target."""
+    with open(os.path.join(checkpoint_dir, "target.json")) as f:
+        stored = json.load(f)
+    current = target_record(target_info)
+    for key, value in current.items():
+        if stored.get(key) != value:
+            raise ValueError(f"checkpoint {checkpoint_dir} was trained against another target: target {key} is "
+                             f"{stored.get(key)!r} there but {value!r} in this run (target.name_or_path)")
+
+
+def save_checkpoint(accelerator, output_dir: str, step: int, *, recipe: Recipe, trainer_state: dict[str, Any],
+                    target_info, keep_last: int | None = None) -> str:
+    """Write checkpoints/step_<step> atomically on every process (collective); return its path."""
+    root = os.path.join(output_dir, CHECKPOINTS)
+    final_dir = os.path.join(root, f"step_{step}")
+    tmp_dir = os.path.join(root, f".tmp_step_{step}")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        os.makedirs(tmp_dir)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp_dir)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        save_recipe(recipe, os.path.join(tmp_dir, "recipe.yaml"))
+        with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
+            json.dump(trainer_state, f, indent=2)
+        with open(os.path.join(tmp_dir, "target.json"), "w") as f:
+            json.dump(target_record(target_info), f, indent=2)
+        shutil.rmtree(final_dir, ignore_errors=True)  # only when re-saving a step after a resume
+        os.rename(tmp_dir, final_dir)
+        if keep_last is not None:
+            for _, old in list_checkpoints(output_dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final_dir
+
+
+def load_checkpoint(accelerator, checkpoint_dir: str, target_info) -> dict[str, Any]:
+    """Check the target, restore drafter/optimizer/scheduler/RNG state, and return the trainer state."""
+    check_target(checkpoint_dir, target_info)
+    accelerator.load_state(checkpoint_dir)
+    with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
+        return json.load(f)

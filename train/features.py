@@ -1,0 +1,255 @@
+"""Target features for training: online (target forward in the step), offline (a cache on disk), or hybrid.
+
+The drafter batch always carries the same keys, wherever they came from (drafters/base.py):
+    target_hidden {layer_id: [B, T, D]} float32, target_last_hidden [B, T, D] float32, target_argmax [B, T] long.
+
+Offline cache layout, one directory per split (`<features.cache_dir>/train`, `.../eval`):
+    meta.json                       target name, hidden size, number of layers, layer ids, dtype, number of samples
+    rank{r}-{n:05d}.safetensors     shards written by rank r; per sample `s{i}.input_ids` [T] int32,
+                                    `s{i}.h{id}` [T, D], `s{i}.last` [T, D], `s{i}.argmax` [T] int32
+    index-rank{r}.json              per shard: file name, sha256 and the sample indices it holds
+Each rank writes only its own shards and index, shard files and indexes are written under temporary names and
+renamed into place, so an interrupted `draftsmith prepare` resumes where its index ends. A shard's sha256 is checked
+the first time a process opens it; a sample's stored input_ids must equal the batch's, so a cache built from other
+data is refused instead of silently misaligned.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from typing import Any, Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+
+from train.data import collate
+
+CACHE_FORMAT = 1
+DEFAULT_SHARD_BYTES = 256 << 20
+
+
+class FeatureCache:
+    """The offline feature cache of one split. Readers see every rank's shards; a writer appends to its own."""
+
+    def __init__(self, directory: str, meta: dict[str, Any], *, rank: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES):
+        self.directory = directory
+        self.rank = rank
+        self.shard_bytes = shard_bytes
+        self.dtype = getattr(torch, meta["dtype"])
+        os.makedirs(directory, exist_ok=True)
+        self.meta = self._check_meta({"format": CACHE_FORMAT, **meta})
+        self.location: dict[int, str] = {}  # sample index -> shard file name
+        self.checksums: dict[str, str] = {}
+        self.own_shards: list[dict[str, Any]] = []
+        self.buffer: dict[int, dict[str, torch.Tensor]] = {}
+        self.buffer_bytes = 0
+        self.handles: dict[str, Any] = {}
+        self.refresh()
+
+    def _check_meta(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Write meta.json, or check that an existing one describes the same target, layers and dtype."""
+        path = os.path.join(self.directory, "meta.json")
+        if not os.path.exists(path):
+            _write_json_atomic(path, meta)
+        with open(path) as f:
+            stored = json.load(f)
+        for key in ("format", "target", "hidden_size", "num_layers", "dtype", "num_samples"):
+            if stored.get(key) != meta.get(key):
+                raise ValueError(f"feature cache {self.directory}: {key} is {stored.get(key)!r} but this run needs "
+                                 f"{meta.get(key)!r}; point features.cache_dir elsewhere or delete the cache")
+        missing = sorted(set(meta["layer_ids"]) - set(stored["layer_ids"]))
+        if missing:
+            raise ValueError(f"feature cache {self.directory}: layer ids {missing} were not stored "
+                             f"(it has {stored['layer_ids']}); rerun draftsmith prepare into a new features.cache_dir")
+        return stored
+
+    def refresh(self) -> None:
+        """Re-read every rank's index (after other ranks flushed)."""
+        for path in sorted(glob.glob(os.path.join(self.directory, "index-rank*.json"))):
+            with open(path) as f:
+                shards = json.load(f)["shards"]
+            if os.path.basename(path) == f"index-rank{self.rank}.json":
+                self.own_shards = shards
+            for shard in shards:
+                self.checksums[shard["file"]] = shard["sha256"]
+                self.location.update({index: shard["file"] for index in shard["samples"]})
+
+    def __contains__(self, index: int) -> bool:
+        return index in self.location or index in self.buffer
+
+    def __len__(self) -> int:
+        return len(self.location) + len(self.buffer)
+
+    def add(self, index: int, input_ids: torch.Tensor, hidden: dict[int, torch.Tensor], last_hidden: torch.Tensor,
+            argmax: torch.Tensor) -> None:
+        """Buffer one sample (input_ids [T], hidden {id: [T, D]}, last_hidden [T, D], argmax [T]); flush when full."""
+        record = {"input_ids": input_ids.to("cpu", torch.int32), "argmax": argmax.to("cpu", torch.int32),
+                  "last": last_hidden.to("cpu", self.dtype)}
+        record.update({f"h{layer_id}": hidden[layer_id].to("cpu", self.dtype) for layer_id in self.meta["layer_ids"]})
+        self.buffer[index] = {key: value.contiguous() for key, value in record.items()}
+        self.buffer_bytes += sum(t.numel() * t.element_size() for t in record.values())
+        if self.buffer_bytes >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered samples as one shard of this rank and publish it in this rank's index."""
+        if not self.buffer:
+            return
+        name = f"rank{self.rank}-{len(self.own_shards):05d}.safetensors"
+        tensors = {f"s{index}.{key}": t for index, record in self.buffer.items() for key, t in record.items()}
+        payload = safetensors_bytes(tensors)
+        path = os.path.join(self.directory, name)
+        with open(path + ".tmp", "wb") as f:
+            f.write(payload)
+        os.replace(path + ".tmp", path)
+        shard = {"file": name, "sha256": hashlib.sha256(payload).hexdigest(), "samples": sorted(self.buffer)}
+        self.own_shards = self.own_shards + [shard]
+        _write_json_atomic(os.path.join(self.directory, f"index-rank{self.rank}.json"), {"shards": self.own_shards})
+        self.checksums[name] = shard["sha256"]
+        self.location.update({index: name for index in self.buffer})
+        self.handles.pop(name, None)
+        self.buffer, self.buffer_bytes = {}, 0
+
+    def _open(self, name: str):
+        if name not in self.handles:
+            path = os.path.join(self.directory, name)
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(block)
+            if digest.hexdigest() != self.checksums[name]:
+                raise ValueError(f"feature cache shard {path} fails its sha256 check (corrupt or replaced); "
+                                 "delete it and its index entry, or rerun draftsmith prepare into a fresh cache_dir")
+            self.handles[name] = safe_open(path, framework="pt")
+        return self.handles[name]
+
+    def read(self, index: int) -> dict[str, torch.Tensor]:
+        """One sample: input_ids [T], argmax [T], last [T, D], h{id} [T, D] (the stored dtype)."""
+        if index in self.buffer:
+            return self.buffer[index]
+        if index not in self.location:
+            raise ValueError(f"sample {index} is not in the feature cache {self.directory}; run "
+                             "`draftsmith prepare RECIPE` first (or use features.mode=hybrid)")
+        handle = self._open(self.location[index])
+        keys = ["input_ids", "argmax", "last"] + [f"h{layer_id}" for layer_id in self.meta["layer_ids"]]
+        return {key: handle.get_tensor(f"s{index}.{key}") for key in keys}
+
+
+def _write_json_atomic(path: str, data: Any) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+def cache_meta(target_info, layer_ids: Iterable[int], dtype: torch.dtype, num_samples: int) -> dict[str, Any]:
+    """What a cache records about the run that wrote it (checked by every reader)."""
+    return {"target": os.path.basename(os.path.normpath(target_info.name_or_path)),
+            "hidden_size": target_info.hidden_size, "num_layers": target_info.num_layers,
+            "layer_ids": sorted(int(i) for i in layer_ids), "dtype": str(dtype).removeprefix("torch."),
+            "num_samples": num_samples}
+
+
+class FeatureProvider:
+    """Fills a batch with target features. The drafter never learns which mode produced them.
+
+    Args:
+        mode: "online" | "offline" | "hybrid".
+        target: the frozen TargetModel (used by online and hybrid).
+        layer_ids: the drafter's `target_layer_ids()`.
+        cache: the split's FeatureCache (offline and hybrid), else None.
+    """
+
+    def __init__(self, mode: str, target, layer_ids: Iterable[int], cache: FeatureCache | None = None):
+        if mode != "online" and cache is None:
+            raise ValueError(f"features.mode={mode} needs features.cache_dir")
+        self.mode, self.target, self.cache = mode, target, cache
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """batch: input_ids, attention_mask [B, T] (right padding), sample_index [B]. Returns the feature keys."""
+        indices = [int(i) for i in batch["sample_index"]]
+        if self.mode == "offline" or (self.mode == "hybrid" and all(i in self.cache for i in indices)):
+            return self.from_cache(batch, indices)
+        features = self.online(batch)
+        if self.mode == "hybrid":
+            lengths = batch["attention_mask"].sum(dim=1).tolist()
+            for row, (index, length) in enumerate(zip(indices, lengths)):
+                if index not in self.cache:
+                    self.cache.add(index, batch["input_ids"][row, :length],
+                                   {i: h[row, :length] for i, h in features["target_hidden"].items()},
+                                   features["target_last_hidden"][row, :length], features["target_argmax"][row, :length])
+        return features
+
+    def online(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """One no-grad target forward on the batch (on the target's device)."""
+        device = self.target.device
+        out = self.target.features(batch["input_ids"].to(device), batch["attention_mask"].to(device), self.layer_ids)
+        return {"target_hidden": {i: out.hidden[i].float() for i in self.layer_ids},
+                "target_last_hidden": out.last_hidden.float(), "target_argmax": out.argmax.long()}
+
+    def from_cache(self, batch: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+        """Read each row from the cache and right-pad to the batch length with zeros."""
+        input_ids = batch["input_ids"]
+        batch_size, length = input_ids.shape
+        hidden_size = self.cache.meta["hidden_size"]
+        hidden = {i: torch.zeros(batch_size, length, hidden_size) for i in self.layer_ids}  # [B, T, D]
+        last_hidden = torch.zeros(batch_size, length, hidden_size)  # [B, T, D]
+        argmax = torch.zeros(batch_size, length, dtype=torch.long)  # [B, T]
+        for row, index in enumerate(indices):
+            record = self.cache.read(index)
+            size = record["input_ids"].shape[0]
+            if not torch.equal(record["input_ids"].long(), input_ids[row, :size].cpu()) or (
+                    size < length and bool(batch["attention_mask"][row, size])):
+                raise ValueError(f"feature cache {self.cache.directory}: sample {index} holds other tokens than the "
+                                 "dataset gives now (the data changed); rerun draftsmith prepare into a new cache_dir")
+            for i in self.layer_ids:
+                hidden[i][row, :size] = record[f"h{i}"].float()
+            last_hidden[row, :size] = record["last"].float()
+            argmax[row, :size] = record["argmax"].long()
+        device = input_ids.device
+        return {"target_hidden": {i: h.to(device) for i, h in hidden.items()},
+                "target_last_hidden": last_hidden.to(device), "target_argmax": argmax.to(device)}
+
+    def flush(self) -> None:
+        if self.cache is not None and self.mode == "hybrid":
+            self.cache.flush()
+
+    def refresh(self) -> None:
+        if self.cache is not None:
+            self.cache.refresh()
+
+
+def make_batch(dataset, indices: list[int], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Collate dataset rows `indices`: input_ids, attention_mask, loss_mask [B, T] (right padding), sample_index [B]."""
+    batch = collate([dataset[i] for i in indices], pad_token_id=pad_token_id)
+    batch["sample_index"] = torch.tensor(indices, dtype=torch.long)
+    return batch
+
+
+def write_cache(target, dataset, cache: FeatureCache, *, batch_size: int, pad_token_id: int, rank: int = 0,
+                world_size: int = 1, progress: bool = True) -> int:
+    """Compute and store the features of this rank's share of `dataset` (index % world_size == rank), skipping samples
+    already in the cache, longest first so a crash loses little and memory peaks early. Returns samples written."""
+    from tqdm.auto import tqdm
+
+    todo = [i for i in range(rank, len(dataset), world_size) if i not in cache]
+    todo.sort(key=lambda i: -len(dataset[i]["input_ids"]))
+    provider = FeatureProvider("online", target, cache.meta["layer_ids"])
+    bar = tqdm(total=len(todo), desc=f"features rank {rank}", disable=not progress, unit="sample")
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start:start + batch_size]
+        batch = make_batch(dataset, chunk, pad_token_id)
+        features = provider.online(batch)
+        for row, index in enumerate(chunk):
+            length = int(batch["attention_mask"][row].sum())
+            cache.add(index, batch["input_ids"][row, :length],
+                      {i: h[row, :length] for i, h in features["target_hidden"].items()},
+                      features["target_last_hidden"][row, :length], features["target_argmax"][row, :length])
+        bar.update(len(chunk))
+    cache.flush()
+    bar.close()
+    return len(todo)

@@ -1,0 +1,264 @@
+"""The training loop: `train_step` / `evaluate` / `fit` around one Accelerator, for any drafter.
+
+The loop knows the drafter only through the contract in drafters/base.py: `target_layer_ids`, `init_from_data`,
+`forward(batch)`, `loss(output, batch)`, `save(dir, "native")`, its `config` dataclass (phases set fields on it by
+name) and the inference methods the speculative-decoding probe drives. Only the drafter and its optimizer are
+prepared by accelerate; the target is frozen, unwrapped, on the accelerator's device, and features come from
+train/features.py (online, offline or hybrid).
+
+Data order is a pure function of (seed, epoch, step): each epoch is a seeded permutation cut into global batches of
+batch_size x processes x grad_accum sequences; micro-batch m of process r takes slice m * processes + r. So the
+checkpointed step fixes the data position, and N processes with accumulation A see the same global batches as one
+process with accumulation N x A.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate import Accelerator, DistributedType
+from tqdm.auto import tqdm
+
+from train.checkpoint import list_checkpoints, save_checkpoint
+from train.config import Derived, Recipe, save_recipe
+from train.features import FeatureProvider, make_batch
+from train.metrics import MeanMeter, RunLog, reduce_mean, speculative_probe
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
+    """The sample order of one epoch: a permutation seeded by (seed, epoch)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=generator).tolist()
+
+
+def step_indices(order: list[int], step_in_epoch: int, derived: Derived, rank: int, batch_size: int) -> list[list[int]]:
+    """Sample indices of each micro-batch this process runs for one optimizer step."""
+    start = step_in_epoch * derived.global_batch_size
+    slices = []
+    for micro in range(derived.grad_accum):
+        offset = start + (micro * derived.world_size + rank) * batch_size
+        slices.append(order[offset:offset + batch_size])
+    return slices
+
+
+@dataclass
+class Trainer:
+    """Everything one run needs; built by `train.build.build_trainer`. `step` counts optimizer steps taken."""
+
+    recipe: Recipe
+    derived: Derived
+    accelerator: Accelerator
+    target: Any  # inference.target.TargetModel, frozen
+    drafter: torch.nn.Module  # prepared (maybe DDP/FSDP-wrapped)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: Any  # train.data.PreparedData
+    train_features: FeatureProvider
+    eval_features: FeatureProvider
+    eval_prompts: list[list[int]]
+    pad_token_id: int
+    step: int = 0
+    elapsed: float = 0.0
+    base_config: dict[str, Any] = field(default_factory=dict)
+    _orders: dict[int, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.log = RunLog(self.accelerator, self.recipe.output.dir)
+        self.model = self.accelerator.unwrap_model(self.drafter)
+        keys = {key for phase in self.recipe.train.phases for key in phase.drafter}
+        self.base_config = {key: getattr(self.model.config, key) for key in sorted(keys)}
+
+    # ---- data ------------------------------------------------------------------------------------------------
+    def micro_batches(self, step: int) -> list[dict[str, Any]]:
+        """The batches this process runs for optimizer step `step` (0-based), on the accelerator's device."""
+        epoch, position = divmod(step, self.derived.steps_per_epoch)
+        if epoch not in self._orders:
+            self._orders = {epoch: epoch_order(len(self.data.train), self.recipe.train.seed, epoch)}
+        slices = step_indices(self._orders[epoch], position, self.derived, self.accelerator.process_index,
+                              self.recipe.train.batch_size)
+        return [self.to_device(make_batch(self.data.train, indices, self.pad_token_id)) for indices in slices]
+
+    def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {key: value.to(self.accelerator.device) for key, value in batch.items()}
+
+    # ---- drafter config phases -------------------------------------------------------------------------------
+    def phase_overrides(self, step: int) -> dict[str, Any]:
+        """Drafter config values for this step: the first phase whose until_fraction lies beyond it, else base."""
+        fraction = step / self.derived.max_steps
+        for phase in self.recipe.train.phases:
+            if fraction < phase.until_fraction:
+                return {**self.base_config, **phase.drafter}
+        return dict(self.base_config)
+
+    def set_drafter_config(self, values: dict[str, Any]) -> None:
+        for key, value in values.items():
+            setattr(self.model.config, key, value)
+
+    # ---- one optimizer step ------------------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, float]:
+        """Forward/backward over the micro-batches, clip, AdamW step, schedule step. Returns mean metrics."""
+        self.drafter.train()
+        meter = MeanMeter()
+        grad_clip = self.recipe.optim.grad_clip
+        for batch in micro_batches:
+            with self.accelerator.accumulate(self.drafter):
+                batch.update(self.train_features(batch))
+                loss, metrics = self.model.loss(self.drafter(batch), batch)
+                self.accelerator.backward(loss)
+                if self.accelerator.sync_gradients and grad_clip is not None:
+                    grad_norm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), grad_clip)
+                    metrics = {**metrics, "grad_norm": float(grad_norm)}
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            meter.add({"loss": loss.item(), **metrics, "tokens": float(batch["attention_mask"].sum())})
+        self.scheduler.step()
+        return meter.pop()
+
+    # ---- evaluation ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss / per-depth accuracy / simulated acceptance (all processes), then real speculative decoding
+        on a few prompts (main process). Runs with the recipe's drafter config, whatever the current phase."""
+        current = {key: getattr(self.model.config, key) for key in self.base_config}
+        self.set_drafter_config(self.base_config)
+        self.drafter.eval()
+        meter = MeanMeter()
+        world, rank, size = self.accelerator.num_processes, self.accelerator.process_index, self.recipe.train.batch_size
+        num_batches = len(self.data.eval) // (size * world)
+        if self.recipe.eval.num_batches is not None:
+            num_batches = min(num_batches, self.recipe.eval.num_batches)
+        with torch.random.fork_rng(devices=[]):
+            for b in range(num_batches):
+                start = (b * world + rank) * size
+                batch = self.to_device(make_batch(self.data.eval, list(range(start, start + size)), self.pad_token_id))
+                batch.update(self.eval_features(batch))
+                loss, metrics = self.model.loss(self.drafter(batch), batch)
+                meter.add({"loss": loss.item(), **metrics})
+            results = reduce_mean(self.accelerator, meter.pop())
+            if self.eval_prompts and self.accelerator.is_main_process and self.can_probe():
+                results.update({f"spec_{key}": value for key, value in speculative_probe(
+                    self.target, self.model, self.eval_prompts, num_draft_tokens=self.recipe.eval.num_draft_tokens,
+                    max_new_tokens=self.recipe.eval.max_new_tokens).items()})
+        self.accelerator.wait_for_everyone()
+        self.set_drafter_config(current)
+        self.drafter.train()
+        return results
+
+    def can_probe(self) -> bool:
+        """FSDP shards the drafter's weights across processes, so one process cannot decode with it alone."""
+        return self.accelerator.distributed_type != DistributedType.FSDP
+
+    # ---- checkpoints and export ----------------------------------------------------------------------------------
+    def save(self) -> str:
+        self.train_features.flush()
+        state = {"step": self.step, "elapsed_seconds": self.elapsed_now,
+                 "steps_per_epoch": self.derived.steps_per_epoch, "global_batch_size": self.derived.global_batch_size,
+                 "seed": self.recipe.train.seed}
+        return save_checkpoint(self.accelerator, self.recipe.output.dir, self.step, recipe=self.recipe,
+                               trainer_state=state, target_info=self.model.target_info,
+                               keep_last=self.recipe.train.keep_last)
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's trainer state (after accelerator.load_state)."""
+        for key in ("steps_per_epoch", "global_batch_size", "seed"):
+            current = {"steps_per_epoch": self.derived.steps_per_epoch,
+                       "global_batch_size": self.derived.global_batch_size, "seed": self.recipe.train.seed}[key]
+            if state[key] != current:
+                raise ValueError(f"cannot resume exactly: the checkpoint has {key}={state[key]} but this run has "
+                                 f"{current} (same data, train.seed and global batch are needed)")
+        self.step, self.elapsed = state["step"], state["elapsed_seconds"]
+
+    def export_final(self) -> str:
+        """OUTPUT_DIR/final in the native format (+ recipe.yaml), from the gathered state dict (works under FSDP)."""
+        state = self.accelerator.get_state_dict(self.drafter)
+        final_dir = os.path.join(self.recipe.output.dir, "final")
+        if self.accelerator.is_main_process:
+            fresh = type(self.model)(copy.deepcopy(self.recipe.drafter), self.model.target_info)
+            fresh.load_state_dict(state, strict=True)
+            tmp_dir = final_dir + ".tmp"
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            fresh.save(tmp_dir, "native")
+            save_recipe(self.recipe, os.path.join(tmp_dir, "recipe.yaml"))
+            shutil.rmtree(final_dir, ignore_errors=True)
+            os.rename(tmp_dir, final_dir)
+        self.accelerator.wait_for_everyone()
+        return final_dir
+
+    # ---- the run ---------------------------------------------------------------------------------------------------
+    def agree(self, loss: float, started: float) -> tuple[bool, bool]:
+        """(some process saw a non-finite loss, the wall budget is spent), the same answer on every process."""
+        budget = self.recipe.train.max_time_minutes
+        self.elapsed_now = self.elapsed + time.perf_counter() - started
+        out_of_time = budget is not None and self.elapsed_now >= 60.0 * budget
+        flags = torch.tensor([float(not math.isfinite(loss)), float(out_of_time)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flags = self.accelerator.reduce(flags, reduction="sum")
+        return bool(flags[0] > 0), bool(flags[1] > 0)
+
+    def log_interval(self, meter: MeanMeter, interval: dict[str, float]) -> None:
+        """Mean train metrics since the last log line, the learning rate, tokens/s over all processes."""
+        means = reduce_mean(self.accelerator, meter.pop())
+        seconds = max(time.perf_counter() - interval["start"], 1e-9)
+        tokens = means.pop("tokens") * self.derived.grad_accum * self.accelerator.num_processes * interval["steps"]
+        means.update(lr=self.scheduler.get_last_lr()[0], tokens_per_s=tokens / seconds,
+                     epoch=self.step / self.derived.steps_per_epoch)
+        self.log.log(self.step, means, "train")
+        interval.update(start=time.perf_counter(), steps=0)
+
+    def after_step(self, metrics: dict[str, float], meter: MeanMeter, interval: dict[str, float]) -> None:
+        """Logging, epoch-end cache refresh, checkpoints and periodic evaluation after optimizer step self.step."""
+        train = self.recipe.train
+        meter.add(metrics)
+        interval["steps"] += 1
+        if self.step % train.log_every == 0 or self.step == self.derived.max_steps:
+            self.log_interval(meter, interval)
+        if self.step % self.derived.steps_per_epoch == 0:  # hybrid: every rank's shards become readable
+            self.train_features.flush()
+            self.accelerator.wait_for_everyone()
+            self.train_features.refresh()
+        if train.save_every and self.step % train.save_every == 0:
+            self.save()
+        if train.eval_every and self.step % train.eval_every == 0:
+            self.log.log(self.step, self.evaluate(), "eval")
+
+    def last_checkpoint(self) -> str | None:
+        checkpoints = list_checkpoints(self.recipe.output.dir)
+        return checkpoints[-1][1] if checkpoints else None
+
+    def fit(self) -> str:
+        """Train to max_steps (or the wall budget), evaluate, save, export OUTPUT_DIR/final; return its path."""
+        max_steps, started = self.derived.max_steps, time.perf_counter()
+        self.elapsed_now = self.elapsed
+        bar = tqdm(total=max_steps, initial=self.step, disable=not self.accelerator.is_main_process, unit="step")
+        meter, interval = MeanMeter(), {"start": time.perf_counter(), "steps": 0}
+        while self.step < max_steps:
+            self.set_drafter_config(self.phase_overrides(self.step))
+            metrics = self.train_step(self.micro_batches(self.step))
+            self.step += 1
+            nonfinite, out_of_time = self.agree(metrics["loss"], started)
+            if nonfinite:
+                raise FloatingPointError(
+                    f"non-finite training loss at step {self.step}; stopping. The last good checkpoint is "
+                    f"{self.last_checkpoint() or 'none (train.save_every is unset)'}")
+            self.after_step(metrics, meter, interval)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+            if out_of_time:
+                self.accelerator.print(f"wall budget train.max_time_minutes reached at step {self.step}; stopping")
+                break
+        bar.close()
+        if interval["steps"]:
+            self.log_interval(meter, interval)
+        self.set_drafter_config(self.base_config)
+        if self.recipe.train.save_every and self.step % self.recipe.train.save_every:
+            self.save()
+        self.log.log(self.step, self.evaluate(), "eval")
+        return self.export_final()

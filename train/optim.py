@@ -1,0 +1,51 @@
+"""AdamW over the drafter's trainable parameters and the learning-rate schedule (warm-up + cosine / linear / constant).
+
+The schedule is a function of the optimizer step only, so a resumed run and a wall-clock-limited run see exactly
+the learning rates an uninterrupted run would at the same step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from train.config import OptimConfig, ScheduleConfig
+
+
+def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
+    """AdamW on the parameters that require grad (a drafter's frozen copies of target tensors are excluded)."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    if not parameters:
+        raise ValueError("the drafter has no trainable parameters")
+    return torch.optim.AdamW(parameters, lr=config.lr, betas=tuple(config.betas), eps=config.eps,
+                             weight_decay=config.weight_decay)
+
+
+def lr_factor(step: int, *, max_steps: int, config: ScheduleConfig) -> float:
+    """Multiplier on the peak lr for optimizer step `step` (0-based).
+
+    Warm-up rises linearly to 1 over warmup_steps (step 0 already gets 1 / warmup_steps so it is not wasted); the
+    decay then goes from 1 to min_lr_ratio at the last step.
+    """
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.kind == "constant":
+        return 1.0
+    decay_steps = max(1, max_steps - config.warmup_steps - 1)
+    progress = min(1.0, (step - config.warmup_steps) / decay_steps)
+    if config.kind == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        shape = 1.0 - progress
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: ScheduleConfig, max_steps: int):
+    """A LambdaLR stepping once per optimizer step; its state is saved with every checkpoint."""
+    if config.warmup_steps < 0 or not 0.0 <= config.min_lr_ratio <= 1.0:
+        raise ValueError(f"schedule: warmup_steps must be >= 0 and min_lr_ratio in [0, 1], got {config}")
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, max_steps=max_steps, config=config)
+    )
