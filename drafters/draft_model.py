@@ -54,7 +54,7 @@ class DraftModelDrafter(Drafter):
 
     def begin(self, context: DraftContext) -> None:
         self.runner.reset()
-        self.runner.extend(context.input_ids, context.valid)
+        self.runner.extend(context.input_ids, context.valid, logits_to_keep=1)
         self.pending = [[int(t)] for t in context.next_tokens.tolist()]
         self.generator = context.generator
 

@@ -436,7 +436,8 @@ class Eagle3Drafter(Drafter):
 
     @torch.no_grad()
     def propose(self, num_tokens: int) -> Proposal:
-        """Draft a chain of num_tokens per row (target ids). probs [B, K, V] only when config.sample_drafts."""
+        """Draft a chain of num_tokens per row (target ids). probs [B, K, V] (float32, zero outside the draft
+        vocab) only when config.sample_drafts; otherwise argmax drafts and probs None."""
         if not self._state:
             raise ValueError("propose() called before begin()")
         for cache in self._caches:
@@ -460,7 +461,7 @@ class Eagle3Drafter(Drafter):
             return Proposal(tokens=torch.zeros(batch, 0, dtype=torch.long, device=hidden.device))
         if not self.config.sample_drafts:
             return Proposal(tokens=torch.stack(tokens, dim=1))
-        q = torch.stack(probs, dim=1)  # [B, K, V_d]
+        q = torch.stack(probs, dim=1).float()  # [B, K, V_d]; float32 like the engine's target probabilities
         full = q.new_zeros(batch, num_tokens, self.t2d.numel())
         full[:, :, draft_ids] = q
         return Proposal(tokens=torch.stack(tokens, dim=1), probs=full)

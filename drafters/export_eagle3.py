@@ -103,6 +103,8 @@ def eagle3_config(drafter) -> dict[str, Any]:
         "architectures": ["LlamaForCausalLMEagle3"],
         **_eagle3_fields(drafter),
         "num_aux_hidden_states": len(drafter.layer_ids),
+        # No standard key holds the training depth here; engines ignore unknown keys, our loader reads it back.
+        "draftsmith": {"ttt_steps": drafter.config.ttt_steps, "step_decay": drafter.config.step_decay},
     }
 
 
@@ -128,11 +130,13 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
     nested = header.get("eagle_config") or {}
     layer_ids = header.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids")
     proposals = header.get("speculators_config", {}).get("proposal_methods") or [{}]
+    ours = header.get("draftsmith") or {}
     config = Eagle3Config(
         layer_ids=tuple(layer_ids or ()),
         num_layers=int(layer["num_hidden_layers"]),
         draft_vocab_size=int(header.get("draft_vocab_size") or layer["vocab_size"]),
-        ttt_steps=int(proposals[0].get("speculative_tokens", 7)),
+        ttt_steps=int(ours.get("ttt_steps") or proposals[0].get("speculative_tokens", 7)),
+        step_decay=float(ours.get("step_decay", 0.8)),
         intermediate_size=int(layer["intermediate_size"]),
         num_attention_heads=int(layer["num_attention_heads"]),
         num_key_value_heads=int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),

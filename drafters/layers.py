@@ -189,7 +189,7 @@ class KVCache:
         used = int(columns.max()) + 1
         column_ids = torch.arange(used, device=k.device)
         mask = self.valid[:, None, :used] & (column_ids <= columns.unsqueeze(-1))  # [B, n, C]
-        pass
+        mask |= column_ids == columns.unsqueeze(-1)
         last_valid = torch.where(valid, torch.arange(1, n + 1, device=k.device), 0).amax(dim=1)
         self.lengths = self.lengths + last_valid
         return self.keys[:, :, :used], self.values[:, :, :used], mask.unsqueeze(1)

@@ -43,14 +43,15 @@ class RaggedLM:
         self.cache, self.slot_mask = None, None
 
     @torch.no_grad()
-    def extend(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def extend(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
         """Feed a block of tokens to every row and return its logits.
 
         Args:
             input_ids: [B, S] new tokens; the first call is the prefill (left padding allowed).
             valid: [B, S] bool; False marks padding slots that never become part of the sequence.
+            logits_to_keep: 0 for logits at every position, n for the last n only (a prefill needs one).
         Returns:
-            logits [B, S, V] (float32).
+            logits [B, S, V] (float32), or [B, n, V].
         """
         batch, num_new = input_ids.shape
         if valid is None:
@@ -72,6 +73,7 @@ class RaggedLM:
             attention_mask=self.slot_mask,
             position_ids=position_ids,
             use_cache=True,
+            logits_to_keep=logits_to_keep,
             **{self.cache_arg: self.cache},
         )
         return out.logits.float()

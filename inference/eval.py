@@ -26,7 +26,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from drafters import load_drafter
+from drafters import Drafter, load_drafter
 from inference.generate import GenerateOutput, speculative_generate
 from inference.metrics import annotate_recommendations, build_record, merge_outputs
 from inference.prompts import load_questions, select_spread
@@ -115,7 +115,7 @@ class Method:
     """One thing to evaluate: a drafter (None = plain AR) at one k."""
 
     name: str
-    drafter: object
+    drafter: Drafter | None
     num_draft_tokens: int
 
 

@@ -42,6 +42,7 @@ class TargetModel:
         self.final_norm = decoder.norm
         self.num_layers = len(self.layers)
         self.runner = RaggedLM(model)
+        self._info: TargetInfo | None = None
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype=torch.float32, device="cpu") -> "TargetModel":
@@ -58,6 +59,12 @@ class TargetModel:
         return next(self.model.parameters()).device
 
     def target_info(self) -> TargetInfo:
+        """Built once: the tensors are shared references, so this costs nothing after the first call."""
+        if self._info is None:
+            self._info = self._build_info()
+        return self._info
+
+    def _build_info(self) -> TargetInfo:
         config = self.model.config
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         if eos is None:
@@ -117,14 +124,15 @@ class TargetModel:
 
     # ---- engine: KV-cached forwards ------------------------------------------------------------------------
     def prefill(self, input_ids, attention_mask, layer_ids=()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Start a generation: input_ids [B, S] left-padded, attention_mask [B, S]. Returns logits [B, S, V], hidden."""
+        """Start a generation: input_ids [B, S] left-padded, attention_mask [B, S].
+        Returns logits [B, 1, V] at the last position (the only ones a generation needs) and hidden {id: [B, S, D]}."""
         self.runner.reset()
-        return self.extend(input_ids, layer_ids, valid=attention_mask.bool())
+        return self.extend(input_ids, layer_ids, valid=attention_mask.bool(), logits_to_keep=1)
 
-    def extend(self, input_ids, layer_ids=(), valid=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def extend(self, input_ids, layer_ids=(), valid=None, logits_to_keep=0) -> tuple[torch.Tensor, dict]:
         """Verify forward over a block [B, S] appended after each row's sequence. Returns logits [B, S, V], hidden."""
         with self.capture(layer_ids) as captured:
-            logits = self.runner.extend(input_ids, valid)
+            logits = self.runner.extend(input_ids, valid, logits_to_keep)
         return logits, {layer_id: captured[layer_id] for layer_id in layer_ids}
 
     def mark(self) -> int:

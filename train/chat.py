@@ -131,7 +131,10 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_le
     text = render(tokenizer, messages, chat_template)
     spans = assistant_spans(tokenizer, messages, text, chat_template)
     try:
-        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        # One token past max_length is enough to know that the conversation is too long (if the tokenizer
+        # truncates on the right, which is what we keep).
+        limit = {"truncation": True, "max_length": max_length + 1} if tokenizer.truncation_side == "right" else {}
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, **limit)
     except NotImplementedError:
         raise ValueError("the loss mask needs a fast tokenizer (character offsets); "
                          f"{type(tokenizer).__name__} has none") from None

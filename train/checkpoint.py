@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from typing import Any
 
 from train.config import Recipe, save_recipe
@@ -55,14 +56,20 @@ def target_record(target_info) -> dict[str, Any]:
 
 
 def check_target(checkpoint_dir: str, target_info) -> None:
-    """Raise ValueError naming the field when the checkpoint was trained against another target."""
+    """Raise ValueError naming the field when the checkpoint was trained against a target of another shape.
+
+    A different directory name alone only warns: the same model is often stored under other paths on other machines.
+    """
     with open(os.path.join(checkpoint_dir, "target.json")) as f:
         stored = json.load(f)
     current = target_record(target_info)
-    for key, value in current.items():
-        if stored.get(key) != value:
+    for key in ("hidden_size", "vocab_size", "num_layers"):
+        if stored.get(key) != current[key]:
             raise ValueError(f"checkpoint {checkpoint_dir} was trained against another target: target {key} is "
-                             f"{stored.get(key)!r} there but {value!r} in this run (target.name_or_path)")
+                             f"{stored.get(key)!r} there but {current[key]!r} in this run (target.name_or_path)")
+    if stored.get("name") != current["name"]:
+        print(f"warning: checkpoint {checkpoint_dir} was trained against target {stored.get('name')!r}; this run's "
+              f"target is {current['name']!r} (same shapes, so resuming)", file=sys.stderr)
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, *, recipe: Recipe, trainer_state: dict[str, Any],

@@ -77,7 +77,8 @@ class DataConfig:
 @dataclass
 class PreparedData:
     """train / eval: datasets with columns input_ids and loss_mask (lists of ints, one row per conversation).
-    counts: records, skipped (malformed), train, eval, truncated, too_long (dropped), no_assistant (dropped).
+    counts: records, skipped (malformed), train, eval, truncated (kept, cut to max_length), and the dropped ones:
+        too_long (truncation "drop"), no_assistant (no assistant turn), prompt_too_long (no assistant token fits).
     skip_reasons: how many records were skipped for each reason."""
 
     train: datasets.Dataset
@@ -114,8 +115,7 @@ def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
         splits[name] = tokenised.filter(lambda status: status in _KEPT, input_columns="status").remove_columns(
             "status")
         counts[name] = len(splits[name])
-    counts.update(truncated=statuses["truncated"], too_long=statuses["too_long"],
-                  no_assistant=statuses["no_assistant"])
+    counts.update({status: statuses[status] for status in ("truncated", "too_long", "no_assistant", "prompt_too_long")})
     logger.info("data %s: %s; skipped by reason: %s", config.regenerated_path or config.path, counts, skip_reasons)
     if counts["train"] == 0:
         raise ValueError(f"no training conversation left after filtering: {counts}")
@@ -167,7 +167,8 @@ def _tokenise(split: datasets.Dataset, tokenizer: Any, template: str, config: Da
 
 def _tokenise_batch(batch: dict[str, list], tokenizer: Any, template: str, max_length: int,
                     truncation: Truncation, system_prompt: str | None) -> dict[str, list]:
-    """Rows: input_ids, loss_mask and a status: ok, truncated, too_long (dropped) or no_assistant (dropped)."""
+    """Rows: input_ids, loss_mask and a status: ok, truncated, or dropped: too_long (truncation "drop"),
+    no_assistant (no assistant turn), prompt_too_long (truncation left no assistant token)."""
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "status": []}
     for messages in batch["messages"]:
         if system_prompt is not None and messages[0]["role"] != "system":
@@ -175,8 +176,10 @@ def _tokenise_batch(batch: dict[str, list], tokenizer: Any, template: str, max_l
         sample = tokenize_conversation(tokenizer, messages, max_length, template, truncation)
         if sample is None:
             status, sample = "too_long", {"input_ids": [], "loss_mask": []}
-        elif not any(sample["loss_mask"]):
+        elif not any(message["role"] == "assistant" for message in messages):
             status = "no_assistant"
+        elif not any(sample["loss_mask"]):
+            status = "prompt_too_long"  # truncation cut every assistant token
         else:
             status = "truncated" if sample["truncated"] else "ok"
         out["input_ids"].append(sample["input_ids"])

@@ -185,11 +185,14 @@ class FeatureProvider:
         return features
 
     def online(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """One no-grad target forward on the batch (on the target's device)."""
+        """One no-grad target forward on the batch (on the target's device). Padding positions are zeroed, as the
+        cache pads them, so a drafter sees identical batches in every mode."""
         device = self.target.device
-        out = self.target.features(batch["input_ids"].to(device), batch["attention_mask"].to(device), self.layer_ids)
-        return {"target_hidden": {i: out.hidden[i].float() for i in self.layer_ids},
-                "target_last_hidden": out.last_hidden.float(), "target_argmax": out.argmax.long()}
+        mask = batch["attention_mask"].to(device)
+        out = self.target.features(batch["input_ids"].to(device), mask, self.layer_ids)
+        keep = mask.unsqueeze(-1).float()  # [B, T, 1]
+        return {"target_hidden": {i: out.hidden[i].float() * keep for i in self.layer_ids},
+                "target_last_hidden": out.last_hidden.float() * keep, "target_argmax": out.argmax.long() * mask}
 
     def from_cache(self, batch: dict[str, Any], indices: list[int]) -> dict[str, Any]:
         """Read each row from the cache and right-pad to the batch length with zeros."""

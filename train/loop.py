@@ -67,6 +67,7 @@ class Trainer:
     pad_token_id: int
     step: int = 0
     elapsed: float = 0.0
+    last_eval_step: int = -1
     base_config: dict[str, Any] = field(default_factory=dict)
     _orders: dict[int, list[int]] = field(default_factory=dict)
 
@@ -228,6 +229,7 @@ class Trainer:
             self.save()
         if train.eval_every and self.step % train.eval_every == 0:
             self.log.log(self.step, self.evaluate(), "eval")
+            self.last_eval_step = self.step
 
     def last_checkpoint(self) -> str | None:
         checkpoints = list_checkpoints(self.recipe.output.dir)
@@ -260,5 +262,6 @@ class Trainer:
         self.set_drafter_config(self.base_config)
         if self.recipe.train.save_every and self.step % self.recipe.train.save_every:
             self.save()
-        self.log.log(self.step, self.evaluate(), "eval")
+        if self.last_eval_step != self.step:
+            self.log.log(self.step, self.evaluate(), "eval")
         return self.export_final()

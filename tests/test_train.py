@@ -1,0 +1,248 @@
+"""The training loop on a tiny random target (the debug recipe's): exact resume, offline == online features,
+cache checksums, NaN stops, target checks, data order across processes, export, and (slow) 2-process DDP == 1 process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drafters import DRAFTERS, load_drafter
+from train.config import Derived, load_recipe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEBUG_RECIPE = os.path.join(ROOT, "recipes", "debug", "tiny_eagle3.yaml")
+WORDS = ("the cat sat on a mat and then it ran to see what was there near old red house by one tree while "
+         "rain fell slowly over quiet hills so we wrote code to count every word twice").split()
+
+
+def write_chats(path: str, num: int = 40, seed: int = 0) -> None:
+    """Seeded OpenAI-format conversations of simple words (one or two turns)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(num):
+            messages = []
+            for _ in range(rng.choice((1, 2))):
+                messages.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(3, 8)))})
+                messages.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(8, 20)))})
+            f.write(json.dumps({"id": f"c{i}", "messages": messages}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A built debug target directory and a small chat file, shared by the module's tests."""
+    from train.debug_target import resolve_debug_target
+
+    root = tmp_path_factory.mktemp("train")
+    target_dir = resolve_debug_target("debug:tiny-llama", cache_dir=str(root / "cache"))
+    write_chats(str(root / "chats.jsonl"))
+    return root, target_dir
+
+
+def tiny_overrides(workdir, out: str, *extra: str) -> list[str]:
+    root, target_dir = workdir
+    return [f"target.name_or_path={target_dir}", f"data.path={root / 'chats.jsonl'}", "data.max_length=160",
+            "data.num_samples=null", "data.num_eval_samples=4", f"data.cache_dir={root / 'datasets'}",
+            f"output.dir={out}", "train.batch_size=2", "train.epochs=null", "train.max_steps=6", "train.log_every=2",
+            "train.save_every=null", "train.eval_every=null", "train.keep_last=null", "eval.num_prompts=0",
+            "eval.num_batches=1", "schedule.warmup_steps=2", *extra]
+
+
+def reset_accelerate() -> None:
+    """Each test builds its own Accelerator in this one process."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def run(workdir, out: str, *extra: str):
+    from train.build import build_trainer
+
+    reset_accelerate()
+    trainer = build_trainer(load_recipe(DEBUG_RECIPE, tiny_overrides(workdir, out, *extra)))
+    final_dir = trainer.fit()
+    trainer.accelerator.end_training()
+    return trainer, final_dir
+
+
+def weights(directory: str) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def test_debug_target_is_an_ordinary_model_directory(workdir):
+    from transformers import AutoTokenizer
+
+    from inference.target import TargetModel
+
+    _, target_dir = workdir
+    target = TargetModel.from_pretrained(target_dir)
+    info = target.target_info()
+    assert (info.hidden_size, info.num_layers, info.vocab_size) == (64, 4, 259)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "héllo"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert text == "<|im_start|>user\nhéllo<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_data_order_of_two_processes_equals_one_process_with_accumulation():
+    from train.loop import epoch_order, step_indices
+
+    order = epoch_order(40, seed=3, epoch=1)
+    assert sorted(order) == list(range(40)) and order != epoch_order(40, seed=3, epoch=2)
+    one = Derived(world_size=1, grad_accum=2, global_batch_size=4, steps_per_epoch=10, max_steps=10)
+    two = Derived(world_size=2, grad_accum=1, global_batch_size=4, steps_per_epoch=10, max_steps=10)
+    for step in range(10):
+        single = step_indices(order, step, one, rank=0, batch_size=2)
+        assert [step_indices(order, step, two, rank=r, batch_size=2)[0] for r in (0, 1)] == single
+
+
+def test_resume_is_bitwise_exact_and_export_loads(workdir, tmp_path):
+    full, final_dir = run(workdir, str(tmp_path / "full"), "train.save_every=3",
+                          "train.phases=[{until_fraction: 0.5, drafter: {ttt_steps: 1}}]")
+    assert sorted(os.listdir(tmp_path / "full" / "checkpoints")) == ["step_3", "step_6"]
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_3", resumed_dir / "checkpoints" / "step_3")
+    resumed, resumed_final = run(workdir, str(resumed_dir), "train.save_every=3", "train.resume_from=latest",
+                                 "train.phases=[{until_fraction: 0.5, drafter: {ttt_steps: 1}}]")
+    logged = [json.loads(line)["step"] for line in open(resumed_dir / "metrics.jsonl")]
+    assert resumed.step == 6 and min(logged) == 4  # it continued from step 3, it did not start over
+    expected, got = weights(final_dir), weights(resumed_final)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    middle = weights(str(resumed_dir / "checkpoints" / "step_3"))
+    assert not torch.equal(middle["fc.weight"], expected["fc.weight"])  # steps 4..6 did change the weights
+    # the phase changed ttt_steps during training only: the recipe and the export keep the configured value
+    assert full.recipe.drafter.ttt_steps == 3 and full.model.config.ttt_steps == 3
+    with open(os.path.join(final_dir, "config.json")) as f:
+        assert json.load(f)["drafter_config"]["ttt_steps"] == 3
+    assert load_recipe(os.path.join(final_dir, "recipe.yaml")).train.max_steps == 6
+    assert os.path.isfile(tmp_path / "full" / "checkpoints" / "step_3" / "recipe.yaml")
+    drafter = load_drafter(final_dir, full.target.target_info())
+    assert type(drafter) is DRAFTERS["eagle3"] and torch.equal(drafter.fc.weight, expected["fc.weight"])
+    lines = [json.loads(line) for line in open(tmp_path / "full" / "metrics.jsonl")]
+    assert any("train/loss" in line for line in lines) and "eval/sim_accept_length" in lines[-1]
+
+
+def test_checkpoint_from_another_target_is_refused(workdir, tmp_path):
+    from inference.target import TargetModel
+    from tests.conftest import make_tiny_model
+    from train.checkpoint import check_target
+
+    trainer, _ = run(workdir, str(tmp_path / "run"), "train.max_steps=2", "train.save_every=2")
+    checkpoint = os.path.join(tmp_path, "run", "checkpoints", "step_2")
+    check_target(checkpoint, trainer.target.target_info())
+    other = TargetModel(make_tiny_model(), name_or_path=trainer.target.name_or_path).target_info()
+    with pytest.raises(ValueError, match="another target: target vocab_size is 259 there but 256"):
+        check_target(checkpoint, other)
+
+
+def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(workdir, tmp_path):
+    out = tmp_path / "nan"
+    with pytest.raises(FloatingPointError, match=r"at step 2\b.*step_1"):
+        run(workdir, str(out), "optim.lr=1e30", "optim.grad_clip=null", "schedule.kind=constant",
+            "schedule.warmup_steps=0", "train.save_every=1")
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_1"]
+    assert all(torch.isfinite(t).all() for t in weights(str(out / "checkpoints" / "step_1")).values())
+
+
+def test_offline_cache_equals_online_and_trains_the_same(workdir, tmp_path):
+    from train import prepare
+    from train.build import build_trainer
+
+    cache = tmp_path / "features"
+    offline = tiny_overrides(workdir, str(tmp_path / "off"), "features.mode=offline", f"features.cache_dir={cache}")
+    reset_accelerate()
+    assert prepare.main([DEBUG_RECIPE, *offline]) == 0
+    assert prepare.main([DEBUG_RECIPE, *offline]) == 0  # resumable: a second run finds everything cached
+    with open(cache / "train" / "index-rank0.json") as f:
+        assert len(json.load(f)["shards"]) == 1
+    reset_accelerate()
+    trainer = build_trainer(load_recipe(DEBUG_RECIPE, offline))
+    for batch in trainer.micro_batches(0) + trainer.micro_batches(1):
+        online, cached = trainer.train_features.online(batch), trainer.train_features(batch)
+        mask = batch["attention_mask"].bool()
+        assert torch.equal(online["target_argmax"][mask], cached["target_argmax"][mask])
+        for key in ("target_last_hidden",):
+            torch.testing.assert_close(cached[key][mask], online[key][mask], rtol=1e-5, atol=1e-5)
+        for layer_id, hidden in online["target_hidden"].items():
+            torch.testing.assert_close(cached["target_hidden"][layer_id][mask], hidden[mask], rtol=1e-5, atol=1e-5)
+    trainer.accelerator.end_training()
+    _, offline_final = run(workdir, str(tmp_path / "off"), "features.mode=offline", f"features.cache_dir={cache}")
+    _, online_final = run(workdir, str(tmp_path / "on"))
+    expected, got = weights(online_final), weights(offline_final)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5)
+
+
+def test_cache_checksum_and_stale_data_are_detected(workdir, tmp_path):
+    from train.features import FeatureCache, FeatureProvider, cache_meta
+
+    from inference.target import TargetModel
+
+    target = TargetModel.from_pretrained(workdir[1])
+    meta = cache_meta(target.target_info(), (1, 3), torch.float32, num_samples=4)
+    cache = FeatureCache(str(tmp_path / "c"), meta)
+    hybrid = FeatureProvider("hybrid", target, (1, 3), cache)
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]]), "sample_index": torch.tensor([0, 1]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])}
+    first = hybrid(batch)  # computed online, written
+    cache.flush()
+    again = FeatureProvider("offline", target, (1, 3), FeatureCache(str(tmp_path / "c"), meta))(batch)
+    assert torch.equal(first["target_hidden"][3], again["target_hidden"][3])
+    stale = dict(batch, input_ids=torch.tensor([[5, 6, 7, 9], [9, 10, 0, 0]]))
+    with pytest.raises(ValueError, match="sample 0 holds other tokens"):
+        FeatureProvider("offline", target, (1, 3), FeatureCache(str(tmp_path / "c"), meta))(stale)
+    with pytest.raises(ValueError, match="layer ids \\[2\\] were not stored"):
+        FeatureCache(str(tmp_path / "c"), {**meta, "layer_ids": [1, 2, 3]})
+    shard = tmp_path / "c" / "rank0-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="sha256"):
+        FeatureProvider("offline", target, (1, 3), FeatureCache(str(tmp_path / "c"), meta))(batch)
+
+
+def test_estimate_prints_disk_and_time(workdir, tmp_path, capsys):
+    from train import estimate
+
+    reset_accelerate()
+    assert estimate.main([DEBUG_RECIPE, *tiny_overrides(workdir, str(tmp_path / "est"))]) == 0
+    printed = capsys.readouterr().out
+    assert "disk: 1,032 bytes/token" in printed and "tokens/s measured" in printed
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_the_same_global_batch(workdir, tmp_path):
+    """gloo DDP with 2 processes x batch 2 == 1 process x batch 2 x accumulation 2 (same global batches)."""
+    common = tiny_overrides(workdir, "", "train.max_steps=3", "train.log_every=1")
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    config = os.path.join(ROOT, "recipes", "accelerate", "cpu_ddp2.yaml")
+    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
+                          "-m", "train", DEBUG_RECIPE, *common, f"output.dir={tmp_path / 'two'}", "train.grad_accum=1"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "world_size=2" in two.stdout + two.stderr
+    _, one_final = run(workdir, str(tmp_path / "one"), "train.max_steps=3", "train.grad_accum=2")
+    expected, got = weights(one_final), weights(str(tmp_path / "two" / "final"))
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_debug_recipe_trains_evaluates_and_exports(tmp_path):
+    """The shipped debug recipe as a user runs it (ShareGPT package data, real speculative-decoding probe)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "train.cli", "train", DEBUG_RECIPE, f"output.dir={tmp_path}"],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert lines[-1]["eval/spec_tau"] >= 1.0 and os.path.isfile(tmp_path / "final" / "model.safetensors")
