@@ -205,16 +205,20 @@ class Eagle3Drafter(Drafter):
         self.norm = RMSNorm(hidden, self.layer_config["rms_norm_eps"])
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(*rope_inverse_frequencies(self.layer_config))
-        vocab = DraftVocab(torch.arange(config.draft_vocab_size), vocab_size)
-        self.register_buffer("d2t", vocab.d2t)
-        self.register_buffer("t2d", vocab.t2d)
+        # Until init_from_data / load: the first draft_vocab_size target ids (d2t all zero).
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(vocab_size) < config.draft_vocab_size)
         self._frozen: dict[tuple, torch.Tensor] = {}
         self._caches: list[KVCache] = []
         self._state: dict[str, torch.Tensor] = {}
-        self._init_fc()
-        if config.init_layer_from_target is not None:
-            self._init_layer_from_target(config.init_layer_from_target)
-        self._init_head()
+        source_layer = config.init_layer_from_target
+        if source_layer is not None and not 0 <= source_layer < target_info.num_layers:
+            raise ValueError(f"drafter.init_layer_from_target {source_layer} is outside [0, {target_info.num_layers})")
+        if not self.fc.weight.is_meta:  # a meta-device build (shape checks) has nothing to initialise
+            self._init_fc()
+            if config.init_layer_from_target is not None:
+                self._init_layer_from_target(config.init_layer_from_target)
+            self._init_head()
 
     def target_layer_ids(self) -> tuple[int, ...]:
         return self.layer_ids
@@ -242,8 +246,8 @@ class Eagle3Drafter(Drafter):
     def _init_head(self) -> None:
         if not self.config.init_head_from_target:
             return
-        rows = self.target_info.lm_head_weight.index_select(0, self.draft_ids().to(self.target_info.lm_head_weight.device))
-        self.lm_head.weight.copy_(rows)
+        head = self.target_info.lm_head_weight
+        self.lm_head.weight.copy_(head.index_select(0, self.draft_ids().to(head.device)))
         if self.target_info.final_norm_weight is not None:
             self.norm.weight.copy_(self.target_info.final_norm_weight)
 
@@ -258,8 +262,6 @@ class Eagle3Drafter(Drafter):
     @torch.no_grad()
     def _init_layer_from_target(self, index: int) -> None:
         """Copy target decoder layer `index` into the first draft layer (see Eagle3Config for the 2D inputs)."""
-        if not 0 <= index < self.target_info.num_layers:
-            raise ValueError(f"drafter.init_layer_from_target {index} is outside [0, {self.target_info.num_layers})")
         layer, hidden = self.layers[0], self.target_info.hidden_size
         prefix = f"model.layers.{index}."
         copies = {f"self_attn.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")}
@@ -319,16 +321,17 @@ class Eagle3Drafter(Drafter):
         mask = ((causal & pair_valid[:, None, :]) | eye).unsqueeze(1)  # [B, 1, L, L]; eye keeps rows non-empty
         positions = torch.arange(length, device=input_ids.device).expand(batch_size, length)
         step_keys: list[dict[str, Any]] = [{"diag_k": [], "diag_v": []} for _ in self.layers]
-        logits = []
+        normed = []
         for step in range(steps):
             cos, sin = self.rotary(positions + step, hidden.dtype)
             hidden = self._ttt_layers(embeds[:, step : step + length], hidden, cos, sin, mask, step_keys, step)
             rows = (target_position - 1 - step).clamp(min=0)
-            logits.append(self.lm_head(self.norm(hidden[batch_index, rows])))
+            normed.append(self.norm(hidden[batch_index, rows]))
+        logits = self.lm_head(torch.stack(normed, dim=1))  # [N, K, V_d]: one head GEMM for all depths
         depth = torch.arange(steps, device=input_ids.device)
         depth_valid = target_position.unsqueeze(1) - 1 - depth >= 0
         extras = {"batch_index": batch_index, "target_position": target_position, "depth_valid": depth_valid}
-        return DraftOutput(logits=torch.stack(logits, dim=1), extras=extras)
+        return DraftOutput(logits=logits, extras=extras)
 
     def _ttt_layers(self, embeds, hidden, cos, sin, mask, step_keys, step: int) -> torch.Tensor:
         """One TTT step through every draft layer. step_keys[i] keeps layer i's step-0 keys and diagonal keys."""
@@ -370,7 +373,7 @@ class Eagle3Drafter(Drafter):
             to_draft = self.t2d.long().cumsum(0) - 1  # [V] draft id of each in-vocab target id
             teacher_top = to_draft[batch["target_argmax"][batch_index, target_position]]
         valid = output.extras["depth_valid"]
-        per_depth, counts = masked_depth_means(soft_cross_entropy(output.logits, teacher.unsqueeze(1)), valid)
+        per_depth, counts = masked_depth_means(soft_cross_entropy(output.logits, teacher), valid)
         correct = (output.logits.detach().argmax(dim=-1) == teacher_top.unsqueeze(1)).float()
         accuracy, _ = masked_depth_means(correct, valid)
         loss = decayed_sum(per_depth, self.config.step_decay)
@@ -485,7 +488,8 @@ class Eagle3Drafter(Drafter):
             super().save(directory, fmt)
             return
         if fmt not in export_eagle3.EXPORT_FORMATS:
-            raise ValueError(f"eagle3 cannot export format {fmt!r}; it writes: native, {', '.join(export_eagle3.EXPORT_FORMATS)}")
+            known = ", ".join(("native",) + export_eagle3.EXPORT_FORMATS)
+            raise ValueError(f"eagle3 cannot export format {fmt!r}; it writes: {known}")
         export_eagle3.write(self, directory, fmt)
 
     @classmethod

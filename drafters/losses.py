@@ -10,16 +10,50 @@ from typing import Sequence
 import torch
 
 
+_ROWS_PER_CHUNK = 256  # rows of [V] per logsumexp chunk: small temporaries that the allocator can reuse
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """-sum_v p(v) log softmax(z)(v) = lse(z) * sum_v p(v) - <p, z>, with gradient softmax(z) * sum(p) - p.
+
+    Memory-lean on purpose (this loss dominates drafter training on CPU): the forward materialises no [..., V]
+    tensor besides small row chunks, the backward exactly one (the softmax, then updated in place). Fresh
+    multi-hundred-MB temporaries are expensive on CPU (page faults), which plain autograd would create several of.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        # teacher [..., V] for logits [..., V], or [..., V] shared by the K rows of logits [..., K, V]
+        shared = teacher.dim() == logits.dim() - 1
+        mass = teacher.sum(dim=-1, keepdim=shared)  # [...] or [..., 1]
+        rows = logits.reshape(-1, logits.shape[-1])
+        lse = torch.cat([torch.logsumexp(chunk, dim=-1) for chunk in rows.split(_ROWS_PER_CHUNK)])
+        lse = lse.view(logits.shape[:-1])
+        equation = "...kv,...v->...k" if shared else "...v,...v->..."
+        ctx.save_for_backward(logits, teacher, mass)
+        ctx.shared = shared
+        return lse * mass - torch.einsum(equation, logits, teacher)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        logits, teacher, mass = ctx.saved_tensors
+        teacher = teacher.unsqueeze(-2) if ctx.shared else teacher
+        grad = torch.softmax(logits, dim=-1)
+        grad.mul_(mass.unsqueeze(-1)).sub_(teacher).mul_(grad_output.unsqueeze(-1))
+        return grad, None
+
+
 def soft_cross_entropy(student_logits: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
     """Per-position soft cross-entropy -sum_v p(v) log q(v) (forward KL to the teacher plus its entropy).
 
     Args:
-        student_logits: [..., V_d]; teacher_probs: broadcastable to it, rows summing to 1 (no gradient).
+        student_logits: [..., V], or [..., K, V] for K depths that share one teacher row.
+        teacher_probs: [..., V] non-negative (rows normally sum to 1); it receives no gradient.
     Returns:
-        [...] per-position loss.
+        [...] or [..., K] per-position loss, in at least float32.
     """
-    log_q = torch.log_softmax(student_logits.to(torch.promote_types(student_logits.dtype, torch.float32)), dim=-1)
-    return -(teacher_probs * log_q).sum(dim=-1)
+    logits = student_logits.to(torch.promote_types(student_logits.dtype, torch.float32))
+    return _SoftCrossEntropy.apply(logits, teacher_probs.detach().to(logits.dtype))
 
 
 def masked_depth_means(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

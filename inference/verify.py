@@ -81,6 +81,8 @@ def sample_verify(
     Returns: (num_accepted [B] long, next_tokens [B] long).
     """
     batch, num_drafts = draft_tokens.shape
+    if draft_probs is not None:
+        draft_probs = draft_probs.to(target_probs.dtype)
     accept_p = acceptance_probability(target_probs[:, :num_drafts], draft_probs, draft_tokens)  # [B, K]
     uniforms = torch.rand(accept_p.shape, generator=generator, device=accept_p.device)
 

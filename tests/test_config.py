@@ -105,8 +105,8 @@ def test_bad_values_name_the_field():
 
 
 def test_overrides_parse_as_yaml_and_merge():
-    assert parse_overrides(["a.b=1", "a.c=[1, 2]", "d=null", "e=3e-4", "f=text"]) == {
-        "a": {"b": 1, "c": [1, 2]}, "d": None, "e": 3e-4, "f": "text"}
+    assert parse_overrides(["a.b=1", "a.c=[1, 2]", "d=null", "e=3.0e-4", "f=text", "g=3e-4"]) == {
+        "a": {"b": 1, "c": [1, 2]}, "d": None, "e": 3e-4, "f": "text", "g": "3e-4"}  # YAML 1.1 reads 3e-4 as text
     recipe = load_recipe(DEBUG_RECIPE, ["optim.lr=3e-4", "drafter.ttt_steps=5", "output.dir=/tmp/x",
                                         "train.phases=[]", "optim.betas=[0.8, 0.9]"])
     assert recipe.optim.lr == 3e-4 and recipe.drafter.ttt_steps == 5 and recipe.output.dir == "/tmp/x"

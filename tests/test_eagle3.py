@@ -411,7 +411,8 @@ def test_warm_starts_copy_target_weights():
     torch.testing.assert_close(drafter.lm_head.weight, info.lm_head_weight[192:].float())
     torch.testing.assert_close(drafter.norm.weight, info.final_norm_weight.float())
     layer, weights = drafter.layers[0], info.weights
-    torch.testing.assert_close(layer.self_attn.q_proj.weight[:, 64:], weights["model.layers.3.self_attn.q_proj.weight"].float())
+    q_proj = weights["model.layers.3.self_attn.q_proj.weight"].float()
+    torch.testing.assert_close(layer.self_attn.q_proj.weight[:, 64:], q_proj)
     assert layer.self_attn.q_proj.weight[:, :64].abs().sum() > 0  # the embedding half keeps its random init
     torch.testing.assert_close(layer.mlp.down_proj.weight, weights["model.layers.3.mlp.down_proj.weight"].float())
     torch.testing.assert_close(layer.hidden_norm.weight, weights["model.layers.3.input_layernorm.weight"].float())
@@ -461,3 +462,24 @@ def test_registry_and_detect_format():
     assert detect_format({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}) is None
     assert detect_format({"architectures": ["Eagle3LlamaForCausalLM"]}) == "eagle3"
     assert os.path.basename(Eagle3Drafter.load.__code__.co_filename) == "eagle3.py"
+
+
+def test_soft_cross_entropy_value_and_gradient():
+    from drafters.losses import simulated_accept_length, soft_cross_entropy
+
+    logits = torch.randn(5, 3, 11, dtype=torch.float64, requires_grad=True)
+    teacher = torch.softmax(torch.randn(5, 11, dtype=torch.float64), dim=-1)
+    reference = -(teacher[:, None] * torch.log_softmax(logits, dim=-1)).sum(-1)
+    torch.testing.assert_close(soft_cross_entropy(logits, teacher), reference)
+    torch.testing.assert_close(soft_cross_entropy(logits[:, 1], teacher), reference[:, 1])
+    assert torch.autograd.gradcheck(lambda z: soft_cross_entropy(z, teacher), (logits,))
+    assert torch.autograd.gradcheck(lambda z: soft_cross_entropy(z, 0.5 * teacher[:, None]), (logits,))
+    assert simulated_accept_length([0.5, 0.5, 0.0]) == pytest.approx(1.75)
+
+
+def test_builds_on_meta_device():
+    info = tiny_target().target_info()
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(Eagle3Config(draft_vocab_size=64, init_layer_from_target=1), info)
+    assert drafter.lm_head.weight.is_meta and drafter.lm_head.weight.shape == (64, 64)
+    assert drafter.layers[0].self_attn.q_proj.weight.shape == (64, 128)

@@ -183,6 +183,18 @@ def test_offline_cache_equals_online_and_trains_the_same(workdir, tmp_path):
         torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5)
 
 
+def test_hybrid_computes_the_first_epoch_and_reads_the_cache_after(workdir, tmp_path):
+    small = ("data.num_samples=8", "train.max_steps=6")  # 4 steps per epoch: the second epoch reads the cache
+    hybrid, hybrid_final = run(workdir, str(tmp_path / "hybrid"), *small, "features.mode=hybrid",
+                               f"features.cache_dir={tmp_path / 'cache'}")
+    assert len(hybrid.train_features.cache) == 8 and hybrid.derived.steps_per_epoch == 4
+    assert len(hybrid.train_features.cache.buffer) == 0  # flushed at the epoch end
+    _, online_final = run(workdir, str(tmp_path / "online"), *small)
+    expected, got = weights(online_final), weights(hybrid_final)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5)
+
+
 def test_cache_checksum_and_stale_data_are_detected(workdir, tmp_path):
     from train.features import FeatureCache, FeatureProvider, cache_meta
 
@@ -211,6 +223,23 @@ def test_cache_checksum_and_stale_data_are_detected(workdir, tmp_path):
         FeatureProvider("offline", target, (1, 3), FeatureCache(str(tmp_path / "c"), meta))(batch)
 
 
+def test_prepare_regenerates_answers_that_training_then_reads(workdir, tmp_path):
+    from train import prepare
+    from train.build import build_trainer
+
+    regenerated = tmp_path / "regenerated.jsonl"
+    overrides = tiny_overrides(workdir, str(tmp_path / "run"), f"data.regenerated_path={regenerated}",
+                               "regenerate={num_conversations: 12, max_new_tokens: 6, batch_size: 4}")
+    reset_accelerate()
+    assert prepare.main([DEBUG_RECIPE, *overrides]) == 0
+    records = [json.loads(line) for line in open(regenerated)]
+    assert len(records) == 12 and all(r["messages"][-1]["role"] == "assistant" for r in records)
+    reset_accelerate()
+    trainer = build_trainer(load_recipe(DEBUG_RECIPE, overrides))
+    assert trainer.data.counts["records"] == 12
+    trainer.accelerator.end_training()
+
+
 def test_estimate_prints_disk_and_time(workdir, tmp_path, capsys):
     from train import estimate
 
@@ -224,7 +253,7 @@ def test_estimate_prints_disk_and_time(workdir, tmp_path, capsys):
 def test_two_processes_equal_one_process_with_the_same_global_batch(workdir, tmp_path):
     """gloo DDP with 2 processes x batch 2 == 1 process x batch 2 x accumulation 2 (same global batches)."""
     common = tiny_overrides(workdir, "", "train.max_steps=3", "train.log_every=1")
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # the config file alone selects gloo on CPU
     config = os.path.join(ROOT, "recipes", "accelerate", "cpu_ddp2.yaml")
     two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
                           "-m", "train", DEBUG_RECIPE, *common, f"output.dir={tmp_path / 'two'}", "train.grad_accum=1"],

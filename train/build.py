@@ -25,6 +25,17 @@ from train.optim import build_optimizer, build_scheduler
 from train.vocab import count_tokens
 
 
+def use_cpu() -> bool:
+    """True when there is no accelerator. Then a multi-process launch must run gloo on CPU, which accelerate only
+    does when told (cpu=True / ACCELERATE_USE_CPU=1); without it every process would train alone."""
+    return not torch.accelerator.is_available()
+
+
+def process_state() -> PartialState:
+    """This process's place in the launch (rank, world size, device), before the Accelerator exists."""
+    return PartialState(cpu=use_cpu())
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """"auto" -> float32 on CPU (bf16 matmuls are ~100x slower there), bfloat16 on accelerators."""
     if name == "auto":
@@ -72,13 +83,13 @@ def build_trainer(recipe: Recipe) -> Trainer:
     """Everything `fit` needs, in order: seed, target, data, derived values, accelerator, drafter (initialised from
     the data or restored from a checkpoint), optimizer, schedule, feature providers, trackers."""
     set_seed(recipe.train.seed)
-    state = PartialState()
+    state = process_state()
     target = load_target(recipe, state.device)
     data = load_data(recipe, target, state)
     derived = derive(recipe, world_size=state.num_processes, num_train_samples=len(data.train))
     trackers = list(recipe.logging.trackers)
-    accelerator = Accelerator(gradient_accumulation_steps=derived.grad_accum, log_with=trackers or None,
-                              project_dir=recipe.output.dir)
+    accelerator = Accelerator(cpu=use_cpu(), gradient_accumulation_steps=derived.grad_accum,
+                              log_with=trackers or None, project_dir=recipe.output.dir)
     accelerator.print(f"derived: {derived}; data: {data.counts}")
     drafter = build_drafter(recipe, target)
     resume = resolve_resume(recipe.output.dir, recipe.train.resume_from)

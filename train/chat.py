@@ -69,7 +69,10 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], text: str,
         if not glues[index + 1] and index + 1 < len(messages):
             raise ValueError("the chat template writes two messages with nothing between them; cannot tell where "
                              "one ends (set data.chat_template)")
-        end = _find(text, glues[index + 1], start) if glues[index + 1] else len(text)
+        end = start + len(message["content"])
+        if text[start:end] != message["content"] or not text.startswith(glues[index + 1], end):
+            # The template changed the content (trim, ...): its end is where the next glue starts.
+            end = _find(text, glues[index + 1], start) if glues[index + 1] else len(text)
         cursor = end
         if message["role"] != "assistant":
             continue

@@ -90,6 +90,9 @@ class PreparedData:
 def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
     """Parse, check, split and tokenise the conversations named by `config` (see the module docstring).
 
+    With several processes, call it under `accelerator.main_process_first()`: the main process fills the cache and
+    the others then read it.
+
     Raises:
         ValueError: no chat template (and none in the config), a missing source, too many malformed records,
             or no conversation left to train on.
@@ -97,6 +100,9 @@ def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
     template = require_chat_template(tokenizer, config.chat_template)
     if config.max_length < 2:
         raise ValueError(f"data.max_length must be at least 2, got {config.max_length}")
+    if config.num_eval_samples < 0 or (config.num_samples is not None and config.num_samples < 1):
+        raise ValueError(f"data.num_samples must be positive or None and data.num_eval_samples >= 0, got "
+                         f"{config.num_samples}, {config.num_eval_samples}")
     if not 0.0 <= config.max_skip_fraction <= 1.0:
         raise ValueError(f"data.max_skip_fraction must be in [0, 1], got {config.max_skip_fraction}")
     raw = _parse_source(config)
@@ -115,7 +121,7 @@ def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
         splits[name] = tokenised.filter(lambda status: status in _KEPT, input_columns="status").remove_columns(
             "status")
         counts[name] = len(splits[name])
-    counts.update({status: statuses[status] for status in ("truncated", "too_long", "no_assistant", "prompt_too_long")})
+    counts.update({key: statuses[key] for key in ("truncated", "too_long", "no_assistant", "prompt_too_long")})
     logger.info("data %s: %s; skipped by reason: %s", config.regenerated_path or config.path, counts, skip_reasons)
     if counts["train"] == 0:
         raise ValueError(f"no training conversation left after filtering: {counts}")

@@ -14,6 +14,8 @@ import tempfile
 
 import torch
 
+from inference.assets import default_cache_dir
+
 DEBUG_PREFIX = "debug:"
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -65,7 +67,8 @@ def write_debug_target(name: str, directory: str) -> None:
     with torch.no_grad():  # sharper logits than the default init: random targets then write repetitive, learnable text
         model.lm_head.weight.mul_(logit_scale)
     model.save_pretrained(directory)
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(directory)
+    generation = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    generation.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
 
 
@@ -81,7 +84,7 @@ def resolve_debug_target(name_or_path: str, cache_dir: str | None = None) -> str
     if not is_debug_target(name_or_path):
         raise ValueError(f"{name_or_path!r} is not a debug target name (debug:NAME)")
     name = name_or_path[len(DEBUG_PREFIX):]
-    root = cache_dir or os.environ.get("DRAFTSMITH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "draftsmith")
+    root = cache_dir or default_cache_dir()
     final_dir = os.path.join(root, "models", f"debug-{name}")
     if os.path.isfile(os.path.join(final_dir, "model.safetensors")):
         return final_dir

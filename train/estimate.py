@@ -48,6 +48,12 @@ def measure_throughput(target, dataset, layer_ids, batch_size: int, pad_token_id
     return tokens / max(seconds, 1e-9)
 
 
+def human_seconds(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
 def human_bytes(num: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if num < 1024 or unit == "TiB":
@@ -62,18 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     recipe = load_recipe(args.recipe, args.overrides)
-    from accelerate import PartialState
+    from train.build import build_drafter, load_data, load_target, process_state
+    from train.features import sample_lengths
 
-    from train.build import build_drafter, load_data, load_target
-
-    state = PartialState()
+    state = process_state()
     target = load_target(recipe, state.device)
     data = load_data(recipe, target, state)
     layer_ids = build_drafter(recipe, target).target_layer_ids()
     dtype = target.model.dtype if recipe.features.dtype == "auto" else getattr(torch, recipe.features.dtype)
     info = target.target_info()
-    lengths = {split: sum(len(ids) for ids in dataset["input_ids"]) for split, dataset in
-               (("train", data.train), ("eval", data.eval))}
+    lengths = {split: sum(sample_lengths(dataset)) for split, dataset in (("train", data.train), ("eval", data.eval))}
     total_tokens = sum(lengths.values())
     per_token = cache_bytes_per_token(len(layer_ids), info.hidden_size, dtype)
     pad_token_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{lengths['eval']:,} = {total_tokens:,} tokens")
     print(f"disk: {per_token:,} bytes/token x {total_tokens:,} tokens = {human_bytes(per_token * total_tokens)}")
     print(f"time: {rate:,.0f} tokens/s measured on {state.device} (batch {recipe.train.batch_size}) -> "
-          f"{seconds / 60:.1f} min on one process, {seconds / 60 / state.num_processes:.1f} min with "
+          f"{human_seconds(seconds)} on one process, {human_seconds(seconds / state.num_processes)} with "
           f"{state.num_processes} process(es)")
     return 0
 

@@ -176,12 +176,7 @@ class FeatureProvider:
             return self.from_cache(batch, indices)
         features = self.online(batch)
         if self.mode == "hybrid":
-            lengths = batch["attention_mask"].sum(dim=1).tolist()
-            for row, (index, length) in enumerate(zip(indices, lengths)):
-                if index not in self.cache:
-                    self.cache.add(index, batch["input_ids"][row, :length],
-                                   {i: h[row, :length] for i, h in features["target_hidden"].items()},
-                                   features["target_last_hidden"][row, :length], features["target_argmax"][row, :length])
+            store_rows(self.cache, batch, features, [row for row, i in enumerate(indices) if i not in self.cache])
         return features
 
     def online(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -226,6 +221,23 @@ class FeatureProvider:
             self.cache.refresh()
 
 
+def store_rows(cache: FeatureCache, batch: dict[str, Any], features: dict[str, Any], rows: Iterable[int]) -> None:
+    """Add batch rows `rows` to the cache, each cut to its real length (right padding)."""
+    for row in rows:
+        length = int(batch["attention_mask"][row].sum())
+        cache.add(int(batch["sample_index"][row]), batch["input_ids"][row, :length],
+                  {i: h[row, :length] for i, h in features["target_hidden"].items()},
+                  features["target_last_hidden"][row, :length], features["target_argmax"][row, :length])
+
+
+def sample_lengths(dataset) -> list[int]:
+    """Token count of every row, read column-wise in chunks (never the whole token column at once)."""
+    lengths: list[int] = []
+    for chunk in dataset.select_columns(["input_ids"]).iter(batch_size=4096):
+        lengths.extend(len(ids) for ids in chunk["input_ids"])
+    return lengths
+
+
 def make_batch(dataset, indices: list[int], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Collate dataset rows `indices`: input_ids, attention_mask, loss_mask [B, T] (right padding), sample_index [B]."""
     batch = collate([dataset[i] for i in indices], pad_token_id=pad_token_id)
@@ -239,19 +251,15 @@ def write_cache(target, dataset, cache: FeatureCache, *, batch_size: int, pad_to
     already in the cache, longest first so a crash loses little and memory peaks early. Returns samples written."""
     from tqdm.auto import tqdm
 
+    lengths = sample_lengths(dataset)
     todo = [i for i in range(rank, len(dataset), world_size) if i not in cache]
-    todo.sort(key=lambda i: -len(dataset[i]["input_ids"]))
+    todo.sort(key=lambda i: -lengths[i])
     provider = FeatureProvider("online", target, cache.meta["layer_ids"])
     bar = tqdm(total=len(todo), desc=f"features rank {rank}", disable=not progress, unit="sample")
     for start in range(0, len(todo), batch_size):
         chunk = todo[start:start + batch_size]
         batch = make_batch(dataset, chunk, pad_token_id)
-        features = provider.online(batch)
-        for row, index in enumerate(chunk):
-            length = int(batch["attention_mask"][row].sum())
-            cache.add(index, batch["input_ids"][row, :length],
-                      {i: h[row, :length] for i, h in features["target_hidden"].items()},
-                      features["target_last_hidden"][row, :length], features["target_argmax"][row, :length])
+        store_rows(cache, batch, provider.online(batch), range(len(chunk)))
         bar.update(len(chunk))
     cache.flush()
     bar.close()

@@ -14,7 +14,6 @@ process with accumulation N x A.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import os
@@ -143,6 +142,7 @@ class Trainer:
                 batch.update(self.eval_features(batch))
                 loss, metrics = self.model.loss(self.drafter(batch), batch)
                 meter.add({"loss": loss.item(), **metrics})
+            self.eval_features.flush()
             results = reduce_mean(self.accelerator, meter.pop())
             if self.eval_prompts and self.accelerator.is_main_process and self.can_probe():
                 results.update({f"spec_{key}": value for key, value in speculative_probe(
@@ -205,14 +205,14 @@ class Trainer:
         return bool(flags[0] > 0), bool(flags[1] > 0)
 
     def log_interval(self, meter: MeanMeter, interval: dict[str, float]) -> None:
-        """Mean train metrics since the last log line, the learning rate, tokens/s over all processes."""
+        """Mean train metrics since the last log line, the learning rate, and tokens/s over all processes (time spent
+        in train steps only: features, forward, backward, optimizer; not evaluation or checkpoints)."""
         means = reduce_mean(self.accelerator, meter.pop())
-        seconds = max(time.perf_counter() - interval["start"], 1e-9)
         tokens = means.pop("tokens") * self.derived.grad_accum * self.accelerator.num_processes * interval["steps"]
-        means.update(lr=self.scheduler.get_last_lr()[0], tokens_per_s=tokens / seconds,
+        means.update(lr=self.scheduler.get_last_lr()[0], tokens_per_s=tokens / max(interval["seconds"], 1e-9),
                      epoch=self.step / self.derived.steps_per_epoch)
         self.log.log(self.step, means, "train")
-        interval.update(start=time.perf_counter(), steps=0)
+        interval.update(seconds=0.0, steps=0)
 
     def after_step(self, metrics: dict[str, float], meter: MeanMeter, interval: dict[str, float]) -> None:
         """Logging, epoch-end cache refresh, checkpoints and periodic evaluation after optimizer step self.step."""
@@ -240,10 +240,12 @@ class Trainer:
         max_steps, started = self.derived.max_steps, time.perf_counter()
         self.elapsed_now = self.elapsed
         bar = tqdm(total=max_steps, initial=self.step, disable=not self.accelerator.is_main_process, unit="step")
-        meter, interval = MeanMeter(), {"start": time.perf_counter(), "steps": 0}
+        meter, interval = MeanMeter(), {"seconds": 0.0, "steps": 0}
         while self.step < max_steps:
             self.set_drafter_config(self.phase_overrides(self.step))
+            step_started = time.perf_counter()
             metrics = self.train_step(self.micro_batches(self.step))
+            interval["seconds"] += time.perf_counter() - step_started
             self.step += 1
             nonfinite, out_of_time = self.agree(metrics["loss"], started)
             if nonfinite:

@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     recipe = load_recipe(args.recipe, args.overrides)
-    from train.build import load_target
+    from train.build import load_target, process_state
 
-    state = PartialState()
+    state = process_state()
     target = load_target(recipe, state.device)
     if recipe.regenerate is not None:
         regenerate_data(recipe, target, state)
