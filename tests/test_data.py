@@ -255,3 +255,22 @@ def test_smollm2_template_mask():
         sample = tokenize_conversation(tokenizer, messages, max_length=4096)
         assert tokenizer.decode(sample["input_ids"]) == render(tokenizer, messages)
         assert [tokenizer.decode(run) for run in _runs(sample)] == _expected_runs("chatml", messages)
+
+
+def test_regenerated_merge_replaces_by_id(tmp_path):
+    original, regenerated = tmp_path / "chats.jsonl", tmp_path / "regen.jsonl"
+    chats = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i}"},
+                                          {"role": "assistant", "content": f"old answer {i}"}]} for i in range(4)]
+    original.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    redo = {"id": "c2", "messages": [{"role": "user", "content": "question 2"},
+                                     {"role": "assistant", "content": "new answer 2"}]}
+    regenerated.write_text(json.dumps(redo) + "\n")
+    tokenizer = build_tokenizer("chatml")
+    texts = {}
+    for mode in ("merge", "replace"):
+        config = DataConfig(path=str(original), regenerated_path=str(regenerated), regenerated_mode=mode,
+                            num_eval_samples=0, cache_dir=str(tmp_path / "cache"))
+        texts[mode] = sorted(tokenizer.decode(row) for row in build_dataset(tokenizer, config).train["input_ids"])
+    assert len(texts["merge"]) == 4 and len(texts["replace"]) == 1
+    joined = " ".join(texts["merge"])
+    assert "new answer 2" in joined and "old answer 2" not in joined and "old answer 3" in joined

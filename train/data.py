@@ -20,7 +20,7 @@ import hashlib
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import datasets
 import torch
@@ -30,7 +30,7 @@ from train.conversations import Format, iter_conversations, resolve_source
 
 logger = logging.getLogger(__name__)
 
-_TOKENIZE_VERSION = "1"  # bump when tokenize output changes for the same inputs, to invalidate cached datasets
+_TOKENIZE_VERSION = "2"  # bump when tokenize output changes for the same inputs, to invalidate cached datasets
 _MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
 _RAW_FEATURES = datasets.Features(
     {"id": datasets.Value("string"), "messages": _MESSAGES, "skip_reason": datasets.Value("string")})
@@ -54,7 +54,9 @@ class DataConfig:
     chat_template: jinja template replacing the tokenizer's (required when the target has none).
     system_prompt: system message put before conversations that have none (None = whatever the template does).
     max_skip_fraction: the run stops when more than this fraction of records is malformed.
-    regenerated_path: a jsonl written by `draftsmith prepare` (train/regenerate.py); used instead of `path` when set.
+    regenerated_path: a jsonl written by `draftsmith prepare` (train/regenerate.py).
+    regenerated_mode: "replace" trains on the regenerated conversations only; "merge" trains on `path` with every
+        conversation that was regenerated replaced by its regenerated version (matched by id).
     num_proc: processes for tokenisation.
     cache_dir: where `datasets` keeps its Arrow cache (None = its default, ~/.cache/huggingface/datasets).
     """
@@ -70,6 +72,7 @@ class DataConfig:
     system_prompt: str | None = None
     max_skip_fraction: float = 0.1
     regenerated_path: str | None = None
+    regenerated_mode: Literal["replace", "merge"] = "replace"
     num_proc: int = 1
     cache_dir: str | None = None
 
@@ -143,8 +146,20 @@ def _check_skips(num_records: int, num_skipped: int, skip_reasons: dict[str, int
 
 
 def _parse_source(config: DataConfig) -> datasets.Dataset:
-    """All records of the source as a cached Arrow dataset (id, messages, skip_reason)."""
-    file = resolve_source(config.regenerated_path or config.path)
+    """All records of the source as a cached Arrow dataset (id, messages, skip_reason); see regenerated_mode."""
+    if config.regenerated_path is None:
+        return _parse_file(config.path, config)
+    regenerated = _parse_file(config.regenerated_path, config)
+    if config.regenerated_mode == "replace":
+        return regenerated
+    replaced = set(regenerated["id"])
+    original = _parse_file(config.path, config).filter(lambda record_id: record_id not in replaced,
+                                                       input_columns="id")
+    return datasets.concatenate_datasets([regenerated, original])
+
+
+def _parse_file(path: str, config: DataConfig) -> datasets.Dataset:
+    file = resolve_source(path)
     stat = file.stat()
     # The file's size and mtime go into gen_kwargs, and so into the cache fingerprint: an edited file is re-parsed.
     return datasets.Dataset.from_generator(
