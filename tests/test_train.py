@@ -275,3 +275,13 @@ def test_debug_recipe_trains_evaluates_and_exports(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert lines[-1]["eval/spec_tau"] >= 1.0 and os.path.isfile(tmp_path / "final" / "model.safetensors")
+
+
+def test_time_annealing_reaches_the_end_of_the_schedule_when_the_budget_stops_the_run(workdir, tmp_path):
+    """A budget far below the steps' need: the wall clock drives the schedule, so the lr is annealed and the last
+    phase is reached at the step where the budget stops the run (long before max_steps)."""
+    trainer, _ = run(workdir, str(tmp_path / "timed"), "train.max_steps=100000", "train.max_time_minutes=0.004",
+                     "schedule.anneal_on=time", "schedule.min_lr_ratio=0.1", "schedule.warmup_steps=0")
+    assert trainer.step < 100000
+    assert trainer.scheduler.get_last_lr()[0] < 0.5 * trainer.recipe.optim.lr  # steps alone would leave ~ lr
+    assert trainer.phase_overrides(trainer.step) == trainer.base_config  # past every phase

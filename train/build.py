@@ -21,7 +21,7 @@ from train.debug_target import resolve_target_path
 from train.features import FeatureCache, FeatureProvider, cache_meta
 from train.loop import Trainer
 from train.metrics import flat_config, load_eval_prompts
-from train.optim import build_optimizer, build_scheduler
+from train.optim import Progress, build_optimizer, build_scheduler
 from train.vocab import count_tokens
 
 
@@ -96,14 +96,15 @@ def build_trainer(recipe: Recipe) -> Trainer:
     if resume is None:
         drafter.init_from_data(count_tokens(data.train, target.target_info().vocab_size))
     optimizer = build_optimizer(drafter, recipe.optim)
-    scheduler = build_scheduler(optimizer, recipe.schedule, derived.max_steps)
+    progress = Progress()
+    scheduler = build_scheduler(optimizer, recipe.schedule, derived.max_steps, progress)
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     layer_ids = accelerator.unwrap_model(drafter).target_layer_ids()
     rank = accelerator.process_index
     trainer = Trainer(
         recipe=recipe, derived=derived, accelerator=accelerator, target=target, drafter=drafter, optimizer=optimizer,
-        scheduler=scheduler, data=data,
+        scheduler=scheduler, progress=progress, data=data,
         train_features=feature_provider(recipe, "train", target, layer_ids, len(data.train), rank),
         eval_features=feature_provider(recipe, "eval", target, layer_ids, len(data.eval), rank),
         eval_prompts=(load_eval_prompts(target.tokenizer, recipe.eval.prompts, recipe.eval.num_prompts)

@@ -72,11 +72,17 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class ScheduleConfig:
-    """Linear warm-up from 0, then `kind` down to min_lr_ratio * lr at the last step (constant stays at lr)."""
+    """Linear warm-up from 0, then `kind` down to min_lr_ratio * lr at the last step (constant stays at lr).
+
+    anneal_on: "steps" follows the optimizer step. "time" follows whichever is further along, the step or the wall
+    clock against train.max_time_minutes, for both the learning rate and train.phases: a run that the wall budget
+    stops early (a slow or shared CPU) still anneals and reaches its last phase. Resume is then exact in data order
+    but not bitwise, since the schedule depends on elapsed time."""
 
     kind: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
+    anneal_on: Literal["steps", "time"] = "steps"
 
 
 @dataclass(kw_only=True)
@@ -90,7 +96,8 @@ class Phase:
 @dataclass(kw_only=True)
 class TrainConfig:
     """batch_size is per process. Give at most one of global_batch_size / grad_accum, and max_steps or epochs.
-    max_time_minutes is a wall-clock budget: the run stops there (the schedule stays on steps) and exports."""
+    max_time_minutes is a wall-clock budget: the run stops there and exports (schedule.anneal_on says whether the
+    schedule follows it)."""
 
     batch_size: int = 1
     global_batch_size: int | None = None

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from train.checkpoint import list_checkpoints, save_checkpoint
 from train.config import Derived, Recipe, save_recipe
 from train.features import FeatureProvider, make_batch
+from train.optim import Progress
 from train.metrics import MeanMeter, RunLog, reduce_mean, speculative_probe
 
 
@@ -59,6 +60,7 @@ class Trainer:
     drafter: torch.nn.Module  # prepared (maybe DDP/FSDP-wrapped)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    progress: Progress  # what the scheduler follows (train/optim.py)
     data: Any  # train.data.PreparedData
     train_features: FeatureProvider
     eval_features: FeatureProvider
@@ -66,6 +68,8 @@ class Trainer:
     pad_token_id: int
     step: int = 0
     elapsed: float = 0.0
+    elapsed_now: float = 0.0
+    run_started: float = 0.0
     last_eval_step: int = -1
     base_config: dict[str, Any] = field(default_factory=dict)
     _orders: dict[int, list[int]] = field(default_factory=dict)
@@ -90,9 +94,17 @@ class Trainer:
         return {key: value.to(self.accelerator.device) for key, value in batch.items()}
 
     # ---- drafter config phases -------------------------------------------------------------------------------
+    def schedule_position(self, step: int) -> float:
+        """Where the schedule stands at `step`: the step, or with schedule.anneal_on = "time" the step or the elapsed
+        share of train.max_time_minutes (in steps), whichever is further along."""
+        budget = self.recipe.train.max_time_minutes
+        if self.recipe.schedule.anneal_on != "time" or not budget:
+            return float(step)
+        return max(float(step), self.elapsed_now / (60.0 * budget) * self.derived.max_steps)
+
     def phase_overrides(self, step: int) -> dict[str, Any]:
         """Drafter config values for this step: the first phase whose until_fraction lies beyond it, else base."""
-        fraction = step / self.derived.max_steps
+        fraction = self.schedule_position(step) / self.derived.max_steps
         for phase in self.recipe.train.phases:
             if fraction < phase.until_fraction:
                 return {**self.base_config, **phase.drafter}
@@ -119,6 +131,8 @@ class Trainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             meter.add({"loss": loss.item(), **metrics, "tokens": float(batch["attention_mask"].sum())})
+        self.elapsed_now = self.elapsed + time.perf_counter() - self.run_started
+        self.progress.step = self.schedule_position(self.step + 1)
         self.scheduler.step()
         return meter.pop()
 
@@ -238,10 +252,12 @@ class Trainer:
     def fit(self) -> str:
         """Train to max_steps (or the wall budget), evaluate, save, export OUTPUT_DIR/final; return its path."""
         max_steps, started = self.derived.max_steps, time.perf_counter()
+        self.run_started = started
         self.elapsed_now = self.elapsed
         bar = tqdm(total=max_steps, initial=self.step, disable=not self.accelerator.is_main_process, unit="step")
         meter, interval = MeanMeter(), {"seconds": 0.0, "steps": 0}
         while self.step < max_steps:
+            self.elapsed_now = self.elapsed + time.perf_counter() - started
             self.set_drafter_config(self.phase_overrides(self.step))
             step_started = time.perf_counter()
             metrics = self.train_step(self.micro_batches(self.step))

@@ -7,6 +7,7 @@ the learning rates an uninterrupted run would at the same step.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,10 +43,22 @@ def lr_factor(step: int, *, max_steps: int, config: ScheduleConfig) -> float:
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: ScheduleConfig, max_steps: int):
-    """A LambdaLR stepping once per optimizer step; its state is saved with every checkpoint."""
+@dataclass
+class Progress:
+    """Where the schedule stands, in (possibly fractional) optimizer steps. The trainer sets it before each
+    scheduler step: the step itself, or with schedule.anneal_on = "time" max(step, elapsed / budget * max_steps)."""
+
+    step: float | None = None
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: ScheduleConfig, max_steps: int,
+                    progress: Progress | None = None):
+    """A LambdaLR stepping once per optimizer step; its state is saved with every checkpoint. When `progress` holds
+    a value, the schedule follows it instead of the scheduler's own step count."""
     if config.warmup_steps < 0 or not 0.0 <= config.min_lr_ratio <= 1.0:
         raise ValueError(f"schedule: warmup_steps must be >= 0 and min_lr_ratio in [0, 1], got {config}")
+    progress = progress or Progress()
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, max_steps=max_steps, config=config)
+        optimizer,
+        lambda step: lr_factor(step if progress.step is None else progress.step, max_steps=max_steps, config=config),
     )
