@@ -105,8 +105,9 @@ def environment(device: torch.device) -> dict:
     env = {"torch": torch.__version__, "transformers": transformers.__version__,
            "python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
            "device": str(device), "dtype": "float32", "threads": torch.get_num_threads(), "cpu": cpu}
-    if device.type == "cuda":
-        env["accelerator"] = torch.cuda.get_device_name(device)
+    backend = getattr(torch, device.type, None)  # torch.cuda also serves ROCm builds
+    if device.type != "cpu" and hasattr(backend, "get_device_name"):
+        env["accelerator"] = backend.get_device_name(device)
     return env
 
 

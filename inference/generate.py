@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafters.base import DraftContext, Drafter
+from inference.target import synchronize
 from inference.verify import greedy_verify, sample_verify, sampling_probs
 
 
@@ -54,15 +55,11 @@ class _Clock:
         self.device = device
         self.totals = {"draft": 0.0, "verify": 0.0, "prefill": 0.0}
 
-    def sync(self) -> None:
-        if self.device.type != "cpu" and hasattr(torch, "accelerator"):
-            torch.accelerator.synchronize()
-
     def run(self, phase: str, fn, *args, **kwargs):
-        self.sync()
+        synchronize(self.device)
         start = time.perf_counter()
         result = fn(*args, **kwargs)
-        self.sync()
+        synchronize(self.device)
         self.totals[phase] += time.perf_counter() - start
         return result
 

@@ -18,6 +18,12 @@ from drafters.base import TargetInfo
 from drafters.ragged_lm import RaggedLM
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for queued accelerator work (CUDA or ROCm alike) so that wall-clock timings are honest; no-op on CPU."""
+    if device.type != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize()
+
+
 @dataclass
 class TargetFeatures:
     """hidden {id: [B, T, D]}; last_hidden [B, T, D] after the final norm; argmax [B, T]; logits [B, T, V] or None."""

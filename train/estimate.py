@@ -28,6 +28,7 @@ def cache_bytes_per_token(num_hidden: int, hidden_size: int, dtype: torch.dtype)
 
 def measure_throughput(target, dataset, layer_ids, batch_size: int, pad_token_id: int) -> float:
     """Feature tokens per second of the target on the first batches of `dataset` (one warm-up batch untimed)."""
+    from inference.target import synchronize
     from train.features import FeatureProvider, make_batch
 
     provider = FeatureProvider("online", target, layer_ids)
@@ -36,12 +37,10 @@ def measure_throughput(target, dataset, layer_ids, batch_size: int, pad_token_id
     for b in range(num_batches):
         indices = [i % len(dataset) for i in range(b * batch_size, (b + 1) * batch_size)]
         batch = make_batch(dataset, indices, pad_token_id)
-        if target.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(target.device)
         started = time.perf_counter()
         provider.online(batch)
-        if target.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(target.device)
         if b > 0 or num_batches == 1:
             tokens += int(batch["attention_mask"].sum())
             seconds += time.perf_counter() - started

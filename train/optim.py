@@ -24,6 +24,14 @@ def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
                              weight_decay=config.weight_decay)
 
 
+# Decay from 1 (progress 0) to 0 (progress 1); lr_factor maps 0 to min_lr_ratio.
+DECAY_SHAPES = {
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+    "linear": lambda progress: 1.0 - progress,
+    "constant": lambda progress: 1.0,
+}
+
+
 def lr_factor(step: int, *, max_steps: int, config: ScheduleConfig) -> float:
     """Multiplier on the peak lr for optimizer step `step` (0-based).
 
@@ -32,15 +40,10 @@ def lr_factor(step: int, *, max_steps: int, config: ScheduleConfig) -> float:
     """
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
-    if config.kind == "constant":
-        return 1.0
     decay_steps = max(1, max_steps - config.warmup_steps - 1)
     progress = min(1.0, (step - config.warmup_steps) / decay_steps)
-    if config.kind == "cosine":
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
-        shape = 1.0 - progress
-    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
+    shape = DECAY_SHAPES[config.kind](progress)
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape  # "constant" stays at 1
 
 
 @dataclass
