@@ -274,3 +274,6 @@ def test_regenerated_merge_replaces_by_id(tmp_path):
     assert len(texts["merge"]) == 4 and len(texts["replace"]) == 1
     joined = " ".join(texts["merge"])
     assert "new answer 2" in joined and "old answer 2" not in joined and "old answer 3" in joined
+    one = DataConfig(path=str(original), regenerated_path=str(regenerated), regenerated_mode="merge",
+                     num_samples=1, num_eval_samples=0, cache_dir=str(tmp_path / "cache"))
+    assert "new answer 2" in tokenizer.decode(build_dataset(tokenizer, one).train[0]["input_ids"])

@@ -56,7 +56,8 @@ class DataConfig:
     max_skip_fraction: the run stops when more than this fraction of records is malformed.
     regenerated_path: a jsonl written by `draftsmith prepare` (train/regenerate.py).
     regenerated_mode: "replace" trains on the regenerated conversations only; "merge" trains on `path` with every
-        conversation that was regenerated replaced by its regenerated version (matched by id).
+        conversation that was regenerated replaced by its regenerated version (matched by id), the regenerated ones
+        first: they are always inside `num_samples` (after the eval holdout).
     num_proc: processes for tokenisation.
     cache_dir: where `datasets` keeps its Arrow cache (None = its default, ~/.cache/huggingface/datasets).
     """
@@ -114,6 +115,8 @@ def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
     _check_skips(len(raw), num_skipped, skip_reasons, config)
     usable = raw.filter(_is_usable, input_columns="skip_reason").shuffle(seed=config.seed)
     num_eval = min(config.num_eval_samples, len(usable) // 2)
+    if config.regenerated_path is not None and config.regenerated_mode == "merge":
+        usable = _regenerated_first(usable, num_eval, config)
     end = len(usable) if config.num_samples is None else min(len(usable), num_eval + config.num_samples)
     splits = {"eval": usable.select(range(num_eval)), "train": usable.select(range(num_eval, end))}
     counts = {"records": len(raw), "skipped": num_skipped}
@@ -156,6 +159,17 @@ def _parse_source(config: DataConfig) -> datasets.Dataset:
     original = _parse_file(config.path, config).filter(lambda record_id: record_id not in replaced,
                                                        input_columns="id")
     return datasets.concatenate_datasets([regenerated, original])
+
+
+def _regenerated_first(usable: datasets.Dataset, num_eval: int, config: DataConfig) -> datasets.Dataset:
+    """Keep the first num_eval rows (the holdout) in place, then the regenerated rows, then the rest, each group in
+    its shuffled order."""
+    regenerated = set(_parse_file(config.regenerated_path, config)["id"])
+    ids = usable["id"]
+    rest = range(num_eval, len(usable))
+    order = list(range(num_eval)) + [i for i in rest if ids[i] in regenerated] + [
+        i for i in rest if ids[i] not in regenerated]
+    return usable.select(order)
 
 
 def _parse_file(path: str, config: DataConfig) -> datasets.Dataset:
