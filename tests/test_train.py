@@ -130,6 +130,18 @@ def test_resume_is_bitwise_exact_and_export_loads(workdir, tmp_path):
     assert type(drafter) is DRAFTERS["eagle3"] and torch.equal(drafter.fc.weight, expected["fc.weight"])
     lines = [json.loads(line) for line in open(tmp_path / "full" / "metrics.jsonl")]
     assert any("train/loss" in line for line in lines) and "eval/sim_accept_length" in lines[-1]
+    # `draftsmith export` writes every serving format from the native checkpoint, and each loads back identically
+    from train.cli import main as cli
+
+    for fmt in ("speculators", "eagle3", "native"):
+        out = tmp_path / f"export_{fmt}"
+        assert cli(["export", final_dir, "--format", fmt, "--out", str(out), "--verifier-name", "org/tiny"]) == 0
+        again = load_drafter(str(out), full.target.target_info())
+        assert torch.equal(again.fc.weight, drafter.fc.weight) and torch.equal(again.d2t, drafter.d2t)
+    with open(tmp_path / "export_speculators" / "config.json") as f:
+        speculators = json.load(f)
+    assert "model_type" not in speculators
+    assert speculators["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
 
 
 def test_checkpoint_from_another_target_is_refused(workdir, tmp_path):

@@ -1,0 +1,69 @@
+"""`draftsmith export CKPT --format speculators|eagle3|native --out DIR`: a trained drafter in a serving format.
+
+    draftsmith export runs/smollm2_eagle3/final --format speculators --out runs/smollm2_eagle3/speculators \
+        --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
+
+CKPT is any directory `draftsmith eval --drafter` takes (native, speculators or eagle3 layout). The target is loaded
+(offline) to check the checkpoint against it and to supply the shared tensors the formats carry (the frozen
+embedding); it is read from the checkpoint unless --target names it. --verifier-name is the model id written as the
+verifier in the speculators config (vLLM serves it as the main model); by default the target's local path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+from drafters import load_drafter
+from inference.target import TargetModel
+from train.debug_target import resolve_target_path
+
+FORMATS = ("speculators", "eagle3", "native")
+
+
+def checkpoint_target(directory: str) -> str | None:
+    """The target a checkpoint names: the native header's target, or a speculators verifier."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{directory}: not a drafter checkpoint (no config.json)")
+    with open(path) as f:
+        config = json.load(f)
+    target = config.get("target", {}).get("name_or_path")
+    verifier = config.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
+    return target or verifier
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="draftsmith export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--target", default=None, help="target name or directory (default: the checkpoint's)")
+    parser.add_argument("--verifier-name", default=None, help="verifier id written into the speculators config")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    target_name = args.target or checkpoint_target(args.checkpoint)
+    if not target_name:
+        parser.error(f"{args.checkpoint} does not name its target; pass --target")
+    try:
+        target = TargetModel.from_pretrained(resolve_target_path(target_name), dtype=torch.float32)
+        info = target.target_info()
+        if args.verifier_name:
+            info = dataclasses.replace(info, name_or_path=args.verifier_name)
+        drafter = load_drafter(args.checkpoint, info)
+        if drafter is None:
+            raise ValueError(f"{args.checkpoint} is not a drafter checkpoint")
+        drafter.save(args.out, args.format)
+    except ValueError as err:
+        print(f"draftsmith export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.format} checkpoint to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
