@@ -392,6 +392,7 @@ class Eagle3Drafter(Drafter):
             for layer in self.layers
         ]
         self._state = {}
+        self._generator = context.generator  # sampled drafts draw from the engine's draft stream
         tokens = torch.cat([context.input_ids[:, 1:], context.next_tokens.view(-1, 1)], dim=1)
         last = torch.full((batch,), seq_len - 1, dtype=torch.long, device=tokens.device)
         self._absorb(context, tokens, last, active=torch.ones(batch, dtype=torch.bool, device=tokens.device))
@@ -474,7 +475,7 @@ class Eagle3Drafter(Drafter):
         if not self.config.sample_drafts:
             return logits.argmax(dim=-1), None
         q = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        return torch.multinomial(q, 1).squeeze(1), q
+        return torch.multinomial(q, 1, generator=self._generator).squeeze(1), q
 
     # ---- persistence ---------------------------------------------------------------------------------------
     @staticmethod
