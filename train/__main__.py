@@ -9,23 +9,14 @@ Load the recipe, build the run, fit. For example:
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
-from train.config import load_recipe
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="draftsmith train", description="Train a drafter from a recipe.")
-    parser.add_argument("recipe", help="recipe YAML (recipes/...)")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides, e.g. optim.lr=3e-4")
-    return parser.parse_args(argv)
+from train.config import recipe_from_argv
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = recipe_from_argv("draftsmith train", "Train a drafter from a recipe.", argv)
     from train.build import build_trainer  # after the recipe is known to be valid: torch/accelerate import is slow
 
     started = time.perf_counter()

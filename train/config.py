@@ -12,8 +12,10 @@ or exec'd Python. `derive` computes every derived value (gradient accumulation, 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -284,3 +286,12 @@ def derive(recipe: Recipe, *, world_size: int, num_train_samples: int) -> Derive
     if max_steps < 1:
         raise ValueError(f"train.max_steps must be >= 1, got {max_steps}")
     return Derived(world_size, grad_accum, global_batch, steps_per_epoch, max_steps)
+
+
+def recipe_from_argv(prog: str, description: str, argv: list[str] | None) -> "Recipe":
+    """The command line every recipe subcommand takes, `RECIPE [key.path=value ...]`, parsed and loaded."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("recipe", help="recipe YAML (recipes/...)")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides, e.g. optim.lr=3e-4")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    return load_recipe(args.recipe, args.overrides)

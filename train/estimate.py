@@ -10,13 +10,12 @@ after one warm-up batch.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import torch
 
-from train.config import load_recipe
+from train.config import recipe_from_argv
 
 NUM_TIMED_BATCHES = 2
 
@@ -62,11 +61,7 @@ def human_bytes(num: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="draftsmith estimate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("recipe")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = recipe_from_argv("draftsmith estimate", __doc__.split("\n\n")[0], argv)
     from train.build import build_drafter, load_data, load_target, process_state
     from train.features import sample_lengths
 

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -22,7 +21,7 @@ import time
 
 from accelerate import PartialState
 
-from train.config import Recipe, load_recipe
+from train.config import Recipe, recipe_from_argv
 
 
 def regenerate_data(recipe: Recipe, target, state: PartialState) -> None:
@@ -83,11 +82,7 @@ def write_features(recipe: Recipe, target, state: PartialState) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="draftsmith prepare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("recipe")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = recipe_from_argv("draftsmith prepare", __doc__.split("\n\n")[0], argv)
     from train.build import load_target, process_state
 
     state = process_state()
