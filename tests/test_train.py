@@ -287,6 +287,20 @@ def test_debug_recipe_trains_evaluates_and_exports(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert lines[-1]["eval/spec_tau"] >= 1.0 and os.path.isfile(tmp_path / "final" / "model.safetensors")
+    # the trained drafter is lossless in the engine: greedy speculative output == plain greedy output
+    from inference.generate import speculative_generate
+    from inference.target import TargetModel
+    from train.debug_target import resolve_debug_target
+
+    target = TargetModel.from_pretrained(resolve_debug_target("debug:tiny-llama"))
+    drafter = load_drafter(str(tmp_path / "final"), target.target_info())
+    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False)
+               for text in ("Tell me about the sea.", "What is 2 + 2?", "Write a haiku")]
+    plain = speculative_generate(target, None, prompts, num_draft_tokens=0, max_new_tokens=40)
+    for k in (1, 3, 5):
+        spec = speculative_generate(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=40)
+        assert spec.tokens == plain.tokens
 
 
 def test_time_annealing_reaches_the_end_of_the_schedule_when_the_budget_stops_the_run(workdir, tmp_path):
