@@ -164,10 +164,14 @@ class RunResult:
     tokens: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
 
-def run_method(target, method: Method, questions: list, args, temperature: float, progress, sink) -> RunResult:
-    """Generate every turn of every question, turn index by turn index, batched within each category."""
-    result = RunResult()
-    answers: dict[int, list[str]] = {index: [] for index in range(len(questions))}
+def run_methods(target, methods: list[Method], questions: list, args, temperature: float, progress,
+                sinks: list) -> list[RunResult]:
+    """Generate every turn of every question with every method, turn index by turn index, batched within each
+    category. The methods take turns on each batch, so a change of machine load during the run hits the baseline and
+    every drafter alike (a shared machine otherwise skews speedups measured minutes apart). Each method's second
+    turn follows its own first answer."""
+    results = [RunResult() for _ in methods]
+    answers = [{index: [] for index in range(len(questions))} for _ in methods]
     eos = target.target_info().eos_token_ids
     categories = list(dict.fromkeys(question.category for question in questions))
     calls = 0
@@ -176,21 +180,22 @@ def run_method(target, method: Method, questions: list, args, temperature: float
             active = [i for i, q in enumerate(questions) if q.category == category and len(q.turns) > turn]
             for start in range(0, len(active), args.batch_size):
                 batch = active[start: start + args.batch_size]
-                prompts = [render_prompt(target.tokenizer, questions[i].turns[: turn + 1], answers[i],
-                                         not args.no_chat_template) for i in batch]
-                out = speculative_generate(
-                    target, method.drafter, prompts, num_draft_tokens=method.num_draft_tokens,
-                    max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
-                    seed=args.seed + calls, eos_token_ids=eos)
+                for method, result, history, sink in zip(methods, results, answers, sinks):
+                    prompts = [render_prompt(target.tokenizer, questions[i].turns[: turn + 1], history[i],
+                                             not args.no_chat_template) for i in batch]
+                    out = speculative_generate(
+                        target, method.drafter, prompts, num_draft_tokens=method.num_draft_tokens,
+                        max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p,
+                        top_k=args.top_k, seed=args.seed + calls, eos_token_ids=eos)
+                    result.by_category.setdefault(category, []).append(out)
+                    for index, tokens in zip(batch, out.tokens):
+                        text = target.tokenizer.decode(tokens, skip_special_tokens=True)
+                        history[index].append(text)
+                        result.tokens[(index, turn)] = tokens
+                        sink(questions[index].question_id, turn, tokens, text)
+                    progress.update(len(batch))
                 calls += 1
-                result.by_category.setdefault(category, []).append(out)
-                for index, tokens in zip(batch, out.tokens):
-                    text = target.tokenizer.decode(tokens, skip_special_tokens=True)
-                    answers[index].append(text)
-                    result.tokens[(index, turn)] = tokens
-                    sink(questions[index].question_id, turn, tokens, text)
-                progress.update(len(batch))
-    return result
+    return results
 
 
 def exact_match(run: RunResult, reference: RunResult, keys: list[tuple[int, int]]) -> float:
@@ -258,12 +263,11 @@ def evaluate(args, target, methods: list[Method], prompt_sets: list, sink) -> li
     with tqdm(total=total, desc="draftsmith eval", unit="turn", file=sys.stderr) as progress:
         for dataset, questions in prompt_sets:
             for temperature in args.temperature:
-                baseline = Method("none", None, 0)
-                ar = run_method(target, baseline, questions, args, temperature, progress,
-                                partial(sink, dataset, baseline, temperature))
-                runs = [(m, run_method(target, m, questions, args, temperature, progress,
-                                       partial(sink, dataset, m, temperature))) for m in methods]
-                records += dataset_records(dataset, questions, runs, ar, temperature, args, env)
+                every = [Method("none", None, 0)] + methods
+                results = run_methods(target, every, questions, args, temperature, progress,
+                                      [partial(sink, dataset, method, temperature) for method in every])
+                runs = list(zip(methods, results[1:]))
+                records += dataset_records(dataset, questions, runs, results[0], temperature, args, env)
     annotate_recommendations(records)
     return records
 
