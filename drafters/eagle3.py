@@ -9,6 +9,7 @@ that. A new LM head over a reduced draft vocabulary (d2t / t2d, drafters/vocab.p
   `ttt_steps` is read from `self.config` at every forward, so a trainer may change it between steps
   (e.g. `drafter.config.ttt_steps = 1` for a cheap first phase, then 7).
 - Inference: a stateful chain proposer with its own per-row KV cache (`begin` / `propose` / `commit`).
+- Building blocks (config, decoder layer): drafters/eagle3_layers.py.
 - Export: native, "speculators" (vLLM speculators config) and "eagle3" (plain LlamaForCausalLMEagle3), see
   drafters/export_eagle3.py; `Eagle3Drafter.load` reads all three.
 
@@ -20,8 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -29,155 +29,17 @@ from torch import nn
 
 from drafters import export_eagle3
 from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.eagle3_layers import Eagle3Config, Eagle3DecoderLayer, draft_layer_config, resolve_layer_ids
 from drafters.layers import (
     KVCache,
     RMSNorm,
     RotaryEmbedding,
-    SwiGLU,
-    apply_rope,
     attention,
     attention_with_diagonal,
     rope_inverse_frequencies,
-    rope_parameters,
 )
 from drafters.losses import decayed_sum, depth_metrics, masked_depth_means, soft_cross_entropy
 from drafters.vocab import DraftVocab
-
-
-@dataclass(kw_only=True)
-class Eagle3Config:
-    """The `drafter:` section of a recipe for kind "eagle3". None = mirror the target's config.
-
-    fc_init: "random" (nn.Linear default) or "identity_high" (fc starts as picking the highest tapped layer).
-    init_layer_from_target: copy that target decoder layer into the first draft layer. Its q/k/v weights go on the
-      hidden half of the 2D input (the hidden_norm gets the target layer's input norm); the embedding half keeps
-      its random init, so the token path trains exactly as from scratch (zeros there would also train, since the
-      hidden half is non-zero, but random keeps the token visible from step one).
-    sample_drafts: propose by sampling from the draft distribution q and return it (sampling runs); else argmax.
-    """
-
-    layer_ids: tuple[int, ...] = ()
-    num_layers: int = 1
-    draft_vocab_size: int = 8192
-    ttt_steps: int = 7
-    step_decay: float = 0.8
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rope_theta: float | None = None
-    norm_before_residual: bool = False
-    init_head_from_target: bool = True
-    init_layer_from_target: int | None = None
-    fc_init: Literal["random", "identity_high"] = "random"
-    sample_drafts: bool = False
-
-
-def resolve_layer_ids(config: Eagle3Config, num_target_layers: int) -> tuple[int, ...]:
-    """The configured ids, or EAGLE-3's default (2, N//2, N-3); every id must lie in [0, N] (vLLM convention)."""
-    n = num_target_layers
-    layer_ids = tuple(config.layer_ids) or (2, n // 2, n - 3)
-    bad = [i for i in layer_ids if not 0 <= i <= n]
-    if bad:
-        source = "" if config.layer_ids else f" (the default (2, N//2, N-3) for N={n}; set it explicitly)"
-        raise ValueError(f"drafter.layer_ids {list(layer_ids)}{source}: ids {bad} are outside [0, {n}]")
-    return layer_ids
-
-
-def draft_layer_config(config: Eagle3Config, target_info: TargetInfo) -> dict[str, Any]:
-    """The draft decoder layer as an HF Llama config dict (also written as speculators transformer_layer_config)."""
-    target = target_info.config
-    if "hidden_size" not in target and isinstance(target.get("text_config"), Mapping):
-        target = target["text_config"]
-    hidden = target_info.hidden_size
-    heads = config.num_attention_heads or target.get("num_attention_heads")
-    if not heads or hidden % heads and not (config.head_dim or target.get("head_dim")):
-        raise ValueError(f"drafter.num_attention_heads: cannot derive a head count from {heads!r} (hidden {hidden})")
-    kv_heads = config.num_key_value_heads or target.get("num_key_value_heads") or heads
-    if heads % kv_heads:
-        raise ValueError(f"drafter.num_key_value_heads {kv_heads} must divide num_attention_heads {heads}")
-    intermediate = config.intermediate_size or target.get("intermediate_size")
-    if not intermediate:
-        raise ValueError("drafter.intermediate_size: the target config has none; set it")
-    rope = rope_parameters(target)
-    if config.rope_theta is not None:
-        rope["rope_theta"] = float(config.rope_theta)
-    legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
-    return {
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(intermediate),
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": int(heads),
-        "num_key_value_heads": int(kv_heads),
-        "head_dim": int(config.head_dim or target.get("head_dim") or hidden // heads),
-        "hidden_act": "silu",
-        "max_position_embeddings": int(target.get("max_position_embeddings", 4096)),
-        "rms_norm_eps": float(target_info.rms_norm_eps),
-        "vocab_size": target_info.vocab_size,
-        "rope_theta": rope["rope_theta"],
-        "rope_scaling": legacy_scaling,
-        "rope_parameters": rope,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-    }
-
-
-class Eagle3Attention(nn.Module):
-    """q/k/v/o projections (no bias); q/k/v read `in_features` (2D for the first draft layer, D after)."""
-
-    def __init__(self, in_features: int, layer_config: Mapping[str, Any]):
-        super().__init__()
-        self.num_heads = layer_config["num_attention_heads"]
-        self.num_kv_heads = layer_config["num_key_value_heads"]
-        self.head_dim = layer_config["head_dim"]
-        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, layer_config["hidden_size"], bias=False)
-
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, n, in] -> q [B, H, n, d], k and v [B, H_kv, n, d], RoPE applied to q and k."""
-        batch, n, _ = x.shape
-        q = self.q_proj(x).view(batch, n, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def output(self, attended: torch.Tensor) -> torch.Tensor:
-        """attended [B, H, n, d] -> [B, n, D]."""
-        batch, _, n, _ = attended.shape
-        return self.o_proj(attended.transpose(1, 2).reshape(batch, n, self.num_heads * self.head_dim))
-
-
-class Eagle3DecoderLayer(nn.Module):
-    """A Llama decoder layer; the first one reads [input_layernorm(embedding) ; hidden_norm(hidden)] (2D)."""
-
-    def __init__(self, layer_config: Mapping[str, Any], first: bool, norm_before_residual: bool):
-        super().__init__()
-        hidden, eps = layer_config["hidden_size"], layer_config["rms_norm_eps"]
-        self.first = first
-        self.norm_before_residual = norm_before_residual
-        self.self_attn = Eagle3Attention(2 * hidden if first else hidden, layer_config)
-        self.mlp = SwiGLU(hidden, layer_config["intermediate_size"])
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        if first:
-            self.hidden_norm = RMSNorm(hidden, eps)
-
-    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (attention input [B, n, 2D or D], residual [B, n, D]). Concat order is [embedding ; hidden]."""
-        if not self.first:
-            return self.input_layernorm(hidden), hidden
-        normed = self.hidden_norm(hidden)
-        residual = normed if self.norm_before_residual else hidden
-        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
-
-    def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Attention output [B, H, n, d] + residual, then the MLP block; returns the pre-norm output [B, n, D]."""
-        x = residual + self.self_attn.output(attended)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 _QKV_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
@@ -481,7 +343,7 @@ class Eagle3Drafter(Drafter):
     @staticmethod
     def detect_format(config: Mapping[str, Any]) -> str | None:
         """"native", "speculators" or "eagle3" for an EAGLE-3 checkpoint's config.json dict, else None."""
-        return export_eagle3.detect_format(config, "eagle3")
+        return detect_format(config)
 
     def save(self, directory: str, fmt: str = "native") -> None:
         """Write `fmt`: "native" (config + state dict), "speculators" or "eagle3" (see export_eagle3)."""

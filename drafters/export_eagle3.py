@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafters.base import NATIVE_KIND_KEY, TargetInfo, check_target_match
+from drafters.eagle3_layers import Eagle3Config
 from drafters.layers import rope_parameters
 
 EXPORT_FORMATS = ("speculators", "eagle3")
@@ -114,8 +115,6 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
     norm_before_residual defaults like the engines do when a file omits it: True for speculators (vLLM's
     updater), False for the plain format.
     """
-    from drafters.eagle3 import Eagle3Config  # the config class lives with the model; imported late (no cycle)
-
     layer = header["transformer_layer_config"] if fmt == "speculators" else header
     hidden = header.get("target_hidden_size") or layer.get("hidden_size")
     check_target_match(target_info, hidden, layer.get("vocab_size"), directory)
