@@ -109,14 +109,14 @@ def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
                          f"{config.num_samples}, {config.num_eval_samples}")
     if not 0.0 <= config.max_skip_fraction <= 1.0:
         raise ValueError(f"data.max_skip_fraction must be in [0, 1], got {config.max_skip_fraction}")
-    raw = _parse_source(config)
+    raw, regenerated_ids = _parse_source(config)
     skip_reasons = dict(Counter(reason for reason in raw["skip_reason"] if reason))
     num_skipped = sum(skip_reasons.values())
     _check_skips(len(raw), num_skipped, skip_reasons, config)
     usable = raw.filter(_is_usable, input_columns="skip_reason").shuffle(seed=config.seed)
     num_eval = min(config.num_eval_samples, len(usable) // 2)
-    if config.regenerated_path is not None and config.regenerated_mode == "merge":
-        usable = _regenerated_first(usable, num_eval, config)
+    if config.regenerated_mode == "merge" and regenerated_ids:
+        usable = _regenerated_first(usable, num_eval, regenerated_ids)
     end = len(usable) if config.num_samples is None else min(len(usable), num_eval + config.num_samples)
     splits = {"eval": usable.select(range(num_eval)), "train": usable.select(range(num_eval, end))}
     counts = {"records": len(raw), "skipped": num_skipped}
@@ -148,23 +148,23 @@ def _check_skips(num_records: int, num_skipped: int, skip_reasons: dict[str, int
                          f"reasons: {skip_reasons}. Check data.format and the file.")
 
 
-def _parse_source(config: DataConfig) -> datasets.Dataset:
-    """All records of the source as a cached Arrow dataset (id, messages, skip_reason); see regenerated_mode."""
+def _parse_source(config: DataConfig) -> tuple[datasets.Dataset, set[str]]:
+    """All records of the source as a cached Arrow dataset (id, messages, skip_reason), and the ids of the
+    regenerated records (empty without data.regenerated_path); see regenerated_mode."""
     if config.regenerated_path is None:
-        return _parse_file(config.path, config)
+        return _parse_file(config.path, config), set()
     regenerated = _parse_file(config.regenerated_path, config)
-    if config.regenerated_mode == "replace":
-        return regenerated
     replaced = set(regenerated["id"])
+    if config.regenerated_mode == "replace":
+        return regenerated, replaced
     original = _parse_file(config.path, config).filter(lambda record_id: record_id not in replaced,
                                                        input_columns="id")
-    return datasets.concatenate_datasets([regenerated, original])
+    return datasets.concatenate_datasets([regenerated, original]), replaced
 
 
-def _regenerated_first(usable: datasets.Dataset, num_eval: int, config: DataConfig) -> datasets.Dataset:
+def _regenerated_first(usable: datasets.Dataset, num_eval: int, regenerated: set[str]) -> datasets.Dataset:
     """Keep the first num_eval rows (the holdout) in place, then the regenerated rows, then the rest, each group in
     its shuffled order."""
-    regenerated = set(_parse_file(config.regenerated_path, config)["id"])
     ids = usable["id"]
     rest = range(num_eval, len(usable))
     order = list(range(num_eval)) + [i for i in rest if ids[i] in regenerated] + [
