@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from drafters import DraftModelDrafter, NgramDrafter
 from drafters.draft_model import DraftModelConfig
 from inference.assets import make_truncated_draft_model, resolve_target
-from inference.eval import environment
+from inference.eval import environment, render_prompt
 from inference.generate import speculative_generate
 from inference.metrics import build_record, merge_outputs
 from inference.prompts import load_questions
@@ -32,8 +32,7 @@ from inference.target import TargetModel
 
 def encode_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
     _, questions = load_questions("mt_bench", num_prompts)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False) for q in questions]
+    return [render_prompt(tokenizer, q.turns[:1], [], use_chat_template=True) for q in questions]
 
 
 def timed(fn) -> tuple[float, object]:

@@ -11,6 +11,7 @@ import copy
 
 import torch
 
+from inference.eval import render_prompt
 from inference.generate import speculative_generate
 from inference.prompts import load_questions
 from inference.target import TargetModel
@@ -41,8 +42,7 @@ def main() -> None:
     _, questions = load_questions("mt_bench", 4)
     sequences = []
     for question in questions:
-        prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": question.turns[0]}],
-                                                      add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompt = render_prompt(target.tokenizer, question.turns[:1], [], use_chat_template=True)
         out = speculative_generate(target, None, [prompt], num_draft_tokens=0, max_new_tokens=96)
         sequences.append((prompt, out.tokens[0]))
     for keep in KEPT_LAYERS:
