@@ -10,7 +10,7 @@ through the same code: one target forward per token, the fair baseline for speed
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +45,6 @@ class GenerateOutput:
     time_prefill: float = 0.0
     time_other: float = 0.0
     time_total: float = 0.0
-    extras: dict = field(default_factory=dict)
 
 
 class _Clock:
