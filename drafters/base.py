@@ -57,6 +57,11 @@ class DraftContext:
     next_tokens: [B] the token the target emitted after the last valid position; it is not in any cache yet.
     generator:  the random stream a sampling drafter must draw from (independent of the verifier's stream, which a
                 drafter using the global RNG could otherwise replay under the same seed and so bias the output).
+    final_hidden: [B, S, D] the target's last hidden state after its final norm (FeatureRequest.final_hidden).
+    top_k:      (values, ids) [B, S, k] the target's top-k logits at each position (FeatureRequest.top_k_logits).
+    target_kv:  {layer index: (keys, values) [B, H_kv, L, d]} the target's own KV cache for the requested layers,
+                read-only, with `target_kv_valid` [B, L] marking which of its slots belong to the sequence
+                (FeatureRequest.kv_layers). The slots of this forward's tokens are the last S.
     """
 
     input_ids: torch.Tensor
@@ -65,6 +70,40 @@ class DraftContext:
     hidden: dict[int, torch.Tensor]
     next_tokens: torch.Tensor
     generator: torch.Generator | None = None
+    final_hidden: torch.Tensor | None = None
+    top_k: tuple[torch.Tensor, torch.Tensor] | None = None
+    target_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    target_kv_valid: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class FeatureRequest:
+    """What a drafter asks of the target. Training serves it online, offline and hybrid alike (train/features.py);
+    the engine serves it after every target forward (DraftContext).
+
+    layer_ids:     hidden states by vLLM layer id (id k = input of decoder layer k, id N = final pre-norm output).
+    final_hidden:  the last hidden state after the target's final norm (an MTP head's input; in training it is
+                   always served as `target_last_hidden`, since every loss derives the teacher from it).
+    top_k_logits:  k > 0 asks for the target's k largest logits and their ids at every position (distillation
+                   without storing V logits per token); 0 = none.
+    kv_layers:     target decoder layer indices whose KV cache the drafter reads (a Gemma-4-style assistant).
+    """
+
+    layer_ids: tuple[int, ...] = ()
+    final_hidden: bool = False
+    top_k_logits: int = 0
+    kv_layers: tuple[int, ...] = ()
+
+    def check(self, num_layers: int, vocab_size: int) -> None:
+        """Raise ValueError naming the field when the request does not fit a target of this shape."""
+        bad = [i for i in self.layer_ids if not 0 <= int(i) <= num_layers]
+        if bad:
+            raise ValueError(f"layer ids {bad} are out of range 0..{num_layers} for this target")
+        bad = [i for i in self.kv_layers if not 0 <= int(i) < num_layers]
+        if bad:
+            raise ValueError(f"kv_layers {bad} are out of range 0..{num_layers - 1} for this target")
+        if not 0 <= self.top_k_logits <= vocab_size:
+            raise ValueError(f"top_k_logits {self.top_k_logits} must be in [0, {vocab_size}]")
 
 
 @dataclass
@@ -81,10 +120,31 @@ class Proposal:
 
 @dataclass
 class DraftOutput:
-    """Training output. logits [B, T, K, V_d]: depth k predicts the token k+2 places after position t."""
+    """Training output: N prediction rows of K depths each.
+
+    Depth has one meaning for every drafter: the anchor is the last token the drafter is given as known (at
+    inference, the token the target just emitted); depth k (0-based) predicts the token k + 1 places after it. A row
+    is whatever the drafter computes together (EAGLE-3: one target position reached from K anchors; DFlash: one
+    anchor's block), so each cell names its own label.
+
+    logits:         [N, K, V_d] draft logits (V_d = the draft vocabulary; `draft_ids` maps it to target ids).
+    batch_index:    [N] the sequence row of the batch each prediction row belongs to.
+    label_position: [N, K] the position in that sequence of the token each cell predicts (anchor + 1 + k).
+    depth_valid:    [N, K] bool, the cells the loss and the metrics use.
+    draft_ids:      [V_d] target id of each draft-vocabulary index, or None when V_d is the target vocabulary.
+    hidden:         [N, K, D] the drafter's final hidden state per cell, for heads that read it (or None).
+    """
 
     logits: torch.Tensor
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    batch_index: torch.Tensor
+    label_position: torch.Tensor
+    depth_valid: torch.Tensor
+    draft_ids: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+    def target_ids(self, draft_index: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices (any shape) -> target ids."""
+        return draft_index if self.draft_ids is None else self.draft_ids[draft_index]
 
 
 class Drafter(nn.Module):
@@ -103,6 +163,14 @@ class Drafter(nn.Module):
         """Hidden states to capture, by vLLM layer id (id k = input of decoder layer k, id N = final pre-norm)."""
         return ()
 
+    def feature_request(self) -> FeatureRequest:
+        """Everything the drafter reads from the target; by default the hidden states of `target_layer_ids`."""
+        return FeatureRequest(layer_ids=tuple(self.target_layer_ids()))
+
+    def max_draft_tokens(self) -> int | None:
+        """The longest proposal this drafter can make in one round (a block drafter: block size - 1), or None."""
+        return None
+
     # ---- training ----------------------------------------------------------------------------------------
     def init_from_data(self, token_counts: torch.Tensor) -> None:
         """Called once before training from scratch. token_counts [V]: how often each target token appears at
@@ -110,7 +178,11 @@ class Drafter(nn.Module):
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> DraftOutput:
         """batch: input_ids [B, T], attention_mask [B, T], loss_mask [B, T], target_hidden {id: [B, T, D]},
-        target_last_hidden [B, T, D] (after the target's final norm), target_argmax [B, T]."""
+        target_last_hidden [B, T, D] (after the target's final norm), target_argmax [B, T], and when asked for,
+        target_top_k_values / target_top_k_ids [B, T, k]. In training it also carries sample_index [B], `epoch` and
+        `seed` (ints: a drafter redraws random choices per epoch from (seed, epoch, sample index)) and, with several
+        processes, `sum_over_processes` (a callable summing a tensor over all training processes) and
+        `num_processes`, for losses normalised globally (drafters/losses.global_mean)."""
         raise NotImplementedError(f"drafter {self.kind!r} is not trainable")
 
     def loss(self, output: DraftOutput, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:

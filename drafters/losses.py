@@ -5,7 +5,7 @@ Legend: N positions (flattened), K draft depth, V_d draft vocab.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -82,6 +82,44 @@ def simulated_accept_length(per_depth_acc: Sequence[float]) -> float:
         running *= float(acc)
         total += running
     return total
+
+
+def output_metrics(output, batch: Mapping[str, Any], cell_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """The one way every drafter turns its DraftOutput into per-depth loss, accuracy and simulated acceptance.
+
+    Accuracy at a cell is top-1 agreement with the target: the draft argmax (in target ids) against the target's
+    own argmax at the position before the cell's label (the token greedy verification would accept there).
+
+    Args:
+        output: a drafters.base.DraftOutput (logits [N, K, V_d], batch_index [N], label_position [N, K],
+            depth_valid [N, K], draft_ids).
+        batch: the training batch (target_argmax [B, T]).
+        cell_loss: [N, K] the drafter's per-cell loss (any weighting is the drafter's business).
+    Returns:
+        per-depth mean loss [K] (differentiable) and the metrics dict of `depth_metrics`.
+    """
+    valid = output.depth_valid
+    with torch.no_grad():
+        rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
+        agreed = batch["target_argmax"][rows, (output.label_position - 1).clamp(min=0)]
+        predicted = output.target_ids(output.logits.detach().argmax(dim=-1))
+        accuracy, _ = masked_depth_means((predicted == agreed).float(), valid)
+    per_depth, counts = masked_depth_means(cell_loss, valid)
+    return per_depth, depth_metrics(per_depth.detach(), accuracy, counts)
+
+
+def global_mean(total: torch.Tensor, weight: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+    """total / (weight summed over all training processes) * number of processes.
+
+    Data-parallel training averages the gradients of the processes' losses; with this normalisation that average is
+    the gradient of sum(total) / sum(weight) over all processes, so a weighted loss does not depend on how the data
+    is split. Outside a multi-process run (no `sum_over_processes` in the batch) it is total / weight.
+    """
+    reduce = batch.get("sum_over_processes")
+    weight = weight.detach()
+    if reduce is None:
+        return total / weight.clamp(min=1e-12)
+    return total / reduce(weight).clamp(min=1e-12) * int(batch.get("num_processes", 1))
 
 
 def depth_metrics(losses: torch.Tensor, accuracies: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:

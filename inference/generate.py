@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters.base import DraftContext, Drafter
+from drafters.base import DraftContext, Drafter, FeatureRequest
 from inference.target import synchronize
 from inference.verify import greedy_verify, sample_verify, sampling_probs
 
@@ -101,7 +101,7 @@ def speculative_generate(
     eos = {int(e) for e in info_eos}
     generator = torch.Generator(device=device).manual_seed(seed)
     draft_generator = torch.Generator(device=device).manual_seed(seed + 1_000_003)  # an independent stream
-    layer_ids = tuple(drafter.target_layer_ids()) if num_draft > 0 else ()
+    request = drafter.feature_request() if num_draft > 0 else FeatureRequest()
     clock = _Clock(device)
     start = time.perf_counter()
 
@@ -111,7 +111,7 @@ def speculative_generate(
     pad_id = min(eos) if eos else 0
     input_ids, attention_mask = left_pad(prompts, pad_id)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    logits, hidden = clock.run("prefill", target.prefill, input_ids, attention_mask, layer_ids)
+    logits, served = clock.run("prefill", target.prefill, input_ids, attention_mask, request)
     next_tokens = _sample(pick(logits[:, -1]), temperature, generator)
     batch = len(prompts)
     out = GenerateOutput([[] for _ in range(batch)], [[] for _ in range(batch)], [[] for _ in range(batch)], num_draft)
@@ -120,8 +120,8 @@ def speculative_generate(
     no_drafts = next_tokens.new_zeros((batch, 0))
     active = _emit(out, active, no_drafts, torch.zeros_like(next_tokens), next_tokens, eos, max_new_tokens)
     if num_draft > 0:
-        context = DraftContext(input_ids, attention_mask.bool(), _positions(attention_mask), hidden, next_tokens,
-                               draft_generator)
+        context = DraftContext(input_ids, attention_mask.bool(), _positions(attention_mask),
+                               next_tokens=next_tokens, generator=draft_generator, **served)
         clock.run("prefill", drafter.begin, context)
 
     while bool(active.any()):
@@ -135,8 +135,8 @@ def speculative_generate(
             width, drafts, draft_probs = 0, next_tokens.new_zeros((batch, 0)), None
             num_valid = torch.zeros(batch, dtype=torch.long, device=device)
         block = torch.cat([next_tokens[:, None], drafts], dim=1)  # [B, width + 1]
-        num_accepted, new_tokens, hidden = clock.run(
-            "verify", _verify_block, target, block, drafts, draft_probs, num_valid, layer_ids, pick,
+        num_accepted, new_tokens, served = clock.run(
+            "verify", _verify_block, target, block, drafts, draft_probs, num_valid, request, pick,
             temperature, generator, active,
         )
         out.target_forwards += 1
@@ -151,7 +151,8 @@ def speculative_generate(
         if num_draft > 0:
             valid = (torch.arange(width + 1, device=device)[None, :] <= num_accepted[:, None]) & was_active[:, None]
             positions = target.runner.lengths[:, None] - valid.long().sum(-1, keepdim=True) + torch.arange(width + 1, device=device)
-            context = DraftContext(block, valid, positions, hidden, next_tokens, draft_generator)
+            context = DraftContext(block, valid, positions, next_tokens=next_tokens, generator=draft_generator,
+                                   **served)
             clock.run("draft", drafter.commit, num_accepted, context)
 
     out.time_total = time.perf_counter() - start
@@ -161,17 +162,19 @@ def speculative_generate(
     return out
 
 
-def _verify_block(target, block, drafts, draft_probs, num_valid, layer_ids, pick, temperature, generator, active):
+def _verify_block(target, block, drafts, draft_probs, num_valid, request, pick, temperature, generator, active):
     """One target forward over [next token, drafts], the accept decision, and the KV rollback."""
     mark = target.mark()
-    logits, hidden = target.extend(block, layer_ids)
+    logits, served = target.extend(block, request)
     if temperature == 0:
         num_accepted, new_tokens = greedy_verify(drafts, logits, num_valid)
     else:
         num_accepted, new_tokens = sample_verify(drafts, draft_probs, pick(logits), num_valid, generator)
     # Row b keeps its last emitted token and the accepted drafts; finished rows keep nothing.
     target.keep_after(mark, torch.where(active, num_accepted + 1, torch.zeros_like(num_accepted)))
-    return num_accepted, new_tokens, hidden
+    if request.kv_layers:  # the rollback changed the cache the drafter reads
+        served.update(target.kv_view(request.kv_layers))
+    return num_accepted, new_tokens, served
 
 
 def _sample(probs: torch.Tensor, temperature: float, generator) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from drafters.base import TargetInfo
+from drafters.base import FeatureRequest, TargetInfo
 from drafters.ragged_lm import RaggedLM
 
 
@@ -91,10 +91,12 @@ class TargetModel:
             weights=dict(self.model.state_dict(keep_vars=False)),
         )
 
+    def check_request(self, request: FeatureRequest) -> None:
+        """Raise ValueError naming the field when a drafter asks for what this target does not have."""
+        request.check(self.num_layers, self.target_info().vocab_size)
+
     def check_layer_ids(self, layer_ids) -> None:
-        for layer_id in layer_ids:
-            if not 0 <= int(layer_id) <= self.num_layers:
-                raise ValueError(f"layer id {layer_id} is out of range 0..{self.num_layers} for this target")
+        self.check_request(FeatureRequest(layer_ids=tuple(layer_ids)))
 
     @contextmanager
     def capture(self, layer_ids, want_last_hidden: bool = False):
@@ -129,17 +131,44 @@ class TargetModel:
         return TargetFeatures(hidden, captured["last"], logits.argmax(-1), logits if return_logits else None)
 
     # ---- engine: KV-cached forwards ------------------------------------------------------------------------
-    def prefill(self, input_ids, attention_mask, layer_ids=()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def prefill(self, input_ids, attention_mask, request: FeatureRequest | None = None) -> tuple[torch.Tensor, dict]:
         """Start a generation: input_ids [B, S] left-padded, attention_mask [B, S].
-        Returns logits [B, 1, V] at the last position (the only ones a generation needs) and hidden {id: [B, S, D]}."""
+        Returns logits [B, 1, V] at the last position (the only ones a generation needs) and the served features
+        (see `extend`)."""
         self.runner.reset()
-        return self.extend(input_ids, layer_ids, valid=attention_mask.bool(), logits_to_keep=1)
+        request = request or FeatureRequest()
+        keep = 0 if request.top_k_logits else 1  # top-k features need every position's logits
+        logits, served = self.extend(input_ids, request, valid=attention_mask.bool(), logits_to_keep=keep)
+        return logits[:, -1:], served
 
-    def extend(self, input_ids, layer_ids=(), valid=None, logits_to_keep=0) -> tuple[torch.Tensor, dict]:
-        """Verify forward over a block [B, S] appended after each row's sequence. Returns logits [B, S, V], hidden."""
-        with self.capture(layer_ids) as captured:
+    def extend(self, input_ids, request: FeatureRequest | None = None, valid=None,
+               logits_to_keep=0) -> tuple[torch.Tensor, dict]:
+        """Verify forward over a block [B, S] appended after each row's sequence.
+
+        Returns:
+            logits [B, S, V] and the features `request` asks for, as DraftContext keyword arguments: hidden
+            {id: [B, S, D]}, final_hidden [B, S, D], top_k (values, ids) [B, S, k], target_kv {layer: (keys,
+            values)} with target_kv_valid [B, L]. The KV tensors are the live cache: read them before the next
+            forward.
+        """
+        request = request or FeatureRequest()
+        with self.capture(request.layer_ids, want_last_hidden=request.final_hidden) as captured:
             logits = self.runner.extend(input_ids, valid, logits_to_keep)
-        return logits, {layer_id: captured[layer_id] for layer_id in layer_ids}
+        served: dict = {"hidden": {layer_id: captured[layer_id] for layer_id in request.layer_ids}}
+        if request.final_hidden:
+            served["final_hidden"] = captured["last"]
+        if request.top_k_logits:
+            served["top_k"] = tuple(logits.topk(request.top_k_logits, dim=-1))
+        if request.kv_layers:
+            served.update(self.kv_view(request.kv_layers))
+        return logits, served
+
+    def kv_view(self, kv_layers) -> dict:
+        """The live KV cache of decoder layers `kv_layers`: target_kv {layer: (keys, values) [B, H_kv, L, d]} and
+        target_kv_valid [B, L] (which slots belong to each row's sequence)."""
+        layers = self.runner.cache.layers
+        return {"target_kv": {i: (layers[i].keys, layers[i].values) for i in kv_layers},
+                "target_kv_valid": self.runner.slot_mask.bool()}
 
     def mark(self) -> int:
         return self.runner.mark()

@@ -196,7 +196,7 @@ def ttt_chain(drafter, target, committed: list[int], next_token: int, drafts: li
              "target_argmax": torch.full_like(ids, int(drafter.draft_ids()[0]))}
     out = drafter(batch)
     last = len(committed) - 1  # depth k reads it from target position last + 1 + k
-    rows = [int((out.extras["target_position"] == last + 1 + k).nonzero()) for k in range(steps)]
+    rows = [int((out.label_position[:, 0] == last + 2 + k).nonzero()) for k in range(steps)]
     return torch.stack([out.logits[rows[k], k] for k in range(steps)])
 
 
@@ -461,7 +461,7 @@ def test_registry_and_detect_format():
     assert DRAFTERS["eagle3"] is Eagle3Drafter
     assert detect_format({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}) is None
     assert detect_format({"architectures": ["Eagle3LlamaForCausalLM"]}) == "eagle3"
-    assert os.path.basename(Eagle3Drafter.load.__code__.co_filename) == "eagle3.py"
+    assert os.path.basename(Eagle3Drafter.load.__code__.co_filename) == "model.py"
 
 
 def test_soft_cross_entropy_value_and_gradient():

@@ -88,10 +88,19 @@ class Trainer:
             self._orders = {epoch: epoch_order(len(self.data.train), self.recipe.train.seed, epoch)}
         slices = step_indices(self._orders[epoch], position, self.derived, self.accelerator.process_index,
                               self.recipe.train.batch_size)
-        return [self.to_device(make_batch(self.data.train, indices, self.pad_token_id)) for indices in slices]
+        return [self.to_device(make_batch(self.data.train, indices, self.pad_token_id), epoch) for indices in slices]
 
-    def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return {key: value.to(self.accelerator.device) for key, value in batch.items()}
+    def to_device(self, batch: dict[str, Any], epoch: int = 0) -> dict[str, Any]:
+        """The batch on the accelerator, plus what a drafter may read besides tensors (drafters/base.py forward):
+        the epoch (random anchors are redrawn per epoch from (seed, epoch, sample index), so resume and any
+        process count give the same draws) and the cross-process sum for globally normalised losses."""
+        batch = {key: value.to(self.accelerator.device) for key, value in batch.items()}
+        batch["epoch"] = epoch
+        batch["seed"] = self.recipe.train.seed
+        if self.accelerator.num_processes > 1:
+            batch["sum_over_processes"] = lambda value: self.accelerator.reduce(value.detach().clone(), "sum")
+            batch["num_processes"] = self.accelerator.num_processes
+        return batch
 
     # ---- drafter config phases -------------------------------------------------------------------------------
     def schedule_position(self, step: int) -> float:

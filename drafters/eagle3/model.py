@@ -9,9 +9,9 @@ that. A new LM head over a reduced draft vocabulary (d2t / t2d, drafters/vocab.p
   `ttt_steps` is read from `self.config` at every forward, so a trainer may change it between steps
   (e.g. `drafter.config.ttt_steps = 1` for a cheap first phase, then 7).
 - Inference: a stateful chain proposer with its own per-row KV cache (`begin` / `propose` / `commit`).
-- Building blocks (config, decoder layer): drafters/eagle3_layers.py.
+- Building blocks (config, decoder layer): drafters/eagle3/layers.py.
 - Export: native, "speculators" (vLLM speculators config) and "eagle3" (plain LlamaForCausalLMEagle3), see
-  drafters/export_eagle3.py; `Eagle3Drafter.load` reads all three.
+  drafters/eagle3/export.py; `Eagle3Drafter.load` reads all three.
 
 Parameter names follow the speculators checkpoint (fc, layers.0.self_attn.q_proj, ..., norm, lm_head, d2t, t2d).
 The target's embedding is used directly from TargetInfo and is never a parameter or a persistent buffer.
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters import export_eagle3
+from drafters.eagle3 import export as export_eagle3
 from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
-from drafters.eagle3_layers import Eagle3Config, Eagle3DecoderLayer, draft_layer_config, resolve_layer_ids
+from drafters.eagle3.layers import Eagle3Config, Eagle3DecoderLayer, draft_layer_config, resolve_layer_ids
 from drafters.layers import (
     KVCache,
     RMSNorm,
@@ -38,7 +38,7 @@ from drafters.layers import (
     attention_with_diagonal,
     rope_inverse_frequencies,
 )
-from drafters.losses import decayed_sum, depth_metrics, masked_depth_means, soft_cross_entropy
+from drafters.losses import decayed_sum, output_metrics, soft_cross_entropy
 from drafters.vocab import DraftVocab
 
 
@@ -161,8 +161,8 @@ class Eagle3Drafter(Drafter):
         in loss_mask and the target argmax at s is in the draft vocab; depth k predicts x_{s+1} from t = s-1-k.
 
         Returns:
-            DraftOutput with logits [N, K, V_d] (N kept target positions) and extras batch_index [N],
-            target_position [N], depth_valid [N, K] (False where t = s-1-k < 0).
+            DraftOutput with logits [N, K, V_d]: row n is the kept target position s (all K depths predict x_{s+1},
+            so label_position is s + 1 in every column), depth_valid [N, K] False where t = s-1-k < 0.
         """
         input_ids = batch["input_ids"]
         batch_size, seq_len = input_ids.shape
@@ -192,8 +192,9 @@ class Eagle3Drafter(Drafter):
         logits = self.lm_head(torch.stack(normed, dim=1))  # [N, K, V_d]: one head GEMM for all depths
         depth = torch.arange(steps, device=input_ids.device)
         depth_valid = target_position.unsqueeze(1) - 1 - depth >= 0
-        extras = {"batch_index": batch_index, "target_position": target_position, "depth_valid": depth_valid}
-        return DraftOutput(logits=logits, extras=extras)
+        label_position = (target_position + 1).unsqueeze(1).expand(-1, steps)
+        return DraftOutput(logits=logits, batch_index=batch_index, label_position=label_position,
+                           depth_valid=depth_valid, draft_ids=self.draft_ids())
 
     def _ttt_layers(self, embeds, hidden, cos, sin, mask, step_keys, step: int) -> torch.Tensor:
         """One TTT step through every draft layer. step_keys[i] keeps layer i's step-0 keys and diagonal keys."""
@@ -224,22 +225,16 @@ class Eagle3Drafter(Drafter):
         all B*T positions instead; a per-depth mean keeps loss_k comparable across batches and padding).
 
         The teacher is softmax(target_last_hidden @ lm_head[draft ids].T), i.e. the target distribution
-        renormalised on the draft vocab; acc_k is top-1 agreement with the target's own argmax.
+        renormalised on the draft vocab; acc_k is top-1 agreement with the target's own argmax (losses.output_metrics).
         """
-        batch_index, target_position = output.extras["batch_index"], output.extras["target_position"]
+        batch_index, target_position = output.batch_index, output.label_position[:, 0] - 1
         with torch.no_grad():
             head = self._target_tensor("lm_head_weight").index_select(0, self.draft_ids())  # [V_d, D]
             teacher_hidden = batch["target_last_hidden"][batch_index, target_position].to(head.dtype)
             teacher_logits = teacher_hidden @ head.T  # [N, V_d]
             teacher = torch.softmax(teacher_logits.to(torch.promote_types(head.dtype, torch.float32)), dim=-1)
-            to_draft = self.t2d.long().cumsum(0) - 1  # [V] draft id of each in-vocab target id
-            teacher_top = to_draft[batch["target_argmax"][batch_index, target_position]]
-        valid = output.extras["depth_valid"]
-        per_depth, counts = masked_depth_means(soft_cross_entropy(output.logits, teacher), valid)
-        correct = (output.logits.detach().argmax(dim=-1) == teacher_top.unsqueeze(1)).float()
-        accuracy, _ = masked_depth_means(correct, valid)
-        loss = decayed_sum(per_depth, self.config.step_decay)
-        return loss, depth_metrics(per_depth.detach(), accuracy, counts)
+        per_depth, metrics = output_metrics(output, batch, soft_cross_entropy(output.logits, teacher))
+        return decayed_sum(per_depth, self.config.step_decay), metrics
 
     # ---- inference: a stateful chain proposer ----------------------------------------------------------------
     @torch.no_grad()

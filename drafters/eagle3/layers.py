@@ -1,7 +1,7 @@
 """EAGLE-3 building blocks: the recipe config, the draft layer's HF-style config, and the decoder layer.
 
-The drafter itself (training-time test, proposer, persistence) is drafters/eagle3.py; the export formats read and
-write the config here (drafters/export_eagle3.py). Shapes: B batch, T sequence, D hidden.
+The drafter itself (training-time test, proposer, persistence) is drafters/eagle3/model.py; the export formats read and
+write the config here (drafters/eagle3/export.py). Shapes: B batch, T sequence, D hidden.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafters.base import NATIVE_KIND_KEY, TargetInfo, check_target_match
-from drafters.eagle3_layers import Eagle3Config
+from drafters.eagle3.layers import Eagle3Config
 from drafters.layers import rope_parameters
 
 EXPORT_FORMATS = ("speculators", "eagle3")
