@@ -28,7 +28,9 @@ class TargetInfo:
     """What a drafter may know about its target. Tensors are shared references, never trained.
 
     `weights` maps the target's own parameter names to its tensors (for warm starts); `config` is the target's HF
-    config as a dict (head counts, rope theta, eps...) so a drafter can mirror its layer shapes.
+    config as a dict (head counts, rope theta, eps...) so a drafter can mirror its layer shapes. `unused_token_ids`
+    (from the tokenizer: rows past it, then reserved special tokens) are candidates for a mask token; None when the
+    target came without a tokenizer.
     """
 
     name_or_path: str
@@ -43,6 +45,7 @@ class TargetInfo:
     pad_token_id: int | None
     config: Mapping[str, Any] = field(default_factory=dict)
     weights: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    unused_token_ids: tuple[int, ...] | None = None  # vocab rows no text or chat template produces; None = unknown
 
 
 @dataclass

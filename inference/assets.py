@@ -203,14 +203,21 @@ def ensure_smollm2(cache_dir: str | None = None, progress: bool = True) -> str:
 def resolve_target(name_or_path: str) -> str:
     """Turn a target name or a local directory into a local Hugging Face model directory.
 
+    The one place a target name is resolved (train, eval, export and doctor all come through here).
+
     Args:
         name_or_path: "smollm2-135m-instruct" or "HuggingFaceTB/SmolLM2-135M-Instruct" (any case) for the embedded
-            default, or a directory holding config.json.
+            default, "debug:NAME" for a tiny random target built on first use (inference/debug_target.py), or a
+            directory holding config.json.
     Returns:
         A directory that `AutoModelForCausalLM.from_pretrained` loads offline.
     """
     if name_or_path.lower() in SMOLLM2_ALIASES:
         return ensure_smollm2()
+    if name_or_path.startswith("debug:"):
+        from inference.debug_target import resolve_debug_target
+
+        return resolve_debug_target(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -34,6 +34,21 @@ class TargetFeatures:
     logits: torch.Tensor | None = None
 
 
+def unused_token_ids(tokenizer, vocab_size: int) -> tuple[int, ...] | None:
+    """Vocabulary rows that no text and no chat-template rendering produces: rows past the tokenizer (padding of
+    the embedding matrix) first, then added special tokens that are not bos/eos/pad/unk and do not appear in the
+    chat template (reserved tokens such as a <|MASK|> row). None without a tokenizer (nothing can be checked)."""
+    if tokenizer is None:
+        return None
+    rows = list(range(len(tokenizer), vocab_size))
+    named = {getattr(tokenizer, f"{role}_token_id", None) for role in ("bos", "eos", "pad", "unk")}
+    template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else ""
+    for token_id, token in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items()):
+        if token.special and token_id < vocab_size and token_id not in named and token.content not in template:
+            rows.append(token_id)
+    return tuple(rows)
+
+
 class TargetModel:
     """The frozen target. `runner` holds the engine's KV cache (one generation at a time)."""
 
@@ -89,6 +104,7 @@ class TargetModel:
             pad_token_id=getattr(config, "pad_token_id", None),
             config=config.to_dict(),
             weights=dict(self.model.state_dict(keep_vars=False)),
+            unused_token_ids=unused_token_ids(self.tokenizer, self.model.get_output_embeddings().weight.shape[0]),
         )
 
     def check_request(self, request: FeatureRequest) -> None:

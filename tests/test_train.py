@@ -39,7 +39,7 @@ def write_chats(path: str, num: int = 40, seed: int = 0) -> None:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A built debug target directory and a small chat file, shared by the module's tests."""
-    from train.debug_target import resolve_debug_target
+    from inference.debug_target import resolve_debug_target
 
     root = tmp_path_factory.mktemp("train")
     target_dir = resolve_debug_target("debug:tiny-llama", cache_dir=str(root / "cache"))
@@ -86,7 +86,7 @@ def test_debug_target_is_an_ordinary_model_directory(workdir):
     _, target_dir = workdir
     target = TargetModel.from_pretrained(target_dir)
     info = target.target_info()
-    assert (info.hidden_size, info.num_layers, info.vocab_size) == (64, 4, 259)
+    assert (info.hidden_size, info.num_layers, info.vocab_size) == (64, 4, 260)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "héllo"}], add_generation_prompt=True,
                                          tokenize=False)
@@ -153,7 +153,7 @@ def test_checkpoint_from_another_target_is_refused(workdir, tmp_path):
     checkpoint = os.path.join(tmp_path, "run", "checkpoints", "step_2")
     check_target(checkpoint, trainer.target.target_info())
     other = TargetModel(make_tiny_model(), name_or_path=trainer.target.name_or_path).target_info()
-    with pytest.raises(ValueError, match="another target: target vocab_size is 259 there but 256"):
+    with pytest.raises(ValueError, match="another target: target vocab_size is 260 there but 256"):
         check_target(checkpoint, other)
 
 
@@ -290,7 +290,7 @@ def test_debug_recipe_trains_evaluates_and_exports(tmp_path):
     # the trained drafter is lossless in the engine: greedy speculative output == plain greedy output
     from inference.generate import speculative_generate
     from inference.target import TargetModel
-    from train.debug_target import resolve_debug_target
+    from inference.debug_target import resolve_debug_target
 
     target = TargetModel.from_pretrained(resolve_debug_target("debug:tiny-llama"))
     drafter = load_drafter(str(tmp_path / "final"), target.target_info())

@@ -17,7 +17,6 @@ from inference.target import TargetModel
 from train.checkpoint import load_checkpoint, resolve_resume
 from train.config import Recipe, derive, recipe_to_dict, save_recipe
 from train.data import build_dataset
-from train.debug_target import resolve_target_path
 from train.features import FeatureCache, FeatureProvider, cache_meta
 from train.loop import Trainer
 from train.metrics import flat_config, load_eval_prompts
@@ -45,8 +44,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_target(recipe: Recipe, device) -> TargetModel:
     """The frozen target on `device` in target.dtype (a debug:NAME target is built on first use)."""
-    path = resolve_target_path(recipe.target.name_or_path)
-    return TargetModel.from_pretrained(path, dtype=resolve_dtype(recipe.target.dtype, device), device=device)
+    return TargetModel.from_pretrained(recipe.target.name_or_path, dtype=resolve_dtype(recipe.target.dtype, device), device=device)
 
 
 def load_data(recipe: Recipe, target: TargetModel, state: PartialState):

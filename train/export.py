@@ -21,7 +21,6 @@ import torch
 
 from drafters import load_drafter
 from inference.target import TargetModel
-from train.debug_target import resolve_target_path
 
 FORMATS = ("speculators", "eagle3", "native")
 
@@ -41,7 +40,8 @@ def checkpoint_target(directory: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="draftsmith export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint")
-    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--format", required=True,
+                        help="a format the checkpoint's drafter writes (its error lists them), e.g. " + ", ".join(FORMATS))
     parser.add_argument("--out", required=True)
     parser.add_argument("--target", default=None, help="target name or directory (default: the checkpoint's)")
     parser.add_argument("--verifier-name", default=None, help="verifier id written into the speculators config")
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if not target_name:
         parser.error(f"{args.checkpoint} does not name its target; pass --target")
     try:
-        target = TargetModel.from_pretrained(resolve_target_path(target_name), dtype=torch.float32)
+        target = TargetModel.from_pretrained(target_name, dtype=torch.float32)
         info = target.target_info()
         if args.verifier_name:
             info = dataclasses.replace(info, name_or_path=args.verifier_name)

@@ -17,11 +17,14 @@ import torch
 from inference.assets import default_cache_dir
 
 DEBUG_PREFIX = "debug:"
+DEBUG_TARGET_VERSION = "v2"  # part of the cache directory name: bump when the built model changes
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
+# ids 256..259. <|mask|> is reserved and never produced by text or the chat template, like the <|MASK|> row that
+# DFlash checkpoints use as their mask token.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 DEBUG_TARGETS = {
     "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, max_position_embeddings=2048, seed=0, logit_scale=8.0),
@@ -33,7 +36,7 @@ def is_debug_target(name_or_path: str) -> bool:
 
 
 def build_tokenizer():
-    """A byte-level tokenizer (one token per byte, no merges) plus ChatML special tokens; 259 tokens."""
+    """A byte-level tokenizer (one token per byte, no merges) plus ChatML special tokens and <|mask|>; 260 tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -79,13 +82,13 @@ def resolve_debug_target(name_or_path: str, cache_dir: str | None = None) -> str
         name_or_path: "debug:tiny-llama".
         cache_dir: cache root; None means $DRAFTSMITH_CACHE or ~/.cache/draftsmith.
     Returns:
-        <cache>/models/debug-NAME, an ordinary HF model directory.
+        <cache>/models/debug-NAME-VERSION, an ordinary HF model directory.
     """
     if not is_debug_target(name_or_path):
         raise ValueError(f"{name_or_path!r} is not a debug target name (debug:NAME)")
     name = name_or_path[len(DEBUG_PREFIX):]
     root = cache_dir or default_cache_dir()
-    final_dir = os.path.join(root, "models", f"debug-{name}")
+    final_dir = os.path.join(root, "models", f"debug-{name}-{DEBUG_TARGET_VERSION}")
     if os.path.isfile(os.path.join(final_dir, "model.safetensors")):
         return final_dir
     os.makedirs(os.path.dirname(final_dir), exist_ok=True)
@@ -100,8 +103,3 @@ def resolve_debug_target(name_or_path: str, cache_dir: str | None = None) -> str
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return final_dir
-
-
-def resolve_target_path(name_or_path: str) -> str:
-    """A debug name becomes its built directory; anything else is passed through to `TargetModel.from_pretrained`."""
-    return resolve_debug_target(name_or_path) if is_debug_target(name_or_path) else name_or_path
