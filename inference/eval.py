@@ -131,6 +131,11 @@ def load_methods(names: list[str], target: TargetModel, ks: list[int]) -> list[M
             raise ValueError(f"--drafter {name!r}: {err}") from None
         if drafter is None:
             continue
+        limit = drafter.max_draft_tokens()
+        too_long = [k for k in ks if limit is not None and k > limit]
+        if too_long:
+            raise ValueError(f"--num-draft-tokens {','.join(map(str, too_long))}: drafter {name!r} ({drafter.kind}) "
+                             f"proposes at most {limit} tokens per round; allowed values: 0..{limit}")
         label = name if name == "ngram" else f"{drafter.kind}:{os.path.basename(os.path.normpath(name))}"
         methods += [Method(label, drafter, k) for k in ks if k > 0]
     return methods
@@ -219,7 +224,8 @@ def dataset_records(dataset: str, questions: list, runs: list[tuple[Method, RunR
         for method, run in runs:
             out = merge_outputs([o for name in chosen for o in run.by_category[name]])
             match = exact_match(run, ar, keys) if temperature == 0 else None
-            records.append(build_record(out, ar=ar_out, drafter_name=method.name, greedy_exact_match=match, **common))
+            records.append(build_record(out, ar=ar_out, drafter_name=method.name, greedy_exact_match=match,
+                                        max_draft_tokens=method.drafter.max_draft_tokens(), **common))
     return records
 
 

@@ -10,9 +10,10 @@ Counting follows vLLM's spec-decode counters, per row:
   equals p_j / p_{j-1} when every round proposes k drafts.
 
 Costs are in units of one plain autoregressive (AR) target step of the same engine and batch size, measured by the
-k = 0 run: c = draft time per round / k / AR step, v(k) = verify forward time / AR step, and the theoretical speedup
-is tau / (k c + v(k)) (D.2, batched form: a batched round costs k c + v(k) AR steps and each of its rows gains tau
-tokens on average). Prefill time is reported on its own (`time_s.prefill`) and is not part of `time_s.other`.
+k = 0 run: d(k) = draft time per round / AR step (measured at each k: a chain drafter pays about k c, a block drafter
+one forward for all k drafts, so k c would have the wrong shape), c = d(k) / k, v(k) = verify forward time / AR step,
+and the theoretical speedup is tau / (d(k) + v(k)) (D.2, batched form: a batched round costs d(k) + v(k) AR steps
+and each of its rows gains tau tokens on average). Prefill time is reported on its own (`time_s.prefill`) and is not part of `time_s.other`.
 """
 
 from __future__ import annotations
@@ -89,19 +90,24 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def cost_ratios(out: GenerateOutput, ar: GenerateOutput | None) -> tuple[float | None, float | None]:
-    """(c, v(k)): draft cost per drafted position and verify cost per round, both in AR steps (None if unknown)."""
+    """(d(k), v(k)): draft cost and verify cost per round, both in AR steps (None if unknown; d is None at k = 0)."""
     step = ar_step_time(ar)
     k = out.num_draft_tokens
     if step is None or out.verify_forwards == 0:
         return None, None
-    draft_per_round = out.time_draft / out.verify_forwards
-    c = draft_per_round / k / step if k > 0 else None
-    return c, out.time_verify / out.verify_forwards / step
+    draft_per_round = out.time_draft / out.verify_forwards / step if k > 0 else None
+    return draft_per_round, out.time_verify / out.verify_forwards / step
+
+
+def accept_length_mean(rounds: int, accepted: int) -> float | None:
+    """tau = 1 + accepted / rounds: tokens a row gains per verify forward, the bonus token included (ARCHITECTURE.md
+    section 3). The one place tau is computed from counts (reports, the training probe, doctor)."""
+    return None if rounds == 0 else 1.0 + accepted / rounds
 
 
 def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str, category: str, drafter_name: str,
                  temperature: float, batch_size: int, num_prompts: int, greedy_exact_match: float | None,
-                 env: dict) -> dict:
+                 env: dict, max_draft_tokens: int | None = None) -> dict:
     """One report record (a JSON-ready dict) for one dataset x category x drafter x k x temperature.
 
     Args:
@@ -109,15 +115,17 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
         ar: the k = 0 run of the same engine over the same prompts, batch size and temperature; None leaves
             tokens_per_s_ar, speedup, c, v(k) and the theoretical speedup as None.
         greedy_exact_match: share of prompts whose output equals the plain greedy output (None when T > 0).
+        max_draft_tokens: the drafter's longest proposal (Drafter.max_draft_tokens), None when unbounded; the
+            recommended k never exceeds it.
     """
     k = out.num_draft_tokens
     counts = acceptance_counts(out)
     rounds = counts["rounds"]
-    tau = 1.0 if k == 0 else _ratio(rounds + counts["accepted"], rounds)
-    c, v = cost_ratios(out, ar)
+    tau = 1.0 if k == 0 else accept_length_mean(rounds, counts["accepted"])
+    d, v = cost_ratios(out, ar)
     theoretical = None
-    if tau is not None and v is not None and (k == 0 or c is not None):
-        theoretical = tau / ((k * c if k else 0.0) + v)
+    if tau is not None and v is not None and (k == 0 or d is not None):
+        theoretical = tau / ((d if k else 0.0) + v)
     tokens_per_s = tokens_per_second(out)
     tokens_per_s_ar = tokens_per_second(ar) if ar is not None else None
     return {
@@ -134,33 +142,36 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
                    "other": out.time_other, "total": out.time_total},
         "tokens_per_s": tokens_per_s, "tokens_per_s_ar": tokens_per_s_ar,
         "speedup": _ratio(tokens_per_s, tokens_per_s_ar),
-        "draft_cost_ratio": c, "verify_cost_ratio": v, "theoretical_speedup": theoretical,
+        "draft_cost_per_round": d, "draft_cost_ratio": _ratio(d, k) if k else None, "verify_cost_ratio": v,
+        "theoretical_speedup": theoretical, "max_draft_tokens": max_draft_tokens,
         "greedy_exact_match": greedy_exact_match,
         "recommended_num_draft_tokens": None, "recommendation_basis": None,
         "env": env,
     }
 
 
-def recommend_num_draft_tokens(per_position_unconditional: list[float], c: float,
-                               v_of_k: dict[int, float]) -> int:
-    """The k maximising the expected speedup (1 + sum_{j<=k} p_j) / (k c + v(k)) (theory D.2, D.3).
+def recommend_num_draft_tokens(per_position_unconditional: list[float], d_of_k: dict[int, float],
+                               v_of_k: dict[int, float], max_draft_tokens: int | None = None) -> int:
+    """The k maximising the expected speedup (1 + sum_{j<=k} p_j) / (d(k) + v(k)) (theory D.2, D.3).
 
     Args:
         per_position_unconditional: p_1..p_K, prefix-survival acceptance measured with the largest k.
-        c: draft cost per drafted token in AR steps.
-        v_of_k: measured verify cost per round in AR steps, keyed by k. k = 0 is plain AR (cost 1, gain 1) and always
-            a candidate, so 0 means "do not speculate". A k between two measured ones uses the linear interpolation;
-            a k below the smallest measured one uses that one's v (an over-estimate, since v grows with k); k beyond
-            the largest measured one or beyond len(p) is not considered.
+        d_of_k, v_of_k: measured draft and verify cost per round in AR steps, keyed by k. k = 0 is plain AR (cost 1,
+            gain 1) and always a candidate, so 0 means "do not speculate". A k between two measured ones uses the
+            linear interpolation; a k below the smallest measured one uses that one's cost (an over-estimate, since
+            both grow with k); k beyond the largest measured one, beyond len(p) or beyond max_draft_tokens is not
+            considered.
     Returns:
         The recommended number of draft tokens.
     """
     best_k, best_speedup = 0, 1.0
-    for k in range(1, len(per_position_unconditional) + 1):
-        v = _interpolate(v_of_k, k)
-        if v is None:
+    limit = len(per_position_unconditional) if max_draft_tokens is None else min(len(per_position_unconditional),
+                                                                                   max_draft_tokens)
+    for k in range(1, limit + 1):
+        d, v = _interpolate(d_of_k, k), _interpolate(v_of_k, k)
+        if d is None or v is None:
             continue
-        speedup = (1.0 + sum(per_position_unconditional[:k])) / (k * c + v)
+        speedup = (1.0 + sum(per_position_unconditional[:k])) / (d + v)
         if speedup > best_speedup:
             best_k, best_speedup = k, speedup
     return best_k
@@ -183,8 +194,8 @@ def _interpolate(v_of_k: dict[int, float], k: int) -> float | None:
 def annotate_recommendations(records: list[dict]) -> None:
     """Set recommended_num_draft_tokens / recommendation_basis on every speculative record, in place.
 
-    Records are grouped by (dataset, category, drafter, temperature, batch size); each group uses p and c from its
-    record with the largest k and v(k) from all of its records.
+    Records are grouped by (dataset, category, drafter, temperature, batch size); each group uses p from its record
+    with the largest k and d(k), v(k) from all of its records.
     """
     groups: dict[tuple, list[dict]] = {}
     for record in records:
@@ -194,17 +205,19 @@ def annotate_recommendations(records: list[dict]) -> None:
     for group in groups.values():
         largest = max(group, key=lambda record: record["num_draft_tokens"])
         p = largest["per_position_acceptance_unconditional"]
-        c = largest["draft_cost_ratio"]
-        v_of_k = {r["num_draft_tokens"]: r["verify_cost_ratio"] for r in group if r["verify_cost_ratio"] is not None}
-        if c is None or not v_of_k or any(value is None for value in p):
+        measured_records = [r for r in group if r["verify_cost_ratio"] is not None
+                            and r["draft_cost_per_round"] is not None]
+        d_of_k = {r["num_draft_tokens"]: r["draft_cost_per_round"] for r in measured_records}
+        v_of_k = {r["num_draft_tokens"]: r["verify_cost_ratio"] for r in measured_records}
+        if not v_of_k or any(value is None for value in p):
             continue
-        recommended = recommend_num_draft_tokens(p, c, v_of_k)
+        recommended = recommend_num_draft_tokens(p, d_of_k, v_of_k, largest.get("max_draft_tokens"))
         measured = sorted(v_of_k)
         if len(measured) == 1:
-            basis = (f"p_j and c from k={largest['num_draft_tokens']}; v(k) measured only at k={measured[0]} and "
-                     f"used for every smaller k (approximation: v grows with k)")
+            basis = (f"p_j from k={largest['num_draft_tokens']}; d(k) and v(k) measured only at k={measured[0]} and "
+                     f"used for every smaller k (approximation: both grow with k)")
         else:
-            basis = (f"p_j and c from k={largest['num_draft_tokens']}; v(k) measured at k={measured}, "
+            basis = (f"p_j from k={largest['num_draft_tokens']}; d(k) and v(k) measured at k={measured}, "
                      f"linearly interpolated between them")
         for record in group:
             record["recommended_num_draft_tokens"] = recommended

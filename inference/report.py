@@ -30,7 +30,7 @@ TABLE_COLUMNS = (
     ("AR tok/s", "tokens_per_s_ar", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}"),
     ("theoretical speedup", "theoretical_speedup", "{:.2f}"),
-    ("c", "draft_cost_ratio", "{:.3f}"),
+    ("d(k)", "draft_cost_per_round", "{:.3f}"),
     ("v(k)", "verify_cost_ratio", "{:.2f}"),
     ("exact-match", "greedy_exact_match", "{:.2f}"),
     ("best k", "recommended_num_draft_tokens", "{}"),

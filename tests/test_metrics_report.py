@@ -65,17 +65,19 @@ def test_costs_and_speedups():
     assert record["tokens_per_s"] == pytest.approx(8.0)
     assert record["tokens_per_s_ar"] == pytest.approx(4.0)
     assert record["speedup"] == pytest.approx(2.0)
-    c = 0.6 / 3 / 3 / step
+    d = 0.6 / 3 / step  # draft seconds per round / AR step
     v = 1.0 / 3 / step
-    assert record["draft_cost_ratio"] == pytest.approx(c)
+    assert record["draft_cost_per_round"] == pytest.approx(d)
+    assert record["draft_cost_ratio"] == pytest.approx(d / 3)
     assert record["verify_cost_ratio"] == pytest.approx(v)
-    assert record["theoretical_speedup"] == pytest.approx(2.8 / (3 * c + v))
+    assert record["theoretical_speedup"] == pytest.approx(2.8 / (d + v))
     assert record["time_s"] == {"draft": 0.6, "verify": 1.0, "prefill": 0.2, "other": 0.2, "total": 2.0}
 
 
 def test_without_baseline_the_relative_numbers_are_missing():
     record = record_for(spec_output(), None)
-    for key in ("tokens_per_s_ar", "speedup", "draft_cost_ratio", "verify_cost_ratio", "theoretical_speedup"):
+    for key in ("tokens_per_s_ar", "speedup", "draft_cost_per_round", "draft_cost_ratio", "verify_cost_ratio",
+                "theoretical_speedup"):
         assert record[key] is None
     assert record["tau"] == pytest.approx(2.8)
 
@@ -116,12 +118,17 @@ def test_merge_sums_counters_and_concatenates_rows():
 
 def test_recommendation_picks_the_best_k():
     p = [0.9, 0.8, 0.5, 0.2]
-    # speedups with v = 1.2 everywhere: 1.46, 1.93, 2.133, 2.125 -> k = 3
-    assert recommend_num_draft_tokens(p, 0.1, {4: 1.2}) == 3
+    # a chain drafter, d(k) = 0.1 k, v = 1.2 everywhere: 1.46, 1.93, 2.133, 2.125 -> k = 3
+    chain = {k: 0.1 * k for k in range(1, 5)}
+    assert recommend_num_draft_tokens(p, chain, {4: 1.2}) == 3
     # v interpolated between k = 1 (1.0) and k = 4 (1.6): 1.73, 1.93, 1.88, 1.70 -> k = 2
-    assert recommend_num_draft_tokens(p, 0.1, {1: 1.0, 4: 1.6}) == 2
+    assert recommend_num_draft_tokens(p, chain, {1: 1.0, 4: 1.6}) == 2
     # a drafter as slow as the target never pays off -> do not speculate
-    assert recommend_num_draft_tokens(p, 1.0, {4: 1.2}) == 0
+    assert recommend_num_draft_tokens(p, {k: 1.0 * k for k in range(1, 5)}, {4: 1.2}) == 0
+    # a block drafter pays one forward for every k: d flat at 0.3 -> 1.27, 1.73, 2.07, 2.2 -> k = 4 ...
+    assert recommend_num_draft_tokens(p, {1: 0.3, 4: 0.3}, {4: 1.2}) == 4
+    # ... unless it cannot draft that many in one round
+    assert recommend_num_draft_tokens(p, {1: 0.3, 4: 0.3}, {4: 1.2}, max_draft_tokens=3) == 3
 
 
 def test_annotate_recommendations_names_its_basis():

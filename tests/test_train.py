@@ -210,21 +210,27 @@ def test_hybrid_computes_the_first_epoch_and_reads_the_cache_after(workdir, tmp_
 def test_cache_checksum_and_stale_data_are_detected(workdir, tmp_path):
     from train.features import FeatureCache, FeatureProvider, cache_meta
 
+    from drafters.base import FeatureRequest
     from inference.target import TargetModel
 
     target = TargetModel.from_pretrained(workdir[1])
-    meta = cache_meta(target.target_info(), (1, 3), torch.float32, num_samples=4)
+    request = FeatureRequest(layer_ids=(1, 3), top_k_logits=4)  # top-k logits are served like hidden states
+    meta = cache_meta(target.target_info(), request, torch.float32, num_samples=4)
     cache = FeatureCache(str(tmp_path / "c"), meta)
-    hybrid = FeatureProvider("hybrid", target, (1, 3), cache)
+    hybrid = FeatureProvider("hybrid", target, request, cache)
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]]), "sample_index": torch.tensor([0, 1]),
              "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])}
     first = hybrid(batch)  # computed online, written
     cache.flush()
-    again = FeatureProvider("offline", target, (1, 3), FeatureCache(str(tmp_path / "c"), meta))(batch)
+    again = FeatureProvider("offline", target, request, FeatureCache(str(tmp_path / "c"), meta))(batch)
     assert torch.equal(first["target_hidden"][3], again["target_hidden"][3])
+    assert first["target_top_k_ids"].shape == (2, 4, 4)
+    assert torch.equal(first["target_top_k_ids"], again["target_top_k_ids"])
+    torch.testing.assert_close(first["target_top_k_values"], again["target_top_k_values"])
+    assert torch.equal(first["target_top_k_ids"][..., 0], first["target_argmax"])
     stale = dict(batch, input_ids=torch.tensor([[5, 6, 7, 9], [9, 10, 0, 0]]))
     with pytest.raises(ValueError, match="sample 0 holds other tokens"):
-        FeatureProvider("offline", target, (1, 3), FeatureCache(str(tmp_path / "c"), meta))(stale)
+        FeatureProvider("offline", target, request, FeatureCache(str(tmp_path / "c"), meta))(stale)
     with pytest.raises(ValueError, match="layer ids \\[2\\] were not stored"):
         FeatureCache(str(tmp_path / "c"), {**meta, "layer_ids": [1, 2, 3]})
     shard = tmp_path / "c" / "rank0-00000.safetensors"
@@ -232,7 +238,7 @@ def test_cache_checksum_and_stale_data_are_detected(workdir, tmp_path):
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="sha256"):
-        FeatureProvider("offline", target, (1, 3), FeatureCache(str(tmp_path / "c"), meta))(batch)
+        FeatureProvider("offline", target, request, FeatureCache(str(tmp_path / "c"), meta))(batch)
 
 
 def test_prepare_regenerates_answers_that_training_then_reads(workdir, tmp_path):

@@ -17,7 +17,7 @@ from inference.target import TargetModel
 from train.checkpoint import load_checkpoint, resolve_resume
 from train.config import Recipe, derive, recipe_to_dict, save_recipe
 from train.data import build_dataset
-from train.features import FeatureCache, FeatureProvider, cache_meta
+from train.features import FeatureCache, FeatureProvider, cache_meta, training_request
 from train.loop import Trainer
 from train.metrics import flat_config, load_eval_prompts
 from train.optim import Progress, build_optimizer, build_scheduler
@@ -57,24 +57,25 @@ def build_drafter(recipe: Recipe, target: TargetModel) -> torch.nn.Module:
     """DRAFTERS[kind] on its own copy of the drafter config (phases change the copy, never the recipe)."""
     drafter = DRAFTERS[recipe.drafter_kind](copy.deepcopy(recipe.drafter), target.target_info())
     try:
-        target.check_layer_ids(drafter.target_layer_ids())
+        target.check_request(drafter.feature_request())
     except ValueError as err:
         raise ValueError(f"drafter: {err}") from None
     return drafter.to(target.device)
 
 
-def feature_provider(recipe: Recipe, split: str, target: TargetModel, layer_ids, num_samples: int,
+def feature_provider(recipe: Recipe, split: str, target: TargetModel, request, num_samples: int,
                      rank: int) -> FeatureProvider:
-    """The split's provider; offline/hybrid ones read/write <features.cache_dir>/<split>."""
+    """The split's provider for the drafter's FeatureRequest; offline/hybrid ones read/write
+    <features.cache_dir>/<split>."""
     mode = recipe.features.mode
     if mode == "online":
-        return FeatureProvider(mode, target, layer_ids)
+        return FeatureProvider(mode, target, request)
     if not recipe.features.cache_dir:
         raise ValueError(f"features.cache_dir must be set for features.mode={mode}")
     dtype = target.model.dtype if recipe.features.dtype == "auto" else getattr(torch, recipe.features.dtype)
-    meta = cache_meta(target.target_info(), layer_ids, dtype, num_samples)
+    meta = cache_meta(target.target_info(), training_request(request), dtype, num_samples)
     cache = FeatureCache(os.path.join(recipe.features.cache_dir, split), meta, rank=rank)
-    return FeatureProvider(mode, target, layer_ids, cache)
+    return FeatureProvider(mode, target, request, cache)
 
 
 def build_trainer(recipe: Recipe) -> Trainer:
@@ -98,13 +99,13 @@ def build_trainer(recipe: Recipe) -> Trainer:
     scheduler = build_scheduler(optimizer, recipe.schedule, derived.max_steps, progress)
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    layer_ids = accelerator.unwrap_model(drafter).target_layer_ids()
+    request = accelerator.unwrap_model(drafter).feature_request()
     rank = accelerator.process_index
     trainer = Trainer(
         recipe=recipe, derived=derived, accelerator=accelerator, target=target, drafter=drafter, optimizer=optimizer,
         scheduler=scheduler, progress=progress, data=data,
-        train_features=feature_provider(recipe, "train", target, layer_ids, len(data.train), rank),
-        eval_features=feature_provider(recipe, "eval", target, layer_ids, len(data.eval), rank),
+        train_features=feature_provider(recipe, "train", target, request, len(data.train), rank),
+        eval_features=feature_provider(recipe, "eval", target, request, len(data.eval), rank),
         eval_prompts=(load_eval_prompts(target.tokenizer, recipe.eval.prompts, recipe.eval.num_prompts)
                       if recipe.eval.num_prompts > 0 else []),
         pad_token_id=target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0)

@@ -1,8 +1,8 @@
 """`draftsmith estimate RECIPE [key=value ...]`: the disk and time an offline feature cache will take.
 
 Disk: per token, (number of hidden ids + 1) x D values in the cache dtype (the requested hidden states plus the
-final-norm hidden state) plus 8 bytes (the target argmax and the token id, int32), summed over the train and eval
-splits. Time: the target's feature throughput measured on a few real batches of the recipe's data, on this machine,
+final-norm hidden state) plus 8 bytes (the target argmax and the token id, int32), plus k values and k int32 ids
+when the drafter asks for top-k logits, summed over the train and eval splits. Time: the target's feature throughput measured on a few real batches of the recipe's data, on this machine,
 after one warm-up batch.
 
     draftsmith estimate recipes/smollm2/eagle3_full.yaml
@@ -20,17 +20,18 @@ from train.config import recipe_from_argv
 NUM_TIMED_BATCHES = 2
 
 
-def cache_bytes_per_token(num_hidden: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """(num_hidden + 1) hidden vectors of hidden_size values, + int32 argmax + int32 token id."""
-    return (num_hidden + 1) * hidden_size * torch.empty((), dtype=dtype).element_size() + 8
+def cache_bytes_per_token(num_hidden: int, hidden_size: int, dtype: torch.dtype, top_k: int = 0) -> int:
+    """(num_hidden + 1) hidden vectors of hidden_size values, + int32 argmax + int32 token id, + top-k values/ids."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return (num_hidden + 1) * hidden_size * size + 8 + top_k * (size + 4)
 
 
-def measure_throughput(target, dataset, layer_ids, batch_size: int, pad_token_id: int) -> float:
+def measure_throughput(target, dataset, request, batch_size: int, pad_token_id: int) -> float:
     """Feature tokens per second of the target on the first batches of `dataset` (one warm-up batch untimed)."""
     from inference.target import synchronize
     from train.features import FeatureProvider, make_batch
 
-    provider = FeatureProvider("online", target, layer_ids)
+    provider = FeatureProvider("online", target, request)
     num_batches = min(NUM_TIMED_BATCHES + 1, max(1, len(dataset) // batch_size))
     tokens, seconds = 0, 0.0
     for b in range(num_batches):
@@ -68,14 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     state = process_state()
     target = load_target(recipe, state.device)
     data = load_data(recipe, target, state)
-    layer_ids = build_drafter(recipe, target).target_layer_ids()
+    request = build_drafter(recipe, target).feature_request()
+    layer_ids = request.layer_ids
     dtype = target.model.dtype if recipe.features.dtype == "auto" else getattr(torch, recipe.features.dtype)
     info = target.target_info()
     lengths = {split: sum(sample_lengths(dataset)) for split, dataset in (("train", data.train), ("eval", data.eval))}
     total_tokens = sum(lengths.values())
-    per_token = cache_bytes_per_token(len(layer_ids), info.hidden_size, dtype)
+    per_token = cache_bytes_per_token(len(layer_ids), info.hidden_size, dtype, request.top_k_logits)
     pad_token_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    rate = measure_throughput(target, data.train, layer_ids, recipe.train.batch_size, pad_token_id)
+    rate = measure_throughput(target, data.train, request, recipe.train.batch_size, pad_token_id)
     seconds = total_tokens / rate
     print(f"target {info.name_or_path}: D={info.hidden_size}, layer ids {list(layer_ids)} + final norm, "
           f"cache dtype {str(dtype).removeprefix('torch.')}")

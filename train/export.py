@@ -20,6 +20,7 @@ import sys
 import torch
 
 from drafters import load_drafter
+from drafters.files import replace_directory
 from inference.target import TargetModel
 
 FORMATS = ("speculators", "eagle3", "native")
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         drafter = load_drafter(args.checkpoint, info)
         if drafter is None:
             raise ValueError(f"{args.checkpoint} is not a drafter checkpoint")
-        drafter.save(args.out, args.format)
+        with replace_directory(args.out) as tmp_dir:  # a refused format leaves an existing --out untouched
+            drafter.save(tmp_dir, args.format)
     except ValueError as err:
         print(f"draftsmith export: error: {err}", file=sys.stderr)
         return 2

@@ -1,12 +1,15 @@
 """Target features for training: online (target forward in the step), offline (a cache on disk), or hybrid.
 
-The drafter batch always carries the same keys, wherever they came from (drafters/base.py):
-    target_hidden {layer_id: [B, T, D]} float32, target_last_hidden [B, T, D] float32, target_argmax [B, T] long.
+The drafter batch always carries the same keys, wherever they came from (drafters/base.py), serving the drafter's
+FeatureRequest:
+    target_hidden {layer_id: [B, T, D]} float32, target_last_hidden [B, T, D] float32, target_argmax [B, T] long,
+    and with request.top_k_logits = k > 0: target_top_k_values [B, T, k] float32, target_top_k_ids [B, T, k] long.
 
 Offline cache layout, one directory per split (`<features.cache_dir>/train`, `.../eval`):
     meta.json                       target name, hidden size, number of layers, layer ids, dtype, number of samples
     rank{r}-{n:05d}.safetensors     shards written by rank r; per sample `s{i}.input_ids` [T] int32,
-                                    `s{i}.h{id}` [T, D], `s{i}.last` [T, D], `s{i}.argmax` [T] int32
+                                    `s{i}.h{id}` [T, D], `s{i}.last` [T, D], `s{i}.argmax` [T] int32,
+                                    with top-k logits `s{i}.topv` [T, k] and `s{i}.topi` [T, k] int32
     index-rank{r}.json              per shard: file name, sha256 and the sample indices it holds
 Each rank writes only its own shards and index, shard files and indexes are written under temporary names and
 renamed into place, so an interrupted `draftsmith prepare` resumes where its index ends. A shard's sha256 is checked
@@ -26,6 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
+from drafters.base import FeatureRequest
+from drafters.files import write_atomic, write_json_atomic
 from train.data import collate
 
 CACHE_FORMAT = 1
@@ -54,10 +59,10 @@ class FeatureCache:
         """Write meta.json, or check that an existing one describes the same target, layers and dtype."""
         path = os.path.join(self.directory, "meta.json")
         if not os.path.exists(path):
-            _write_json_atomic(path, meta)
+            write_json_atomic(path, meta)
         with open(path) as f:
             stored = json.load(f)
-        for key in ("format", "target", "hidden_size", "num_layers", "dtype", "num_samples"):
+        for key in ("format", "target", "hidden_size", "num_layers", "dtype", "num_samples", "top_k_logits"):
             if stored.get(key) != meta.get(key):
                 raise ValueError(f"feature cache {self.directory}: {key} is {stored.get(key)!r} but this run needs "
                                  f"{meta.get(key)!r}; point features.cache_dir elsewhere or delete the cache")
@@ -85,10 +90,13 @@ class FeatureCache:
         return len(self.location) + len(self.buffer)
 
     def add(self, index: int, input_ids: torch.Tensor, hidden: dict[int, torch.Tensor], last_hidden: torch.Tensor,
-            argmax: torch.Tensor) -> None:
-        """Buffer one sample (input_ids [T], hidden {id: [T, D]}, last_hidden [T, D], argmax [T]); flush when full."""
+            argmax: torch.Tensor, top_k: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Buffer one sample (input_ids [T], hidden {id: [T, D]}, last_hidden [T, D], argmax [T], and top_k
+        (values, ids) [T, k] when the cache stores them); flush when full."""
         record = {"input_ids": input_ids.to("cpu", torch.int32), "argmax": argmax.to("cpu", torch.int32),
                   "last": last_hidden.to("cpu", self.dtype)}
+        if self.meta.get("top_k_logits"):
+            record.update(topv=top_k[0].to("cpu", self.dtype), topi=top_k[1].to("cpu", torch.int32))
         record.update({f"h{layer_id}": hidden[layer_id].to("cpu", self.dtype) for layer_id in self.meta["layer_ids"]})
         self.buffer[index] = {key: value.contiguous() for key, value in record.items()}
         self.buffer_bytes += sum(t.numel() * t.element_size() for t in record.values())
@@ -102,13 +110,10 @@ class FeatureCache:
         name = f"rank{self.rank}-{len(self.own_shards):05d}.safetensors"
         tensors = {f"s{index}.{key}": t for index, record in self.buffer.items() for key, t in record.items()}
         payload = safetensors_bytes(tensors)
-        path = os.path.join(self.directory, name)
-        with open(path + ".tmp", "wb") as f:
-            f.write(payload)
-        os.replace(path + ".tmp", path)
+        write_atomic(os.path.join(self.directory, name), payload)
         shard = {"file": name, "sha256": hashlib.sha256(payload).hexdigest(), "samples": sorted(self.buffer)}
         self.own_shards = self.own_shards + [shard]
-        _write_json_atomic(os.path.join(self.directory, f"index-rank{self.rank}.json"), {"shards": self.own_shards})
+        write_json_atomic(os.path.join(self.directory, f"index-rank{self.rank}.json"), {"shards": self.own_shards})
         self.checksums[name] = shard["sha256"]
         self.location.update({index: name for index in self.buffer})
         self.handles.pop(name, None)
@@ -136,21 +141,25 @@ class FeatureCache:
                              "`draftsmith prepare RECIPE` first (or use features.mode=hybrid)")
         handle = self._open(self.location[index])
         keys = ["input_ids", "argmax", "last"] + [f"h{layer_id}" for layer_id in self.meta["layer_ids"]]
+        keys += ["topv", "topi"] if self.meta.get("top_k_logits") else []
         return {key: handle.get_tensor(f"s{index}.{key}") for key in keys}
 
 
-def _write_json_atomic(path: str, data: Any) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(data, f)
-    os.replace(path + ".tmp", path)
-
-
-def cache_meta(target_info, layer_ids: Iterable[int], dtype: torch.dtype, num_samples: int) -> dict[str, Any]:
+def cache_meta(target_info, request: FeatureRequest, dtype: torch.dtype, num_samples: int) -> dict[str, Any]:
     """What a cache records about the run that wrote it (checked by every reader)."""
     return {"target": os.path.basename(os.path.normpath(target_info.name_or_path)),
             "hidden_size": target_info.hidden_size, "num_layers": target_info.num_layers,
-            "layer_ids": sorted(int(i) for i in layer_ids), "dtype": str(dtype).removeprefix("torch."),
-            "num_samples": num_samples}
+            "layer_ids": sorted(int(i) for i in request.layer_ids), "dtype": str(dtype).removeprefix("torch."),
+            "num_samples": num_samples, "top_k_logits": int(request.top_k_logits)}
+
+
+def training_request(request: FeatureRequest) -> FeatureRequest:
+    """The part of a drafter's request that training serves; raise ValueError for what it cannot serve yet."""
+    if request.kv_layers:
+        raise ValueError(f"drafter asks for the target's KV cache of layers {list(request.kv_layers)}: the engine "
+                         "serves it (DraftContext.target_kv), training features do not yet; train such a drafter "
+                         "once the Gemma-4-style assistant lands (it captures the target's K/V per layer)")
+    return FeatureRequest(layer_ids=tuple(int(i) for i in request.layer_ids), top_k_logits=request.top_k_logits)
 
 
 class FeatureProvider:
@@ -159,15 +168,16 @@ class FeatureProvider:
     Args:
         mode: "online" | "offline" | "hybrid".
         target: the frozen TargetModel (used by online and hybrid).
-        layer_ids: the drafter's `target_layer_ids()`.
+        request: the drafter's `feature_request()`.
         cache: the split's FeatureCache (offline and hybrid), else None.
     """
 
-    def __init__(self, mode: str, target, layer_ids: Iterable[int], cache: FeatureCache | None = None):
+    def __init__(self, mode: str, target, request: FeatureRequest, cache: FeatureCache | None = None):
         if mode != "online" and cache is None:
             raise ValueError(f"features.mode={mode} needs features.cache_dir")
         self.mode, self.target, self.cache = mode, target, cache
-        self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.request = training_request(request)
+        self.layer_ids = self.request.layer_ids
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         """batch: input_ids, attention_mask [B, T] (right padding), sample_index [B]. Returns the feature keys."""
@@ -184,10 +194,15 @@ class FeatureProvider:
         cache pads them, so a drafter sees identical batches in every mode."""
         device = self.target.device
         mask = batch["attention_mask"].to(device)
-        out = self.target.features(batch["input_ids"].to(device), mask, self.layer_ids)
+        top_k = self.request.top_k_logits
+        out = self.target.features(batch["input_ids"].to(device), mask, self.layer_ids, return_logits=top_k > 0)
         keep = mask.unsqueeze(-1).float()  # [B, T, 1]
-        return {"target_hidden": {i: out.hidden[i].float() * keep for i in self.layer_ids},
-                "target_last_hidden": out.last_hidden.float() * keep, "target_argmax": out.argmax.long() * mask}
+        features = {"target_hidden": {i: out.hidden[i].float() * keep for i in self.layer_ids},
+                    "target_last_hidden": out.last_hidden.float() * keep, "target_argmax": out.argmax.long() * mask}
+        if top_k:
+            values, ids = out.logits.float().topk(top_k, dim=-1)
+            features.update(target_top_k_values=values * keep, target_top_k_ids=ids * mask.unsqueeze(-1))
+        return features
 
     def from_cache(self, batch: dict[str, Any], indices: list[int]) -> dict[str, Any]:
         """Read each row from the cache and right-pad to the batch length with zeros."""
@@ -197,6 +212,9 @@ class FeatureProvider:
         hidden = {i: torch.zeros(batch_size, length, hidden_size) for i in self.layer_ids}  # [B, T, D]
         last_hidden = torch.zeros(batch_size, length, hidden_size)  # [B, T, D]
         argmax = torch.zeros(batch_size, length, dtype=torch.long)  # [B, T]
+        top_k = self.request.top_k_logits
+        top_values = torch.zeros(batch_size, length, top_k)  # [B, T, k]
+        top_ids = torch.zeros(batch_size, length, top_k, dtype=torch.long)
         for row, index in enumerate(indices):
             record = self.cache.read(index)
             size = record["input_ids"].shape[0]
@@ -208,9 +226,15 @@ class FeatureProvider:
                 hidden[i][row, :size] = record[f"h{i}"].float()
             last_hidden[row, :size] = record["last"].float()
             argmax[row, :size] = record["argmax"].long()
+            if top_k:
+                top_values[row, :size] = record["topv"][:, :top_k].float()
+                top_ids[row, :size] = record["topi"][:, :top_k].long()
         device = input_ids.device
-        return {"target_hidden": {i: h.to(device) for i, h in hidden.items()},
-                "target_last_hidden": last_hidden.to(device), "target_argmax": argmax.to(device)}
+        features = {"target_hidden": {i: h.to(device) for i, h in hidden.items()},
+                    "target_last_hidden": last_hidden.to(device), "target_argmax": argmax.to(device)}
+        if top_k:
+            features.update(target_top_k_values=top_values.to(device), target_top_k_ids=top_ids.to(device))
+        return features
 
     def flush(self) -> None:
         if self.cache is not None and self.mode == "hybrid":
@@ -225,9 +249,12 @@ def store_rows(cache: FeatureCache, batch: dict[str, Any], features: dict[str, A
     """Add batch rows `rows` to the cache, each cut to its real length (right padding)."""
     for row in rows:
         length = int(batch["attention_mask"][row].sum())
+        top_k = None
+        if "target_top_k_values" in features:
+            top_k = (features["target_top_k_values"][row, :length], features["target_top_k_ids"][row, :length])
         cache.add(int(batch["sample_index"][row]), batch["input_ids"][row, :length],
                   {i: h[row, :length] for i, h in features["target_hidden"].items()},
-                  features["target_last_hidden"][row, :length], features["target_argmax"][row, :length])
+                  features["target_last_hidden"][row, :length], features["target_argmax"][row, :length], top_k)
 
 
 def sample_lengths(dataset) -> list[int]:
@@ -254,7 +281,8 @@ def write_cache(target, dataset, cache: FeatureCache, *, batch_size: int, pad_to
     lengths = sample_lengths(dataset)
     todo = [i for i in range(rank, len(dataset), world_size) if i not in cache]
     todo.sort(key=lambda i: -lengths[i])
-    provider = FeatureProvider("online", target, cache.meta["layer_ids"])
+    request = FeatureRequest(layer_ids=tuple(cache.meta["layer_ids"]), top_k_logits=cache.meta.get("top_k_logits", 0))
+    provider = FeatureProvider("online", target, request)
     bar = tqdm(total=len(todo), desc=f"features rank {rank}", disable=not progress, unit="sample")
     for start in range(0, len(todo), batch_size):
         chunk = todo[start:start + batch_size]

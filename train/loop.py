@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 from accelerate import Accelerator, DistributedType
 from tqdm.auto import tqdm
 
+from drafters.files import replace_directory
 from train.checkpoint import list_checkpoints, save_checkpoint
 from train.config import Derived, Recipe, save_recipe
 from train.features import FeatureProvider, make_batch
@@ -207,12 +207,9 @@ class Trainer:
         if self.accelerator.is_main_process:
             fresh = type(self.model)(copy.deepcopy(self.recipe.drafter), self.model.target_info)
             fresh.load_state_dict(state, strict=True)
-            tmp_dir = final_dir + ".tmp"
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            fresh.save(tmp_dir, "native")
-            save_recipe(self.recipe, os.path.join(tmp_dir, "recipe.yaml"))
-            shutil.rmtree(final_dir, ignore_errors=True)
-            os.rename(tmp_dir, final_dir)
+            with replace_directory(final_dir) as tmp_dir:
+                fresh.save(tmp_dir, "native")
+                save_recipe(self.recipe, os.path.join(tmp_dir, "recipe.yaml"))
         self.accelerator.wait_for_everyone()
         return final_dir
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from inference.generate import speculative_generate
-from inference.metrics import acceptance_counts
+from inference.metrics import accept_length_mean, acceptance_counts
 from inference.prompts import load_questions
 
 
@@ -99,9 +99,8 @@ def speculative_probe(target, drafter, prompts: list[list[int]], *, num_draft_to
     out = speculative_generate(target, drafter, prompts, num_draft_tokens=num_draft_tokens,
                                max_new_tokens=max_new_tokens, temperature=0.0)
     counts = acceptance_counts(out)
-    rounds = max(counts["rounds"], 1)
     new_tokens = sum(len(tokens) for tokens in out.tokens)
-    return {"tau": 1.0 + counts["accepted"] / rounds,
+    return {"tau": accept_length_mean(counts["rounds"], counts["accepted"]) or 1.0,
             "acceptance_rate": counts["accepted"] / max(counts["proposed"], 1),
             "tokens_per_s": new_tokens / out.time_total if out.time_total > 0 else 0.0,
             "rounds": float(counts["rounds"])}
