@@ -1,0 +1,302 @@
+"""The drafter contract, tested once for every registered drafter (drafters/base.py; ARCHITECTURE.md section 4).
+
+A new drafter is done when this file passes for it: add a tiny factory to FACTORIES (the test below fails for a
+registered kind without one). What is checked, per kind:
+- it builds on the meta device; its feature request fits the target; max_draft_tokens is honoured by propose;
+- trainable kinds: the loss is finite and gradients reach the drafter's parameters only;
+- trainable kinds: proposals made through begin / propose / commit equal what `forward` predicts on the same
+  ground-truth sequence (left padding, rows accepting different numbers of drafts, a finished row). Lossless output
+  alone cannot catch a broken `commit`: a drafter fed the wrong context still loses nothing, it only drafts worse;
+- greedy speculative output equals plain greedy output at batch 1 and 3;
+- at temperature 1 the whole loop emits exactly the target's law (chi-square on a 6-token vocabulary);
+- save -> load gives identical proposals (and identical training logits for trainable kinds).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from drafters import DRAFTERS, load_drafter
+from drafters.base import DraftContext, Drafter, TargetInfo
+from drafters.draft_model import DraftModelConfig, DraftModelDrafter
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.ngram import NgramConfig, NgramDrafter
+from inference.generate import speculative_generate
+from inference.target import TargetModel
+from train.features import FeatureProvider
+
+NUM_DRAFTS = 3  # proposal length used throughout; every factory below can draft at least this many
+
+
+def _draft_lm(info: TargetInfo, seed: int = 1):
+    model = make_tiny_model("llama", seed=seed, num_layers=1)
+    if info.vocab_size != model.config.vocab_size:
+        model.resize_token_embeddings(info.vocab_size)
+    return model.to(info.embed_weight.dtype)
+
+
+# kind -> factory(target_info) building a small, untrained drafter for the tiny targets below (hidden 64, 4 layers).
+FACTORIES: dict[str, Callable[[TargetInfo], Drafter]] = {
+    "eagle3": lambda info: Eagle3Drafter(Eagle3Config(layer_ids=(1, 2, 4), num_layers=2,
+                                                      draft_vocab_size=info.vocab_size, ttt_steps=NUM_DRAFTS,
+                                                      init_head_from_target=False), info),
+    "draft_model": lambda info: DraftModelDrafter(DraftModelConfig(path="tiny"), info, model=_draft_lm(info)),
+    "ngram": lambda info: NgramDrafter(NgramConfig(), info),
+}
+SAMPLING = {  # the factory variant that samples its drafts, for kinds that can
+    "eagle3": lambda info: Eagle3Drafter(Eagle3Config(layer_ids=(1, 2, 4), draft_vocab_size=info.vocab_size,
+                                                      ttt_steps=NUM_DRAFTS, sample_drafts=True), info),
+    "draft_model": lambda info: DraftModelDrafter(DraftModelConfig(path="tiny", sample_drafts=True), info,
+                                                  model=_draft_lm(info)),
+}
+KINDS = sorted(DRAFTERS)
+
+
+def trainable(drafter: Drafter) -> bool:
+    return type(drafter).forward is not Drafter.forward
+
+
+def tiny_target(vocab_size: int | None = None, seed: int = 0, dtype=torch.float64) -> TargetModel:
+    model = make_tiny_model("llama", seed=seed, num_layers=4, dtype=dtype)
+    if vocab_size is not None:
+        model.resize_token_embeddings(vocab_size)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(0.05)  # a soft distribution, so that sampling matters
+        model.config.eos_token_id = None
+    return TargetModel(model, name_or_path="tiny-llama")
+
+
+def build(kind: str, target: TargetModel, seed: int = 1, sampling: bool = False) -> Drafter:
+    torch.manual_seed(seed)
+    factory = (SAMPLING if sampling else FACTORIES)[kind]
+    drafter = factory(target.target_info()).to(target.target_info().embed_weight.dtype)
+    with torch.no_grad():  # some drafters start with zeroed or identity parts; perturb so that nothing is trivial
+        for parameter in drafter.parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter))
+    return drafter.eval()
+
+
+def training_batch(target, drafter, sequences: list[list[int]]) -> dict:
+    """Right-padded batch over `sequences`, every real token in the loss, features as training serves them."""
+    width = max(map(len, sequences))
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, tokens in enumerate(sequences):
+        input_ids[row, : len(tokens)] = torch.tensor(tokens)
+        attention_mask[row, : len(tokens)] = 1
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": attention_mask.clone(),
+             "sample_index": torch.arange(len(sequences)), "epoch": 0, "seed": 0}
+    batch.update(FeatureProvider("online", target, drafter.feature_request()).online(batch))
+    return batch
+
+
+def test_every_registered_drafter_has_a_factory():
+    assert set(FACTORIES) == set(DRAFTERS), "add a tiny factory for the new drafter kind to FACTORIES"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_builds_on_meta_device_and_states_its_needs(kind):
+    target = tiny_target()
+    info = target.target_info()
+    drafter = build(kind, target)
+    target.check_request(drafter.feature_request())  # raises when it asks for what the target lacks
+    assert tuple(drafter.feature_request().layer_ids) == tuple(drafter.target_layer_ids())
+    limit = drafter.max_draft_tokens()
+    assert limit is None or limit >= NUM_DRAFTS
+    if not trainable(drafter):
+        pytest.skip(f"{kind} wraps a model or none; nothing of its own to build on the meta device")
+    with torch.device("meta"):
+        meta = FACTORIES[kind](info)
+    assert all(p.is_meta for p in meta.parameters())
+    assert {n: p.shape for n, p in meta.named_parameters()} == {n: p.shape for n, p in drafter.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_loss_is_finite_and_gradients_reach_only_the_drafter(kind):
+    target = tiny_target()
+    drafter = build(kind, target).train()
+    if not trainable(drafter):
+        pytest.skip(f"{kind} is not trainable")
+    batch = training_batch(target, drafter, [[5, 9, 31, 77, 8, 120, 64, 3, 200, 41, 17, 99],
+                                             [250, 11, 64, 90, 3, 45, 6, 230]])
+    output = drafter(batch)
+    loss, metrics = drafter.loss(output, batch)
+    assert torch.isfinite(loss) and loss.requires_grad
+    assert {"sim_accept_length", "acc_0", "loss_0", "positions_0"} <= set(metrics)
+    loss.backward()
+    grads = [p.grad for p in drafter.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert any(float(g.abs().sum()) > 0 for g in grads)
+    info = target.target_info()
+    assert info.embed_weight.grad is None and info.lm_head_weight.grad is None
+    assert all(p.grad is None for p in target.model.parameters())
+    valid = output.depth_valid
+    assert output.logits.shape[:2] == valid.shape == output.label_position.shape
+    assert output.batch_index.shape == (valid.shape[0],)
+    assert bool((output.label_position[valid] < batch["attention_mask"].sum(1)[output.batch_index[:, None]
+                                                                                .expand_as(valid)][valid]).all())
+
+
+# ---- proposals through the stateful proposer == the training forward ---------------------------------------------
+def decode_with_forced_accepts(target, drafter, prompts, schedules, seed=0):
+    """Drive begin / propose / commit as the engine does, but with the accept count of every round forced by
+    `schedules[row][round]` (None = the row has finished). Returns per row the final sequence and, per round the row
+    took part in, (anchor position, proposed tokens, accepted count)."""
+    gen = torch.Generator().manual_seed(seed)
+    request = drafter.feature_request()
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = torch.tensor(prompt), 1
+    _, served = target.prefill(ids, mask, request)
+    bonus = torch.randint(3, 250, (len(prompts),), generator=gen)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    drafter.begin(DraftContext(ids, mask.bool(), positions, next_tokens=bonus, **served))
+    sequences = [list(p) for p in prompts]
+    rounds = [[] for _ in prompts]
+    for step in range(len(schedules[0])):
+        proposal = drafter.propose(NUM_DRAFTS)
+        accepted = torch.tensor([a if a is not None else 0 for a in (s[step] for s in schedules)])
+        active = torch.tensor([s[step] is not None for s in schedules])
+        block = torch.cat([bonus[:, None], proposal.tokens], dim=1)
+        mark = target.mark()
+        _, served = target.extend(block, request)
+        target.keep_after(mark, torch.where(active, accepted + 1, torch.zeros_like(accepted)))
+        valid = (torch.arange(NUM_DRAFTS + 1)[None] <= accepted[:, None]) & active[:, None]
+        positions = target.runner.lengths[:, None] - valid.long().sum(-1, keepdim=True) + torch.arange(NUM_DRAFTS + 1)
+        new_bonus = torch.randint(3, 250, (len(prompts),), generator=gen)
+        for row in range(len(prompts)):
+            if active[row]:
+                rounds[row].append((len(sequences[row]), proposal.tokens[row].tolist(), int(accepted[row])))
+                sequences[row] += block[row, : int(accepted[row]) + 1].tolist()
+        bonus = torch.where(active, new_bonus, bonus)
+        drafter.commit(accepted, DraftContext(block, valid, positions, next_tokens=bonus, **served))
+    for row in range(len(prompts)):  # the last bonus, then room for the deepest prediction of the last round
+        sequences[row] += [int(bonus[row])] + torch.randint(3, 250, (NUM_DRAFTS + 1,), generator=gen).tolist()
+    return sequences, rounds
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_proposals_equal_the_training_forward(kind):
+    target = tiny_target()
+    drafter = build(kind, target)
+    if not trainable(drafter):
+        pytest.skip(f"{kind} has no training forward to agree with")
+    prompts = [[5, 17, 33, 9, 120, 41, 7], [250, 11, 64, 90, 3]]
+    schedules = [[2, NUM_DRAFTS, 0, 1], [0, 1, NUM_DRAFTS, None]]  # row 1 finishes before the last round
+    with torch.no_grad():
+        sequences, rounds = decode_with_forced_accepts(target, drafter, prompts, schedules)
+        batch = training_batch(target, drafter, sequences)
+        output = drafter(batch)
+    cells = {}
+    for n in range(output.logits.shape[0]):
+        for k in range(output.logits.shape[1]):
+            anchor = int(output.label_position[n, k]) - 1 - k
+            cells[(int(output.batch_index[n]), anchor, k)] = output.logits[n, k]
+    checked = 0
+    for row, row_rounds in enumerate(rounds):
+        for anchor, proposed, accepted in row_rounds:
+            # Depths up to the first rejected one read only ground truth (the accepted drafts), so they must agree.
+            for k in range(min(accepted + 1, NUM_DRAFTS)):
+                logits = cells.get((row, anchor, k))
+                assert logits is not None, f"forward has no prediction for row {row}, anchor {anchor}, depth {k}"
+                predicted = int(output.target_ids(logits.argmax()))
+                assert predicted == proposed[k], (row, anchor, k)
+                checked += 1
+    assert checked >= 12
+
+
+# ---- lossless through the real engine ------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("prompts", [[[5, 6, 7, 8]], [[5, 6, 7, 8, 9, 10], [40, 41], [100, 3, 77]]])
+def test_greedy_speculative_output_equals_plain_greedy(kind, prompts):
+    target = tiny_target()
+    drafter = build(kind, target)
+    plain = speculative_generate(target, None, prompts, num_draft_tokens=0, max_new_tokens=20)
+    spec = speculative_generate(target, drafter, prompts, num_draft_tokens=NUM_DRAFTS, max_new_tokens=20)
+    assert spec.tokens == plain.tokens
+
+
+def exact_joint(model, prompt: list[int], vocab: int) -> torch.Tensor:
+    """P(t1, t2, t3 | prompt) of the target at temperature 1, [vocab ** 3]."""
+    seqs = torch.tensor([[a, b] for a in range(vocab) for b in range(vocab)])
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)).logits
+    probs = torch.softmax(logits.double(), -1)
+    start = len(prompt) - 1
+    p1 = probs[0, start]
+    p2 = probs[:, start + 1].reshape(vocab, vocab, vocab)[:, 0]
+    p3 = probs[:, start + 2].reshape(vocab, vocab, vocab)
+    return (p1[:, None, None] * p2[:, :, None] * p3).flatten()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampling_law_is_the_targets(kind):
+    """T = 1: the joint law of the first three emitted tokens equals the target's, with the drafter's own q where
+    it samples and one-hot q where it drafts deterministically."""
+    vocab, rows = 6, 4000
+    target = tiny_target(vocab_size=vocab)
+    drafter = build(kind, target, sampling=kind in SAMPLING)
+    prompt = [1, 4, 2, 5, 3]
+    out = speculative_generate(target, drafter, [prompt] * rows, num_draft_tokens=2, max_new_tokens=3,
+                               temperature=1.0, seed=0, eos_token_ids=[])
+    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
+    for tokens in out.tokens:
+        counts[tokens[0] * vocab * vocab + tokens[1] * vocab + tokens[2]] += 1
+    expected = exact_joint(target.model, prompt, vocab) * rows
+    keep = expected >= 5
+    chi2 = (((counts - expected) ** 2) / expected)[keep].sum()
+    chi2 += (counts[~keep].sum() - expected[~keep].sum()) ** 2 / max(float(expected[~keep].sum()), 1e-9)
+    dof = int(keep.sum())
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (float(chi2), dof)  # about 4 sigma of the chi-square law
+    assert sum(map(sum, out.accept_lengths)) > 0 or kind == "ngram"  # the drafter took part
+
+
+# ---- persistence -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_load_gives_identical_proposals_and_logits(kind, tmp_path):
+    target = tiny_target(dtype=torch.float32)  # the dtype a loaded drafter has, so logits compare exactly
+    drafter = build(kind, target)
+    try:
+        drafter.save(str(tmp_path / "native"), "native")
+    except ValueError as err:
+        if trainable(drafter):
+            raise
+        pytest.skip(f"{kind}: {err}")
+    loaded = load_drafter(str(tmp_path / "native"), target.target_info())
+    assert loaded.kind == drafter.kind
+    loaded = loaded.to(target.target_info().embed_weight.dtype).eval()
+    prompt = torch.tensor([[5, 17, 33, 9, 120, 41, 7, 5, 17]])
+    mask = torch.ones_like(prompt)
+    proposals = []
+    for candidate in (drafter, loaded):
+        _, served = target.prefill(prompt, mask, candidate.feature_request())
+        candidate.begin(DraftContext(prompt, mask.bool(), torch.arange(prompt.shape[1])[None],
+                                     next_tokens=torch.tensor([33]), **served))
+        proposals.append(candidate.propose(NUM_DRAFTS))
+    assert torch.equal(proposals[0].tokens, proposals[1].tokens)
+    if trainable(drafter):
+        batch = training_batch(target, drafter, [[5, 9, 31, 77, 8, 120, 64, 3, 200, 41]])
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(batch).logits, drafter(batch).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_propose_refuses_more_than_max_draft_tokens(kind):
+    target = tiny_target()
+    drafter = build(kind, target)
+    limit = drafter.max_draft_tokens()
+    if limit is None:
+        pytest.skip(f"{kind} has no proposal-length limit")
+    prompt = torch.tensor([[5, 17, 33, 9]])
+    _, served = target.prefill(prompt, torch.ones_like(prompt), drafter.feature_request())
+    drafter.begin(DraftContext(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.arange(4)[None],
+                               next_tokens=torch.tensor([7]), **served))
+    assert drafter.propose(limit).tokens.shape == (1, limit)
+    with pytest.raises(ValueError, match=str(limit)):
+        drafter.propose(limit + 1)
