@@ -144,3 +144,49 @@ def _exact_joint(model, prompt, vocab):
     p2 = probs[:, start + 1, :].reshape(vocab, vocab, vocab)[:, 0, :]  # [t1, t2]
     p3 = probs[:, start + 2, :].reshape(vocab, vocab, vocab)  # [t1, t2, t3]
     return (p1[:, None, None] * p2[:, :, None] * p3).flatten()
+
+
+def test_engine_serves_the_feature_request():
+    """A drafter asking for the final hidden state, top-k logits and the target's KV cache gets, after prefill and
+    after each verify, exactly what a cache-free forward over the accepted sequence computes."""
+    from drafters.base import Drafter, FeatureRequest, Proposal
+
+    class Probe(Drafter):
+        kind = "probe"
+
+        def feature_request(self):
+            return FeatureRequest(layer_ids=(1,), final_hidden=True, top_k_logits=3, kv_layers=(0, 1))
+
+        def begin(self, context):
+            self.contexts = [context]
+
+        def propose(self, num_tokens):
+            return Proposal(tokens=torch.full((1, num_tokens), 7))
+
+        def commit(self, num_accepted, context):
+            kv = {i: (k.clone(), v.clone()) for i, (k, v) in context.target_kv.items()}
+            self.contexts.append((context, kv, context.target_kv_valid.clone()))
+
+    model = make_tiny_model("llama")
+    target = TargetModel(model)
+    probe = Probe(None, target.target_info())
+    out = speculative_generate(target, probe, [[5, 6, 7, 8]], num_draft_tokens=2, max_new_tokens=6)
+    sequence = [5, 6, 7, 8] + out.tokens[0]
+    ids = torch.tensor([sequence])
+    with torch.no_grad():
+        reference = model(input_ids=ids, output_hidden_states=True, use_cache=True)
+    first = probe.contexts[0]
+    torch.testing.assert_close(first.final_hidden[0], reference.hidden_states[-1][0, :4])
+    torch.testing.assert_close(first.hidden[1][0], reference.hidden_states[1][0, :4])
+    values, indices = reference.logits[0, :4].topk(3, dim=-1)
+    assert torch.equal(first.top_k[1][0], indices) and torch.allclose(first.top_k[0][0], values.float())
+    context, kv, valid = probe.contexts[-1]
+    kept = valid[0]
+    length = int(kept.sum())
+    for layer in (0, 1):
+        cached = kv[layer][0][0][:, kept]  # [H_kv, length, d]
+        torch.testing.assert_close(cached, reference.past_key_values.layers[layer].keys[0][:, :length])
+    block = context.input_ids[0][context.valid[0]].tolist()
+    assert sequence[length - len(block): length] == block  # the committed block ends the kept sequence
+    with pytest.raises(ValueError, match="kv_layers"):
+        target.check_request(FeatureRequest(kv_layers=(2,)))
