@@ -143,3 +143,17 @@ def test_learning_rate_schedule_shapes():
     linear = ScheduleConfig(kind="linear", warmup_steps=0, min_lr_ratio=0.0)
     assert [lr_factor(s, max_steps=5, config=linear) for s in range(5)] == pytest.approx([1, 0.75, 0.5, 0.25, 0])
     assert lr_factor(100, max_steps=5, config=ScheduleConfig(kind="constant")) == 1.0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "recipes/debug/tiny_eagle3.yaml", "drafter.nope=1"], "drafter.nope"),
+    (["prepare", "missing.yaml"], "missing.yaml"),
+    (["estimate", "recipes/debug/tiny_eagle3.yaml", "optim.lr=fast"], "optim.lr"),
+    (["export", "tests", "--format", "speculators", "--out", "unused"], "no config.json"),
+])
+def test_commands_report_bad_input_in_one_line(argv, message, capsys):
+    from train.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err

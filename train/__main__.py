@@ -28,4 +28,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from train.cli import run_reporting_errors
+
+    sys.exit(run_reporting_errors("train", main, None))

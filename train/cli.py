@@ -23,6 +23,21 @@ SUBCOMMANDS = {
 }
 
 
+USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError)  # bad input, missing files, a run that diverged
+
+
+def run_reporting_errors(prog: str, entry, argv: list[str] | None) -> int:
+    """Run a subcommand's main; a user error becomes one line on stderr naming what to fix, and exit status 2.
+
+    Every draftsmith error for bad input is a ValueError (or FileNotFoundError) whose message names the field and
+    what to do, so the traceback adds nothing for the user."""
+    try:
+        return int(entry(argv) or 0)
+    except USER_ERRORS as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
@@ -32,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     module = importlib.import_module(SUBCOMMANDS[argv[0]])
-    return int(module.main(argv[1:]) or 0)
+    return run_reporting_errors(f"draftsmith {argv[0]}", module.main, argv[1:])
 
 
 if __name__ == "__main__":
