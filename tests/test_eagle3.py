@@ -287,18 +287,18 @@ def test_init_from_data_installs_vocab_and_proposals_are_target_ids():
 
 
 # ---- (d) export -> load ------------------------------------------------------------------------------------------
-def trained_looking_drafter(target) -> Eagle3Drafter:
-    drafter = make_drafter(target, num_layers=2)
+def trained_looking_drafter(target, **config) -> Eagle3Drafter:
+    drafter = make_drafter(target, **{"num_layers": 2, **config})
     with torch.no_grad():
         for parameter in drafter.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
     return drafter.float()  # the dtype a loaded drafter has, so logits compare exactly
 
 
-@pytest.mark.parametrize("fmt", ["native", "speculators", "eagle3"])
+@pytest.mark.parametrize("fmt", ["native", "speculators", "eagle3", "sglang"])
 def test_export_load_round_trip(tmp_path, fmt):
     target = tiny_target()
-    drafter = trained_looking_drafter(target)
+    drafter = trained_looking_drafter(target, **({"num_layers": 1, "layer_ids": (1, 2, 3)} if fmt == "sglang" else {}))
     batch = make_batch(target, drafter)
     drafter.save(str(tmp_path), fmt)
     loaded = load_drafter(str(tmp_path), target.target_info())  # the registry routes by detect_format
@@ -320,7 +320,9 @@ def test_speculators_export_layout(tmp_path):
     assert "model_type" not in config
     assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
     assert config["norm_before_residual"] is False and config["draft_vocab_size"] == 160
-    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1] and config["target_hidden_size"] == 64
+    # The default (2, N//2, N-3) = (2, 2, 1) for N=4, sorted and de-duplicated as vLLM captures it.
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2] and config["target_hidden_size"] == 64
+    assert config["transformer_layer_config"]["num_aux_hidden_states"] == 2
     spec = config["speculators_config"]
     assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
     assert spec["proposal_methods"][0]["proposal_type"] == "greedy"
@@ -334,7 +336,7 @@ def test_speculators_export_layout(tmp_path):
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         names = set(f.keys())
         assert f.get_tensor("d2t").dtype == torch.int64 and f.get_tensor("t2d").dtype == torch.bool
-        assert f.get_tensor("lm_head.weight").shape == (160, 64) and f.get_tensor("fc.weight").shape == (64, 192)
+        assert f.get_tensor("lm_head.weight").shape == (160, 64) and f.get_tensor("fc.weight").shape == (64, 128)
         assert f.get_tensor("layers.0.self_attn.q_proj.weight").shape == (64, 128)
         assert f.get_tensor("layers.1.self_attn.q_proj.weight").shape == (64, 64)
         torch.testing.assert_close(f.get_tensor("embed_tokens.weight"), target.target_info().embed_weight)
@@ -355,7 +357,7 @@ def test_eagle3_export_layout_and_foreign_names(tmp_path):
     drafter.save(str(tmp_path), "eagle3")
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1] and config["draft_vocab_size"] == 160
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2] and config["draft_vocab_size"] == 160
     assert config["norm_before_residual"] is False and config["num_hidden_layers"] == 2
     native = tmp_path / "native"
     drafter.save(str(native), "native")
@@ -382,6 +384,9 @@ def test_bad_configs_name_the_field():
         Eagle3Drafter(Eagle3Config(draft_vocab_size=VOCAB + 1), info)
     with pytest.raises(ValueError, match=r"drafter\.init_layer_from_target"):
         Eagle3Drafter(Eagle3Config(draft_vocab_size=64, init_layer_from_target=4), info)
+    with pytest.raises(ValueError, match=r"drafter\.layer_ids.*more than once"):
+        Eagle3Drafter(Eagle3Config(layer_ids=(1, 3, 1), draft_vocab_size=64), info)
+    assert Eagle3Drafter(Eagle3Config(layer_ids=(3, 1, 2), draft_vocab_size=64), info).layer_ids == (1, 2, 3)
     with pytest.raises(ValueError, match=r"drafter\.num_key_value_heads"):
         Eagle3Drafter(Eagle3Config(draft_vocab_size=64, num_key_value_heads=3), info)
     drafter = Eagle3Drafter(Eagle3Config(draft_vocab_size=64), info)

@@ -6,6 +6,7 @@
     draftsmith prepare   RECIPE [key=value ...]          regenerate answers / write the offline feature cache
     draftsmith estimate  RECIPE [key=value ...]          disk and time an offline cache will take
     draftsmith export    CKPT --format F --out DIR       write a checkpoint in a serving format
+    draftsmith doctor    DRAFTER --target T [--prompts P]  check an export the way each server reads it
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ SUBCOMMANDS = {
     "prepare": "train.prepare",
     "estimate": "train.estimate",
     "export": "train.export",
+    "doctor": "train.doctor",
 }
 
 

@@ -44,15 +44,48 @@ class Eagle3Config:
     sample_drafts: bool = False
 
 
-def resolve_layer_ids(config: Eagle3Config, num_target_layers: int) -> tuple[int, ...]:
-    """The configured ids, or EAGLE-3's default (2, N//2, N-3); every id must lie in [0, N] (vLLM convention)."""
+def default_layer_ids(num_target_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default taps (2, N//2, N-3) as listed (unsorted, with repeats on targets of fewer than 8 layers)."""
     n = num_target_layers
-    layer_ids = tuple(config.layer_ids) or (2, n // 2, n - 3)
+    return (2, n // 2, n - 3)
+
+
+def resolve_layer_ids(config: Eagle3Config, num_target_layers: int) -> tuple[int, ...]:
+    """The target layer ids the drafter reads, sorted and unique, every id in [0, N] (vLLM convention).
+
+    vLLM captures each aux layer once, in increasing id order, and concatenates the features in that order
+    (`sorted(set(ids))`), so the drafter orders its fc input the same way: a configured list is sorted, and a
+    configured id listed twice is an error (it would give the fc a block vLLM never fills). The default
+    (2, N//2, N-3) repeats ids on targets of fewer than 8 layers; it is de-duplicated, as vLLM does.
+    """
+    n = num_target_layers
+    layer_ids = tuple(int(i) for i in config.layer_ids) or default_layer_ids(n)
     bad = [i for i in layer_ids if not 0 <= i <= n]
     if bad:
         source = "" if config.layer_ids else f" (the default (2, N//2, N-3) for N={n}; set it explicitly)"
         raise ValueError(f"drafter.layer_ids {list(layer_ids)}{source}: ids {bad} are outside [0, {n}]")
-    return layer_ids
+    repeated = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
+    if repeated and config.layer_ids:
+        raise ValueError(f"drafter.layer_ids {list(layer_ids)}: ids {repeated} are listed more than once; vLLM captures"
+                         " each layer once (sorted, unique), so list each id once")
+    return tuple(sorted(set(layer_ids)))
+
+
+def fold_fc_columns(weight: torch.Tensor, listed_ids, hidden_size: int) -> tuple[tuple[int, ...], torch.Tensor]:
+    """Rewrite an fc weight [D, n*H] whose input blocks follow `listed_ids` (any order, repeats allowed) into the
+    sorted unique order: a repeated id's blocks are summed (they read the same feature, so the output is
+    unchanged). Returns (sorted unique ids, weight [D, m*H])."""
+    listed = [int(i) for i in listed_ids]
+    if weight.shape[1] != len(listed) * hidden_size:
+        raise ValueError(f"fc.weight has {weight.shape[1]} input features, {len(listed)} layer ids x hidden"
+                         f" {hidden_size} = {len(listed) * hidden_size} expected (eagle_aux_hidden_state_layer_ids)")
+    ids = tuple(sorted(set(listed)))
+    folded = weight.new_zeros(weight.shape[0], len(ids) * hidden_size)
+    for block, layer_id in enumerate(listed):
+        target = ids.index(layer_id)
+        source = weight[:, block * hidden_size : (block + 1) * hidden_size]
+        folded[:, target * hidden_size : (target + 1) * hidden_size] += source
+    return ids, folded
 
 
 def draft_layer_config(config: Eagle3Config, target_info: TargetInfo) -> dict[str, Any]:

@@ -10,8 +10,9 @@ that. A new LM head over a reduced draft vocabulary (d2t / t2d, drafters/vocab.p
   (e.g. `drafter.config.ttt_steps = 1` for a cheap first phase, then 7).
 - Inference: a stateful chain proposer with its own per-row KV cache (`begin` / `propose` / `commit`).
 - Building blocks (config, decoder layer): drafters/eagle3/layers.py.
-- Export: native, "speculators" (vLLM speculators config) and "eagle3" (plain LlamaForCausalLMEagle3), see
-  drafters/eagle3/export.py; `Eagle3Drafter.load` reads all three.
+- Export: native, "speculators" (vLLM speculators config), "eagle3" (plain LlamaForCausalLMEagle3, for vLLM) and
+  "sglang" (SGLang / SpecForge), see drafters/eagle3/export.py; `Eagle3Drafter.load` reads all four, and
+  `export_checks` says which servers read a checkpoint right (drafters/eagle3/readers.py, `draftsmith doctor`).
 
 Parameter names follow the speculators checkpoint (fc, layers.0.self_attn.q_proj, ..., norm, lm_head, d2t, t2d).
 The target's embedding is used directly from TargetInfo and is never a parameter or a persistent buffer.
@@ -19,17 +20,28 @@ The target's embedding is used directly from TargetInfo and is never a parameter
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
+from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, check_target_match
+from drafters.configs import from_dict
 from drafters.eagle3 import export as export_eagle3
-from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
-from drafters.eagle3.layers import Eagle3Config, Eagle3DecoderLayer, draft_layer_config, resolve_layer_ids
+from drafters.eagle3 import readers as eagle3_readers
+from drafters.eagle3.layers import (
+    Eagle3Config,
+    Eagle3DecoderLayer,
+    default_layer_ids,
+    draft_layer_config,
+    fold_fc_columns,
+    resolve_layer_ids,
+)
 from drafters.layers import (
     KVCache,
     RMSNorm,
@@ -337,13 +349,24 @@ class Eagle3Drafter(Drafter):
     # ---- persistence ---------------------------------------------------------------------------------------
     @staticmethod
     def detect_format(config: Mapping[str, Any]) -> str | None:
-        """"native", "speculators" or "eagle3" for an EAGLE-3 checkpoint's config.json dict, else None."""
+        """"native", "speculators", "eagle3" or "sglang" for an EAGLE-3 checkpoint's config.json dict, else None."""
         return detect_format(config)
 
+    @staticmethod
+    def export_checks(directory: str, target_info: TargetInfo) -> list:
+        """What `draftsmith doctor` checks in a checkpoint of this kind: Check(name, status, detail) rows saying
+        which servers read it correctly (drafters/eagle3/readers.py)."""
+        return eagle3_readers.export_checks(directory, target_info)
+
     def save(self, directory: str, fmt: str = "native") -> None:
-        """Write `fmt`: "native" (config + state dict), "speculators" or "eagle3" (see export_eagle3)."""
+        """Write `fmt`: "native" (config + state dict) or a serving format of export_eagle3.EXPORT_FORMATS."""
         if fmt == "native":
-            super().save(directory, fmt)
+            # The header names the resolved (sorted, unique) ids: the order of the fc input blocks.
+            configured, self.config = self.config, dataclasses.replace(self.config, layer_ids=self.layer_ids)
+            try:
+                super().save(directory, fmt)
+            finally:
+                self.config = configured
             return
         if fmt not in export_eagle3.EXPORT_FORMATS:
             known = ", ".join(("native",) + export_eagle3.EXPORT_FORMATS)
@@ -352,20 +375,37 @@ class Eagle3Drafter(Drafter):
 
     @classmethod
     def load(cls, directory: str, target_info: TargetInfo) -> "Eagle3Drafter":
-        """Load any of the three formats (detected from config.json) for `target_info`."""
+        """Load any format detect_format knows (from config.json) for `target_info`."""
         with open(os.path.join(directory, "config.json")) as f:
             header = json.load(f)
         fmt = detect_format(header)
         if fmt is None:
-            raise ValueError(f"{directory}: config.json is not an EAGLE-3 checkpoint (native, speculators or eagle3)")
+            raise ValueError(f"{directory}: config.json is not an EAGLE-3 checkpoint (native, speculators, eagle3 or"
+                             " sglang layout)")
         if fmt == "native":
-            return super().load(directory, target_info)
-        config, state = export_eagle3.read(directory, header, fmt, target_info)
+            config, state = _read_native(directory, header, target_info)
+        else:
+            config, state = export_eagle3.read(directory, header, fmt, target_info)
         drafter = cls(config, target_info)
         drafter.load_state_dict(state, strict=True)
         return drafter
 
 
+def _read_native(directory: str, header: Mapping[str, Any], target_info: TargetInfo):
+    """(config, state dict) of a native checkpoint. One written before ids were sorted and de-duplicated has its fc
+    blocks in the configured order (the default (2, N//2, N-3) included): they are folded into sorted unique order,
+    which computes exactly the same function."""
+    target = header.get("target", {})
+    check_target_match(target_info, target.get("hidden_size"), target.get("vocab_size"), directory)
+    config = from_dict(Eagle3Config, header["drafter_config"], "drafter")
+    state = load_file(os.path.join(directory, "model.safetensors"))
+    listed = tuple(config.layer_ids) or default_layer_ids(target_info.num_layers)
+    if "fc.weight" in state and state["fc.weight"].shape[1] == len(listed) * target_info.hidden_size:
+        layer_ids, state["fc.weight"] = fold_fc_columns(state["fc.weight"], listed, target_info.hidden_size)
+        config = dataclasses.replace(config, layer_ids=layer_ids)
+    return config, state
+
+
 def detect_format(config: Mapping[str, Any]) -> str | None:
-    """"native", "speculators" or "eagle3" for an EAGLE-3 checkpoint's config.json dict, else None."""
+    """"native", "speculators", "eagle3" or "sglang" for an EAGLE-3 checkpoint's config.json dict, else None."""
     return export_eagle3.detect_format(config, Eagle3Drafter.kind)

@@ -1,0 +1,134 @@
+"""`draftsmith doctor DRAFTER --target T [--prompts P]`: check a drafter checkpoint before it ships.
+
+    draftsmith doctor runs/smollm2_eagle3/speculators --target smollm2-135m-instruct
+
+Two kinds of checks, each printed as PASS / FAIL / WARN / INFO with what to fix:
+1. The format checks the drafter's kind provides (`export_checks(directory, target_info)` on its registered class,
+   e.g. drafters/eagle3/readers.py): required fields present and explicit, layer ids in range, sorted and unique,
+   sizes and vocabulary matching the target, and which servers load the file correctly and which would misread it.
+2. An engine check, the same for every kind: five prompts (rendered with the target's chat template exactly as
+   `draftsmith eval` does) decoded greedily through our engine with the checkpoint, and again with a copy of the
+   drafter whose weights are re-initialised at random (`reset_parameters` on every module that has it). The bar:
+   the checkpoint's first-position acceptance must beat the random copy's by at least 0.10 and by three standard
+   errors of the difference (a two-proportion z of 3), i.e. clearly above what a drafter that learned nothing
+   gets on the same prompts. The per-position acceptance (unconditional: rounds whose first j drafts were all
+   accepted / rounds) and tau = 1 + accepted / rounds are printed for both.
+
+Exit status: 0 when nothing failed, 1 when a check failed, 2 for bad input (one line naming the field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+
+import torch
+
+from drafters import DRAFTERS, checkpoint_kind, load_drafter
+from inference.eval import render_prompt
+from inference.generate import speculative_generate
+from inference.metrics import acceptance_counts
+from inference.prompts import load_questions
+from inference.target import TargetModel
+
+MIN_GAIN = 0.10  # first-position acceptance over the random copy's
+MIN_Z = 3.0  # two-proportion z of that difference
+STATUS = {"pass": "PASS", "fail": "FAIL", "warn": "WARN", "info": "INFO"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith doctor", description=__doc__.split("\n\n")[0])
+    parser.add_argument("drafter", help="the checkpoint directory to check (native or any export)")
+    parser.add_argument("--target", required=True, help="the target it will serve with (name or directory)")
+    parser.add_argument("--prompts", default="mt_bench", help="builtin prompt set or FastChat question file")
+    parser.add_argument("--num-draft-tokens", type=int, default=3, help="k for the engine check")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt")
+    return parser
+
+
+def acceptance(target, drafter, prompts: list[list[int]], k: int, max_new_tokens: int) -> dict:
+    """Greedy run through our engine -> rounds, unconditional per-position acceptance, tau."""
+    out = speculative_generate(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=max_new_tokens)
+    counts = acceptance_counts(out)
+    rounds = max(counts["rounds"], 1)
+    return {"rounds": counts["rounds"], "per_position": [s / rounds for s in counts["survived"]],
+            "tau": 1 + counts["accepted"] / rounds}
+
+
+def randomised(drafter):
+    """A copy of `drafter` (sharing the target's tensors) with every module that can re-initialise itself
+    re-initialised (seeded); buffers such as a draft vocabulary are kept."""
+    copied = copy.deepcopy(drafter, memo={id(drafter.target_info): drafter.target_info})
+    torch.manual_seed(0)
+    for module in copied.modules():
+        if module is not copied and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return copied
+
+
+def engine_check(trained: dict, random: dict) -> tuple[str, str]:
+    """(status, detail) of the bar in the module docstring."""
+    p1, n1 = trained["per_position"][0], trained["rounds"]
+    p0, n0 = random["per_position"][0], random["rounds"]
+    pooled = (p1 * n1 + p0 * n0) / max(n1 + n0, 1)
+    error = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / max(n1, 1) + 1 / max(n0, 1)))
+    z = (p1 - p0) / error
+    detail = (f"acceptance per position {_fmt(trained['per_position'])} (tau {trained['tau']:.2f}, {n1} rounds) vs"
+              f" random weights {_fmt(random['per_position'])} (tau {random['tau']:.2f}); gain {p1 - p0:+.2f}, z"
+              f" {z:.1f}")
+    if p1 - p0 >= MIN_GAIN and z >= MIN_Z:
+        return "pass", detail
+    return "fail", (detail + f"; needs a gain >= {MIN_GAIN} and z >= {MIN_Z}: the drafter drafts no better than"
+                    " random weights here (wrong layer ids, a layer left at its init, another target, too little"
+                    " training?)")
+
+
+def _fmt(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
+
+
+def run(args) -> int:
+    if args.num_draft_tokens < 1 or args.max_new_tokens < 1:
+        raise ValueError("--num-draft-tokens and --max-new-tokens must be >= 1")
+    kind = checkpoint_kind(args.drafter)
+    if kind not in DRAFTERS:
+        raise ValueError(f"{args.drafter}: drafter kind {kind!r} is not registered; known: {sorted(DRAFTERS)}")
+    _, questions = load_questions(args.prompts, num_prompts=5)
+    target = TargetModel.from_pretrained(args.target, dtype=torch.float32)
+    info = target.target_info()
+    use_template = bool(getattr(target.tokenizer, "chat_template", None))
+    prompts = [render_prompt(target.tokenizer, q.turns[:1], [], use_template) for q in questions]
+    print(f"draftsmith doctor: {args.drafter} (drafter kind {kind}) for target {args.target}")
+    checks = getattr(DRAFTERS[kind], "export_checks", None)
+    rows = [tuple(row) for row in checks(args.drafter, info)] if checks else [
+        ("format", "info", f"drafter kind {kind!r} provides no format checks")]
+    try:
+        drafter = load_drafter(args.drafter, info).eval()
+    except ValueError as err:
+        rows.append(("engine", "fail", f"our engine cannot load it: {err}"))
+    else:
+        trained = acceptance(target, drafter, prompts, args.num_draft_tokens, args.max_new_tokens)
+        random = acceptance(target, randomised(drafter), prompts, args.num_draft_tokens, args.max_new_tokens)
+        rows.append(("engine", *engine_check(trained, random)))
+    width = max(len(name) for name, _, _ in rows)
+    for name, status, detail in rows:
+        print(f"  {STATUS[status]}  {name:<{width}}  {detail}")
+    failed = sum(status == "fail" for _, status, _ in rows)
+    print(f"{len(rows)} checks: {failed} failed, {sum(s == 'warn' for _, s, _ in rows)} warnings")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return run(args)
+    except (ValueError, OSError, KeyError) as err:
+        message = str(err).strip("'\"") if isinstance(err, KeyError) else str(err)
+        print(f"draftsmith doctor: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
