@@ -6,11 +6,13 @@ import json
 import os
 
 from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.dflash import DFlashDrafter
 from drafters.draft_model import DraftModelDrafter, is_draft_model_dir
 from drafters.eagle3 import Eagle3Drafter
 from drafters.ngram import NgramDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {
+    "dflash": DFlashDrafter,
     "draft_model": DraftModelDrafter,
     "eagle3": Eagle3Drafter,
     "ngram": NgramDrafter,

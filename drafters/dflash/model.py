@@ -1,0 +1,342 @@
+"""DFlash drafter: a block-parallel drafter with KV injection (Chen, Liang, Liu 2026; reference
+algorithms_dflash_dspark.md sections 1.1-1.3).
+
+A block is [x_a, MASK x (S-1)] at positions a..a+S-1 (S = block_size, a the anchor). A few Qwen3-style layers
+(drafters/dflash/layers.py) run over the block with bidirectional attention inside it; every layer also attends to
+the target's features of all tokens strictly before the anchor, projected into keys/values by the same k/v
+projections ("KV injection"). Slot k (1..S-1) predicts the token at its own position, x_{a+k}; slot 0's output is
+discarded. So one drafter forward proposes S-1 tokens.
+
+- Training (`forward`): `num_anchors` anchors per sequence, uniform without replacement among positions whose
+  token and next token are both loss tokens, redrawn every epoch from (seed, epoch, sample index); all blocks of a
+  row run in one forward against the full-sequence context (mask in layers.block_attention_mask). `block_logits`
+  does the same for given anchors. DraftOutput: one row per kept anchor, depth d = slot d + 1, label position
+  a + 1 + d. `loss`: hard-label cross-entropy on the data tokens, weighted exp(-d / gamma) (paper Eq. 4, d = k-1),
+  normalised by the weight sum over all processes (losses.global_mean).
+- Inference: per-layer caches of the projected context keys/values (k_norm and RoPE applied) of verified tokens only.
+  `begin` projects the prompt; `propose(k)` runs ONE forward of the full block [bonus, MASK...] (always S slots, as
+  trained) and returns the argmax of slots 1..k with probs None: the engine verifies argmax drafts as one-hot q,
+  which is lossless at any temperature (sampling block slots independently would not be a chain distribution).
+  The block's own keys/values are dropped (KVCache.rewind); `commit` projects the verified tokens' features.
+- Vocabulary: the target's frozen lm_head by default; with draft_vocab_size an `lm_head` parameter over the
+  most frequent V_d tokens (warm-started from the target's rows) plus `d2t` / `t2d` buffers, as EAGLE-3.
+  The frozen embedding (block inputs) is always the target's own tensor from TargetInfo, never a parameter.
+- The final `norm` starts at ones, as in the z-lab drafts, NOT from the target's final norm: a random draft state
+  scaled by a real target's final-norm weights (SmolLM2's are large) gives initial logits so peaked that the first
+  loss is about 60 nats instead of about ln V.
+- Persistence: native (config.json with draftsmith_kind + model.safetensors); the resolved layer ids and mask token
+  id are written into the saved config, so a checkpoint names them explicitly. Serving layouts (z-lab,
+  speculators) live in drafters/dflash/export.py when present; `save` / `load` delegate to it.
+
+Parameter names (fixed: the export reads them): fc.weight, hidden_norm.weight, norm.weight,
+layers.{i}.{input_layernorm,post_attention_layernorm}.weight, layers.{i}.self_attn.{q,k,v,o}_proj.weight,
+layers.{i}.self_attn.{q_norm,k_norm}.weight, layers.{i}.mlp.{gate,up,down}_proj.weight; with a reduced vocabulary
+also lm_head.weight and the buffers d2t, t2d.
+
+Shapes: B batch, T sequence, D hidden, A anchors per row, S block size, N kept anchors, K = S-1 depths, V_d vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.dflash.layers import (
+    DFlashConfig,
+    DFlashDecoderLayer,
+    block_attention_mask,
+    block_forward,
+    block_positions,
+    check_config,
+    decay_gamma,
+    draft_layer_config,
+    fuse_context,
+    resolve_layer_ids,
+    resolve_mask_token_id,
+    sample_anchors,
+)
+from drafters.layers import KVCache, RMSNorm, RotaryEmbedding, attention, rope_inverse_frequencies
+from drafters.losses import global_mean, output_metrics
+from drafters.vocab import DraftVocab
+
+_EXPORT_MODULE = "drafters.dflash.export"
+
+
+def _export_module():
+    """drafters.dflash.export (the serving layouts) when it exists, else None (native only)."""
+    if importlib.util.find_spec(_EXPORT_MODULE) is None:
+        return None
+    return importlib.import_module(_EXPORT_MODULE)
+
+
+class DFlashDrafter(Drafter):
+    """DFlash drafter. See the module docstring for the training, inference and persistence contracts."""
+
+    kind = "dflash"
+    Config = DFlashConfig
+
+    def __init__(self, config: DFlashConfig, target_info: TargetInfo):
+        super().__init__(config, target_info)
+        check_config(config, target_info.vocab_size)
+        self.layer_ids = resolve_layer_ids(config, target_info.num_layers)
+        self.mask_token_id = resolve_mask_token_id(config, target_info)
+        # The drafter's own copy names the resolved ids, so checkpoints carry them explicitly.
+        self.config = dataclasses.replace(config, layer_ids=self.layer_ids, mask_token_id=self.mask_token_id)
+        self.layer_config = draft_layer_config(config, target_info)
+        hidden, eps = target_info.hidden_size, self.layer_config["rms_norm_eps"]
+        self.fc = nn.Linear(len(self.layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(self.layer_config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(hidden, eps)
+        self.rotary = RotaryEmbedding(*rope_inverse_frequencies(self.layer_config))
+        self.lm_head: nn.Linear | None = None
+        if config.draft_vocab_size is not None:
+            self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+            # Until init_from_data / load: the first draft_vocab_size target ids (d2t all zero).
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.arange(target_info.vocab_size) < config.draft_vocab_size)
+        self._frozen: dict[tuple, torch.Tensor] = {}
+        self._caches: list[KVCache] = []
+        self._state: dict[str, torch.Tensor] = {}
+        if not self.fc.weight.is_meta:  # a meta-device build (shape checks) has nothing to initialise
+            self._init_head()
+
+    # ---- what the drafter needs from the target ----------------------------------------------------------------
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.layer_ids
+
+    def max_draft_tokens(self) -> int:
+        return self.config.block_size - 1
+
+    # ---- vocabulary and warm starts ------------------------------------------------------------------------
+    def init_from_data(self, token_counts: torch.Tensor) -> None:
+        """With a reduced vocabulary: pick the draft_vocab_size most frequent tokens (ties to the smaller id) and
+        warm-start the head from the target's rows. A full-vocabulary drafter has nothing to pick."""
+        if self.lm_head is None:
+            return
+        if token_counts.numel() != self.target_info.vocab_size:
+            raise ValueError(f"token_counts has {token_counts.numel()} entries, target vocab is "
+                             f"{self.target_info.vocab_size}")
+        vocab = DraftVocab.from_counts(token_counts.cpu(), self.config.draft_vocab_size)
+        self.d2t.copy_(vocab.d2t.to(self.d2t.device))
+        self.t2d.copy_(vocab.t2d.to(self.t2d.device))
+        self._init_head()
+
+    def draft_ids(self) -> torch.Tensor | None:
+        """int64 [V_d]: the target id of each draft index, or None for the full target vocabulary."""
+        if self.lm_head is None:
+            return None
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    @torch.no_grad()
+    def _init_head(self) -> None:
+        if self.lm_head is not None:
+            head = self.target_info.lm_head_weight
+            self.lm_head.weight.copy_(head.index_select(0, self.draft_ids().to(head.device)))
+
+    def _target_tensor(self, name: str) -> torch.Tensor:
+        """A frozen TargetInfo tensor on this module's device/dtype (copied once per device, never a buffer)."""
+        weight = self.fc.weight
+        key = (name, weight.device, weight.dtype)
+        if key not in self._frozen:
+            self._frozen[key] = getattr(self.target_info, name).detach().to(weight.device, weight.dtype)
+        return self._frozen[key]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden [..., D] -> logits [..., V_d] (the frozen target head unless the vocab is reduced)."""
+        normed = self.norm(hidden)
+        if self.lm_head is not None:
+            return self.lm_head(normed)
+        return F.linear(normed, self._target_tensor("lm_head_weight"))
+
+    def _block_embeds(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """anchor_tokens [...] -> embeddings [..., S, D] of the blocks [x_a, MASK x (S-1)]."""
+        tokens = anchor_tokens.new_full((*anchor_tokens.shape, self.config.block_size), self.mask_token_id)
+        tokens[..., 0] = anchor_tokens
+        return F.embedding(tokens, self._target_tensor("embed_weight"))
+
+    # ---- training ------------------------------------------------------------------------------------------
+    def forward(self, batch: Mapping[str, Any]) -> DraftOutput:
+        """Sample this epoch's anchors (layers.sample_anchors) and run `block_logits` on them."""
+        anchors, anchor_valid = sample_anchors(
+            batch["attention_mask"], batch["loss_mask"], self.config.num_anchors, seed=int(batch.get("seed", 0)),
+            epoch=int(batch.get("epoch", 0)), sample_index=batch.get("sample_index"))
+        return self.block_logits(batch, anchors, anchor_valid)
+
+    def block_logits(self, batch: Mapping[str, Any], anchors: torch.Tensor,
+                     anchor_valid: torch.Tensor | None = None) -> DraftOutput:
+        """Draft logits of the blocks at the given anchors, all blocks of a row in one forward.
+
+        Args:
+            batch: input_ids, attention_mask, loss_mask [B, T] (right padding), target_hidden {id: [B, T, D]}.
+            anchors: [B, A] anchor positions; anchor_valid: [B, A] bool (default all), False = a padding block.
+        Returns:
+            DraftOutput over the N kept anchors (row-major): logits [N, S-1, V_d], batch_index [N], label_position
+            [N, S-1] = a + 1 + d (clamped to T-1 past the sequence end, where the cell is invalid), depth_valid
+            [N, S-1] (label inside the sequence, a real loss token, and inside the draft vocabulary when it is
+            reduced), draft_ids.
+        """
+        input_ids, real = batch["input_ids"], batch["attention_mask"].bool()
+        batch_size, seq_len = input_ids.shape
+        block_size = self.config.block_size
+        anchors = anchors.to(input_ids.device)
+        anchor_valid = torch.ones_like(anchors, dtype=torch.bool) if anchor_valid is None else anchor_valid.bool()
+        num_anchors = anchors.shape[1]
+        context = fuse_context(batch["target_hidden"], self.layer_ids, self.fc, self.hidden_norm)  # [B, T, D]
+        h = self._block_embeds(input_ids.gather(1, anchors)).flatten(1, 2)  # [B, A*S, D]
+        context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch_size, seq_len)
+        block_rope = self.rotary(block_positions(anchors, block_size), h.dtype)
+        context_rope = self.rotary(context_positions, h.dtype)
+        mask = block_attention_mask(anchors, anchor_valid, real, block_size)
+        h = block_forward(self.layers, h, context, block_rope, context_rope, mask)
+        h = h.view(batch_size, num_anchors, block_size, -1)
+        rows, columns = anchor_valid.nonzero(as_tuple=True)
+        logits = self._logits(h[rows, columns, 1:])  # [N, S-1, V_d]: slots 1..S-1 only
+        depth = torch.arange(block_size - 1, device=input_ids.device)
+        unclamped = anchors[rows, columns].unsqueeze(1) + 1 + depth  # [N, S-1]
+        label_position = unclamped.clamp(max=seq_len - 1)  # cells past the end stay indexable (and invalid)
+        row_index = rows.unsqueeze(1).expand_as(label_position)
+        loss_mask = batch["loss_mask"].bool()
+        depth_valid = (unclamped < seq_len) & real[row_index, label_position] & loss_mask[row_index, label_position]
+        if self.lm_head is not None:
+            depth_valid &= self.t2d[input_ids[row_index, label_position]]
+        return DraftOutput(logits=logits, batch_index=rows, label_position=label_position, depth_valid=depth_valid,
+                           draft_ids=self.draft_ids())
+
+    def depth_weights(self, num_depths: int, device=None, dtype=torch.float32) -> torch.Tensor:
+        """[K] loss weights exp(-d / gamma) for depth d = slot - 1 (paper Eq. 4)."""
+        depth = torch.arange(num_depths, device=device, dtype=dtype)
+        return torch.exp(-depth / decay_gamma(self.config))
+
+    def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """sum of w_d * CE over valid cells / sum of w_d over valid cells of all processes (global_mean). Hard labels:
+        the data token at each cell's label position (its draft index with a reduced vocabulary)."""
+        logits = output.logits
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        num_rows, depths, vocab = logits.shape
+        rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
+        labels = batch["input_ids"][rows, output.label_position]
+        if self.lm_head is not None:
+            labels = DraftVocab(self.draft_ids(), self.target_info.vocab_size).to_draft(labels)
+        valid = output.depth_valid
+        labels = torch.where(valid, labels, torch.zeros_like(labels))
+        cell_ce = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), reduction="none")
+        cell_ce = cell_ce.view(num_rows, depths)
+        weights = self.depth_weights(depths, logits.device, logits.dtype) * valid.to(logits.dtype)
+        loss = global_mean((weights * cell_ce).sum(), weights.sum(), batch)
+        _, metrics = output_metrics(output, batch, cell_ce)
+        return loss, metrics
+
+    # ---- inference: a stateful block proposer --------------------------------------------------------------
+    @torch.no_grad()
+    def begin(self, context: DraftContext) -> None:
+        """Project the valid prompt positions into the context caches; the target's next token is the first
+        anchor (the bonus: it has no target feature until the next verify forward)."""
+        batch, seq_len = context.input_ids.shape
+        weight = self.fc.weight
+        self._caches = [
+            KVCache(batch, layer.self_attn.num_kv_heads, layer.self_attn.head_dim, weight.device, weight.dtype,
+                    capacity=seq_len + 4 * self.config.block_size)
+            for layer in self.layers
+        ]
+        self._state = {}
+        self._absorb(context, torch.ones(batch, dtype=torch.bool, device=context.valid.device))
+
+    @torch.no_grad()
+    def commit(self, num_accepted: torch.Tensor, context: DraftContext) -> None:
+        """context covers the verify forward [previous bonus, d_1..d_k]; row b keeps its first num_accepted[b] + 1
+        positions (none for a finished row). Their features join the context; the new bonus is next_tokens."""
+        if not self._caches:
+            raise ValueError("commit() called before begin()")
+        num_valid = context.valid.sum(dim=1)
+        active = num_valid > 0
+        if bool((active & (num_valid != num_accepted.to(num_valid.device) + 1)).any()):
+            raise ValueError("commit: context.valid must mark exactly num_accepted + 1 positions of each active row")
+        self._absorb(context, active)
+
+    def _absorb(self, context: DraftContext, active: torch.Tensor) -> None:
+        """Append the projected context K/V of context.valid positions; update the bonus token and its position."""
+        context_features = fuse_context(context.hidden, self.layer_ids, self.fc, self.hidden_norm)
+        cos, sin = self.rotary(context.position_ids, context_features.dtype)
+        for layer, cache in zip(self.layers, self._caches):
+            k, v = layer.context_kv(context_features, cos, sin)
+            cache.append(k, v, context.valid)
+            cache.mark()
+        last_position = context.position_ids.masked_fill(~context.valid, -1).amax(dim=1)
+        new = {"bonus": context.next_tokens.to(last_position.device), "position": last_position + 1}
+        for name, value in new.items():
+            self._state[name] = torch.where(active, value, self._state[name]) if name in self._state else value
+
+    @torch.no_grad()
+    def propose(self, num_tokens: int) -> Proposal:
+        """One forward of the block [bonus, MASK x (S-1)] at positions pos..pos+S-1; the argmax of slots
+        1..num_tokens (target ids), probs None."""
+        block_size = self.config.block_size
+        if num_tokens > block_size - 1:
+            raise ValueError(f"propose: {num_tokens} tokens asked for, but a block of block_size {block_size} "
+                             f"drafts at most {block_size - 1}")
+        if not self._state:
+            raise ValueError("propose() called before begin()")
+        bonus, position = self._state["bonus"], self._state["position"]
+        batch = bonus.shape[0]
+        if num_tokens <= 0:
+            return Proposal(tokens=bonus.new_zeros(batch, 0))
+        h = self._block_embeds(bonus)  # [B, S, D]
+        cos, sin = self.rotary(position.unsqueeze(1) + torch.arange(block_size, device=position.device), h.dtype)
+        slots_valid = torch.ones(batch, block_size, dtype=torch.bool, device=h.device)
+        for layer, cache in zip(self.layers, self._caches):
+            q, k, v = layer.block_qkv(h, cos, sin)
+            block_end = cache.lengths + block_size
+            keys, values, _ = cache.append(k, v, slots_valid)
+            # The row's committed context (holes stay hidden) and its whole block, bidirectionally.
+            columns = torch.arange(keys.shape[2], device=h.device)
+            mask = cache.valid[:, : keys.shape[2]] & (columns < block_end.unsqueeze(1))
+            h = layer.finish(h, attention(q, keys, values, mask[:, None, None, :]))
+            cache.rewind()  # block keys/values are never kept
+        drafts = self._logits(h[:, 1 : num_tokens + 1]).argmax(dim=-1)  # [B, k]
+        draft_ids = self.draft_ids()
+        return Proposal(tokens=drafts if draft_ids is None else draft_ids[drafts])
+
+    # ---- persistence ---------------------------------------------------------------------------------------
+    @staticmethod
+    def detect_format(config: Mapping[str, Any]) -> str | None:
+        """"native" for our header; the export module's formats (z-lab, speculators) when it exists; else None."""
+        if config.get(NATIVE_KIND_KEY) == DFlashDrafter.kind:
+            return "native"
+        export = _export_module()
+        return None if export is None else export.detect_format(config)
+
+    def save(self, directory: str, fmt: str = "native") -> None:
+        """Write "native", or a serving layout of drafters/dflash/export.py."""
+        if fmt == "native":
+            super().save(directory, fmt)
+            return
+        export = _export_module()
+        formats = () if export is None else tuple(export.EXPORT_FORMATS)
+        if fmt not in formats:
+            raise ValueError(f"dflash cannot export format {fmt!r}; it writes: {', '.join(('native',) + formats)}")
+        export.write(self, directory, fmt)
+
+    @classmethod
+    def load(cls, directory: str, target_info: TargetInfo) -> "DFlashDrafter":
+        """Load a native checkpoint or (through drafters/dflash/export.py) a serving layout, for `target_info`."""
+        with open(os.path.join(directory, "config.json")) as f:
+            header = json.load(f)
+        fmt = cls.detect_format(header)
+        if fmt is None:
+            raise ValueError(f"{directory}: config.json is not a DFlash checkpoint")
+        if fmt == "native":
+            return super().load(directory, target_info)
+        config, state = _export_module().read(directory, header, fmt, target_info)
+        drafter = cls(config, target_info)
+        drafter.load_state_dict(state, strict=True)
+        return drafter
