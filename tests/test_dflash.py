@@ -208,7 +208,10 @@ def naive_loss(drafter, batch, anchors, anchor_valid):
                 position = a + slot  # same-position label: slot k predicts x_{a+k}
                 if position >= seq_len or not (real[b, position] and lm[b, position]):
                     continue
-                label = int(ids[b, position])
+                if drafter.config.label_source == "target":  # the target's greedy token there, given the prefix
+                    label = int(batch["target_argmax"][b, position - 1])
+                else:
+                    label = int(ids[b, position])
                 if draft_ids is not None:
                     if label not in draft_ids.tolist():
                         continue
@@ -223,10 +226,10 @@ def naive_loss(drafter, batch, anchors, anchor_valid):
     return total / weight, [c / max(n, 1) for c, n in zip(correct, count)], count, torch.stack(all_logits)
 
 
-@pytest.mark.parametrize("draft_vocab_size", [None, 160])
-def test_training_forward_loss_and_gradients_match_naive_reference(draft_vocab_size):
+@pytest.mark.parametrize("draft_vocab_size,label_source", [(None, "data"), (160, "data"), (160, "target")])
+def test_training_forward_loss_and_gradients_match_naive_reference(draft_vocab_size, label_source):
     target = tiny_target()
-    drafter = make_drafter(target, draft_vocab_size=draft_vocab_size)
+    drafter = make_drafter(target, draft_vocab_size=draft_vocab_size, label_source=label_source)
     batch = make_batch(target, drafter)
     anchors, anchor_valid = sample_anchors(batch["attention_mask"], batch["loss_mask"], drafter.config.num_anchors,
                                            sample_index=batch["sample_index"])

@@ -11,7 +11,7 @@ discarded. So one drafter forward proposes S-1 tokens.
   token and next token are both loss tokens, redrawn every epoch from (seed, epoch, sample index); all blocks of a
   row run in one forward against the full-sequence context (mask in layers.block_attention_mask). `block_logits`
   does the same for given anchors. DraftOutput: one row per kept anchor, depth d = slot d + 1, label position
-  a + 1 + d. `loss`: hard-label cross-entropy on the data tokens, weighted exp(-d / gamma) (paper Eq. 4, d = k-1),
+  a + 1 + d. `loss`: hard-label cross-entropy on the data tokens (or the target's greedy tokens), weighted exp(-d / gamma) (paper Eq. 4, d = k-1),
   normalised by the weight sum over all processes (losses.global_mean).
 - Inference: per-layer caches of the projected context keys/values (k_norm and RoPE applied) of verified tokens only.
   `begin` projects the prompt; `propose(k)` runs ONE forward of the full block [bonus, MASK...] (always S slots, as
@@ -208,9 +208,16 @@ class DFlashDrafter(Drafter):
         loss_mask = batch["loss_mask"].bool()
         depth_valid = (unclamped < seq_len) & real[row_index, label_position] & loss_mask[row_index, label_position]
         if self.lm_head is not None:
-            depth_valid &= self.t2d[input_ids[row_index, label_position]]
+            depth_valid &= self.t2d[self._labels(batch, row_index, label_position)]
         return DraftOutput(logits=logits, batch_index=rows, label_position=label_position, depth_valid=depth_valid,
                            draft_ids=self.draft_ids())
+
+    def _labels(self, batch: Mapping[str, Any], rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Target ids each cell is trained to predict (config.label_source): the data token at its position, or the
+        target's argmax at the position before it (its greedy choice there given the true prefix)."""
+        if self.config.label_source == "target":
+            return batch["target_argmax"][rows, (positions - 1).clamp(min=0)]
+        return batch["input_ids"][rows, positions]
 
     def depth_weights(self, num_depths: int, device=None, dtype=torch.float32) -> torch.Tensor:
         """[K] loss weights exp(-d / gamma) for depth d = slot - 1 (paper Eq. 4)."""
@@ -219,12 +226,13 @@ class DFlashDrafter(Drafter):
 
     def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """sum of w_d * CE over valid cells / sum of w_d over valid cells of all processes (global_mean). Hard labels:
-        the data token at each cell's label position (its draft index with a reduced vocabulary)."""
+        the data token at each cell's label position, or the target's argmax before it (config.label_source), as a draft
+        index with a reduced vocabulary."""
         logits = output.logits
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         num_rows, depths, vocab = logits.shape
         rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
-        labels = batch["input_ids"][rows, output.label_position]
+        labels = self._labels(batch, rows, output.label_position)
         if self.lm_head is not None:
             labels = DraftVocab(self.draft_ids(), self.target_info.vocab_size).to_draft(labels)
         valid = output.depth_valid
