@@ -128,7 +128,7 @@ def serve(args) -> list[dict]:
     with open(os.path.join(work, "prompts.json"), "w") as f:
         json.dump(prompts, f)
     rows = []
-    for fmt in ("speculators", "eagle3", "sglang"):
+    for fmt in args.formats.split(","):
         export_dir = os.path.join(work, fmt)
         try:
             drafter.save(export_dir, fmt)
@@ -211,6 +211,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--formats", default="speculators,eagle3,sglang", help="exports vLLM serves (serve, all)")
     for worker_arg in ("--format", "--export", "--target-dir", "--prompts-file", "--out"):
         parser.add_argument(worker_arg, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 """What each server makes of an EAGLE-3 checkpoint, and the checks `draftsmith doctor` runs on one.
 
-Readers modelled (from their source; facts in our own words, see docs/ARCHITECTURE.md "Exports"):
+Readers modelled (read from their released source; facts in our own words; docs/benchmarks.md "Served by"):
 - vLLM 0.32: the speculators layout (updater: norm_before_residual defaults True) and the plain layout (top-level
   ids, else nested eagle_config ids read as vLLM ids, else (2, N//2, N-3)); captures sorted(set(ids)); fc sized
   by num_aux_hidden_states (else the nested id count, else 3); refuses d2t for a full-vocabulary head.
