@@ -9,14 +9,23 @@ from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, P
 from drafters.dflash import DFlashDrafter
 from drafters.draft_model import DraftModelDrafter, is_draft_model_dir
 from drafters.eagle3 import Eagle3Drafter
+from drafters.medusa import MedusaDrafter
+from drafters.mtp import MTPDrafter
 from drafters.ngram import NgramDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {
     "dflash": DFlashDrafter,
     "draft_model": DraftModelDrafter,
     "eagle3": Eagle3Drafter,
+    "medusa": MedusaDrafter,
+    "mtp": MTPDrafter,
     "ngram": NgramDrafter,
 }
+
+
+# Drafters named by a spec instead of a directory, built from the target itself: "native-mtp" = the MTP modules that
+# ship inside the target's own checkpoint (TargetInfo.name_or_path).
+NAMED_DRAFTERS = {"native-mtp": MTPDrafter.from_target}
 
 
 def build_drafter(kind: str, config, target_info: TargetInfo) -> Drafter:
@@ -44,13 +53,17 @@ def checkpoint_kind(directory: str) -> str:
 
 
 def load_drafter(spec: str, target_info: TargetInfo) -> Drafter | None:
-    """'none' -> None (plain autoregression); 'ngram' -> prompt lookup; a directory -> the drafter it holds."""
+    """'none' -> None (plain autoregression); 'ngram' -> prompt lookup; a NAMED_DRAFTERS name ('native-mtp') -> built
+    from the target's own checkpoint; a directory -> the drafter it holds."""
     if spec in ("", "none"):
         return None
     if spec == "ngram":
         return NgramDrafter(NgramDrafter.Config(), target_info)
+    if spec in NAMED_DRAFTERS:
+        return NAMED_DRAFTERS[spec](target_info)
     if not os.path.isdir(spec):
-        raise ValueError(f"drafter {spec!r} is neither 'none', 'ngram' nor an existing directory")
+        raise ValueError(f"drafter {spec!r} is neither 'none', 'ngram', one of {sorted(NAMED_DRAFTERS)} nor an "
+                         "existing directory")
     kind = checkpoint_kind(spec)
     if kind not in DRAFTERS:
         raise ValueError(f"{spec}: drafter kind {kind!r} is not registered; known: {sorted(DRAFTERS)}")

@@ -25,6 +25,8 @@ from drafters.base import DraftContext, Drafter, TargetInfo
 from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.draft_model import DraftModelConfig, DraftModelDrafter
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.medusa import MedusaConfig, MedusaDrafter
+from drafters.mtp import MTPConfig, MTPDrafter
 from drafters.ngram import NgramConfig, NgramDrafter
 from inference.generate import speculative_generate
 from inference.target import TargetModel
@@ -47,12 +49,16 @@ FACTORIES: dict[str, Callable[[TargetInfo], Drafter]] = {
                                                       init_head_from_target=False), info),
     "draft_model": lambda info: DraftModelDrafter(DraftModelConfig(path="tiny"), info, model=_draft_lm(info)),
     "ngram": lambda info: NgramDrafter(NgramConfig(), info),
+    "mtp": lambda info: MTPDrafter(MTPConfig(num_modules=NUM_DRAFTS), info),
+    "medusa": lambda info: MedusaDrafter(MedusaConfig(num_heads=NUM_DRAFTS), info),
     # blocks of NUM_DRAFTS + 1; enough anchors that the training forward covers every position; the tiny targets
     # have no tokenizer, so their last row is named as the mask token
     "dflash": lambda info: DFlashDrafter(DFlashConfig(layer_ids=(1, 2, 3), num_layers=2, block_size=NUM_DRAFTS + 1,
                                                       num_anchors=64, mask_token_id=info.vocab_size - 1), info),
 }
 SAMPLING = {  # the factory variant that samples its drafts, for kinds that can
+    "mtp": lambda info: MTPDrafter(MTPConfig(num_modules=1, reuse=True, sample_drafts=True), info),
+    "medusa": lambda info: MedusaDrafter(MedusaConfig(num_heads=NUM_DRAFTS, sample_drafts=True), info),
     "eagle3": lambda info: Eagle3Drafter(Eagle3Config(layer_ids=(1, 2, 4), draft_vocab_size=info.vocab_size,
                                                       ttt_steps=NUM_DRAFTS, sample_drafts=True), info),
     "draft_model": lambda info: DraftModelDrafter(DraftModelConfig(path="tiny", sample_drafts=True), info,

@@ -1,0 +1,395 @@
+"""Where MTP weights live in checkpoints: import from a target's own checkpoint, export back into it, speculators.
+
+Reference: algorithms_eagle3_mtp.md B.1-B.4 and formats_and_serving.md 2.2. Layouts (k = 0 .. D-1, N = the target's
+number of decoder layers; "block" = the module's decoder layer under the layer prefix, in the checkpoint's own names):
+
+| ours (per module) | deepseek_v3: model.layers.{N+k}. | qwen3_next (D = 1): mtp.     | mimo: model.mtp_layers.{k}. |
+| enorm.weight      | enorm.weight                     | pre_fc_norm_embedding.weight | token_layernorm.weight      |
+| hnorm.weight      | hnorm.weight                     | pre_fc_norm_hidden.weight    | hidden_layernorm.weight     |
+| eh_proj.weight    | eh_proj.weight                   | fc.weight                    | input_proj.weight           |
+| final_norm.weight | shared_head.norm.weight          | norm.weight                  | final_layernorm.weight      |
+| block.*           | (same prefix).*                  | mtp.layers.{k}.*             | (same prefix).*             |
+DeepSeek-V3 also stores a copy of the shared embedding and head per module (embed_tokens.weight,
+shared_head.head.weight); draftsmith uses the target's own tensors and refuses a checkpoint whose copies differ.
+
+- Import (`find_native`, `read_native`): the layout is recognised from the tensor names alone; the target's model_type
+  and the drafter's `layout` must agree with it. Fused experts: checkpoints store experts one by one
+  (mlp.experts.{e}.gate_proj / up_proj / down_proj), transformers modules hold them as 3-D tensors
+  (experts.gate_up_proj [E, 2I, D] = gate rows then up rows, experts.down_proj [E, D, I]); import stacks, export splits,
+  both exact. FP8 checkpoints (weight_scale_inv tensors) are refused: dequantise first.
+- Export into a layout (`write_native_layout`): a serving directory for vLLM's `method: mtp` (and SGLang's NEXTN /
+  MTP): the target's files hard-linked (copied across filesystems), shards that held the old MTP tensors rewritten
+  without them, the drafter's tensors in model-mtp.safetensors in the source's dtype, a new weight index, and
+  config.json with num_nextn_predict_layers = D. `draftsmith eval --target DIR --drafter native-mtp` reads it back.
+- "speculators": config.json with speculators_model_type "mtp", the verifier's own config as
+  transformer_layer_config, num_nextn_predict_layers 1 (the only value speculators and vLLM accept), and
+  mtp_layers.0.{input_proj, hidden_layernorm, token_layernorm, final_layernorm} plus the block in transformers module
+  names (experts fused, as speculators' own model saves them); no embedding or head (the verifier's are used).
+An export whose conventions (layers.LAYOUTS) differ from the drafter's is refused: the server would run another model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from drafters.base import TargetInfo, check_target_match
+from drafters.mtp.layers import LAYOUTS, MTPConfig, target_text_config
+
+NATIVE_LAYOUTS = ("deepseek_v3", "qwen3_next", "mimo")
+EXPORT_FORMATS = NATIVE_LAYOUTS + ("speculators",)
+SPECULATORS_VERSION = "0.3.0"
+MTP_SHARD = "model-mtp.safetensors"
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# Target model types whose checkpoints ship MTP weights in a known layout (a mismatch is an error).
+FAMILY_LAYOUTS = {"deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "glm4_moe": "deepseek_v3",
+                  "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_next", "qwen3_5_moe": "qwen3_next", "mimo": "mimo"}
+_FIXED = {  # our module-local name -> the layout's name under its module prefix
+    "deepseek_v3": {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+                    "final_norm.weight": "shared_head.norm.weight"},
+    "qwen3_next": {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
+                   "eh_proj.weight": "fc.weight", "final_norm.weight": "norm.weight"},
+    "mimo": {"enorm.weight": "token_layernorm.weight", "hnorm.weight": "hidden_layernorm.weight",
+             "eh_proj.weight": "input_proj.weight", "final_norm.weight": "final_layernorm.weight"},
+}
+_FIXED["speculators"] = _FIXED["mimo"]
+_SHARED = {"embed_tokens.weight": "embed_weight", "shared_head.head.weight": "lm_head_weight"}  # deepseek_v3 copies
+_MARKERS = {  # tensor-name pattern that marks a layout, with the module index as group 1
+    "deepseek_v3": r"model\.layers\.(\d+)\.eh_proj\.weight",
+    "qwen3_next": r"mtp\.layers\.(\d+)\.input_layernorm\.weight",
+    "mimo": r"model\.mtp_layers\.(\d+)\.input_proj\.weight",
+}
+_LOOKED_FOR = {"deepseek_v3": "model.layers.{N+k}.eh_proj.weight", "qwen3_next": "mtp.fc.weight + mtp.layers.{k}.*",
+               "mimo": "model.mtp_layers.{k}.input_proj.weight"}
+
+
+def module_prefix(layout: str, num_layers: int, k: int) -> tuple[str, str]:
+    """(prefix of the fixed names, prefix of the block) of module k in `layout`."""
+    if layout == "deepseek_v3":
+        return (f"model.layers.{num_layers + k}.",) * 2
+    if layout == "qwen3_next":
+        return "mtp.", f"mtp.layers.{k}."
+    if layout == "mimo":
+        return (f"model.mtp_layers.{k}.",) * 2
+    return (f"mtp_layers.{k}.",) * 2
+
+
+# ---- reading a checkpoint's tensor index -----------------------------------------------------------------------------
+def checkpoint_index(directory: str) -> dict[str, str]:
+    """{tensor name: safetensors file name} of an HF model directory (sharded or not), without loading tensors."""
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            return dict(json.load(f)["weight_map"])
+    names: dict[str, str] = {}
+    for file in sorted(os.listdir(directory)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, file), "pt") as f:
+                names.update({key: file for key in f.keys()})
+    if not names:
+        raise ValueError(f"{directory}: no safetensors weights (the MTP import reads the target's safetensors files)")
+    return names
+
+
+def read_tensors(directory: str, index: Mapping[str, str], names) -> dict[str, torch.Tensor]:
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        by_file[index[name]].append(name)
+    out = {}
+    for file, wanted in by_file.items():
+        with safe_open(os.path.join(directory, file), "pt") as f:
+            out.update({name: f.get_tensor(name) for name in wanted})
+    return out
+
+
+def _summary(names) -> str:
+    patterns = sorted({re.sub(r"\.\d+\.", ".{i}.", ".".join(n.split(".")[:4])) for n in names})
+    return ", ".join(patterns[:12]) + (f" (+{len(patterns) - 12} more)" if len(patterns) > 12 else "")
+
+
+@dataclass(frozen=True)
+class NativeMTP:
+    layout: str
+    num_modules: int
+
+
+def find_native(directory: str, num_layers: int, model_type: str | None = None) -> NativeMTP:
+    """Recognise the MTP layout in a target checkpoint from its tensor names.
+
+    Raises ValueError saying which layouts were looked for and what was found, when there is none, several, a
+    numbering with gaps, or a layout that does not match the target's model_type.
+    """
+    index = checkpoint_index(directory)
+    found: dict[str, list[int]] = {}
+    for layout, pattern in _MARKERS.items():
+        indices = sorted({int(m.group(1)) for m in map(re.compile(pattern).fullmatch, index) if m})
+        if layout == "deepseek_v3":
+            indices = [i - num_layers for i in indices if i >= num_layers]
+        if layout == "qwen3_next" and "mtp.fc.weight" not in index:
+            indices = []
+        if indices:
+            found[layout] = indices
+    if not found:
+        looked = "; ".join(f"{layout} ({where})" for layout, where in _LOOKED_FOR.items())
+        raise ValueError(f"{directory}: the target checkpoint has no MTP weights. Looked for the layouts {looked}; "
+                         f"found only: {_summary(index)}")
+    if len(found) > 1:
+        raise ValueError(f"{directory}: MTP tensors of several layouts ({', '.join(found)}); cannot tell which to use")
+    layout, indices = next(iter(found.items()))
+    if indices != list(range(len(indices))):
+        raise ValueError(f"{directory}: {layout} MTP modules numbered {indices} (relative to the {num_layers} target"
+                         " layers); expected 0..D-1")
+    expected = FAMILY_LAYOUTS.get(model_type or "")
+    if expected is not None and expected != layout:
+        raise ValueError(f"{directory}: the target's model_type {model_type!r} ships MTP weights in the {expected} "
+                         f"layout, but this checkpoint holds the {layout} layout")
+    return NativeMTP(layout, len(indices))
+
+
+def fuse_experts(block: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names (mlp.experts.{e}.{gate,up,down}_proj.weight) -> transformers' fused 3-D experts."""
+    pattern = re.compile(r"(.*experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    out = {}
+    for name, tensor in block.items():
+        match = pattern.fullmatch(name)
+        if match:
+            experts[match.group(1)][int(match.group(2))][match.group(3)] = tensor
+        else:
+            out[name] = tensor
+    for prefix, by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError(f"{prefix}: experts numbered {sorted(by_index)}, expected 0..E-1")
+        ordered = [by_index[e] for e in range(len(by_index))]
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([p["gate_proj"], p["up_proj"]]) for p in ordered])
+        out[f"{prefix}.down_proj"] = torch.stack([p["down_proj"] for p in ordered])
+    return out
+
+
+def split_experts(block: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of fuse_experts (exact: slicing)."""
+    out = {}
+    for name, tensor in block.items():
+        if name.endswith("experts.gate_up_proj"):
+            prefix, half = name.removesuffix(".gate_up_proj"), tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :half]
+                out[f"{prefix}.{e}.up_proj.weight"] = tensor[e, half:]
+        elif name.endswith("experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+        elif tensor.dim() > 2:
+            raise ValueError(f"block tensor {name} {tuple(tensor.shape)}: a fused layout draftsmith cannot split")
+        else:
+            out[name] = tensor
+    return out
+
+
+def read_native(directory: str, target_info: TargetInfo, layout: str, num_modules: int) -> dict[str, torch.Tensor]:
+    """The MTP modules of a target checkpoint as the drafter's state dict (layers.{k}.*)."""
+    index = checkpoint_index(directory)
+    quantised = sorted(n for n in index if n.endswith("_scale_inv") and _is_mtp(n, layout, target_info.num_layers))
+    if quantised:
+        raise ValueError(f"{directory}: the MTP weights are FP8-quantised ({quantised[0]}, ...); dequantise the "
+                         "checkpoint to bf16 first")
+    state: dict[str, torch.Tensor] = {}
+    for k in range(num_modules):
+        fixed_prefix, block_prefix = module_prefix(layout, target_info.num_layers, k)
+        fixed = {ours: fixed_prefix + theirs for ours, theirs in _FIXED[layout].items()}
+        missing = [name for name in fixed.values() if name not in index]
+        if missing:
+            raise ValueError(f"{directory}: {layout} MTP module {k} lacks {missing}")
+        tensors = read_tensors(directory, index, fixed.values())
+        state.update({f"layers.{k}.{ours}": tensors[theirs] for ours, theirs in fixed.items()})
+        block_names = [n for n in index if n.startswith(block_prefix) and n.removeprefix(block_prefix) not in
+                       set(_FIXED[layout].values()) | set(_SHARED)]
+        block = read_tensors(directory, index, block_names)
+        fused = fuse_experts({name.removeprefix(block_prefix): t for name, t in block.items()})
+        state.update({f"layers.{k}.block.{name}": t for name, t in fused.items()})
+        if layout == "deepseek_v3":
+            _check_shared_copies(directory, index, fixed_prefix, target_info)
+    return state
+
+
+def _is_mtp(name: str, layout: str, num_layers: int) -> bool:
+    if layout == "deepseek_v3":
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        return bool(match) and int(match.group(1)) >= num_layers
+    return name.startswith("mtp.") if layout == "qwen3_next" else name.startswith("model.mtp_layers.")
+
+
+def _check_shared_copies(directory, index, prefix: str, target_info: TargetInfo) -> None:
+    """DeepSeek-V3 stores the embedding and head again per module; they must be the target's (we share those)."""
+    for name, attribute in _SHARED.items():
+        if prefix + name in index:
+            stored = read_tensors(directory, index, [prefix + name])[prefix + name]
+            ours = getattr(target_info, attribute).detach().to("cpu", stored.dtype)
+            if stored.shape != ours.shape or not torch.equal(stored, ours):
+                raise ValueError(f"{directory}: {prefix + name} differs from the target's "
+                                 f"{attribute.removesuffix('_weight')}; draftsmith's MTP shares the target's embedding "
+                                 "and lm_head")
+
+
+# ---- writing -------------------------------------------------------------------------------------------------------
+def check_exportable(drafter, fmt: str) -> None:
+    """ValueError naming the field when `fmt` cannot carry the drafter as it runs."""
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"mtp cannot export format {fmt!r}; it writes: {', '.join(('native',) + EXPORT_FORMATS)}")
+    ours, theirs = LAYOUTS[drafter.config.layout], LAYOUTS[fmt]
+    if ours != theirs:
+        raise ValueError(f"--format {fmt}: servers run that layout with other conventions ({theirs.describe()}) than"
+                         f" this drafter was trained with (drafter.layout {drafter.config.layout!r}: "
+                         f"{ours.describe()}); train with drafter.layout: {fmt} to export it there")
+    if fmt in ("qwen3_next", "speculators") and drafter.config.num_modules != 1:
+        raise ValueError(f"--format {fmt} carries exactly one MTP module; drafter.num_modules is "
+                         f"{drafter.config.num_modules}")
+
+
+def layout_tensors(drafter, layout: str) -> dict[str, torch.Tensor]:
+    """The drafter's modules under `layout`'s names (block experts split for the checkpoint layouts)."""
+    num_layers, out = drafter.target_info.num_layers, {}
+    for k, module in enumerate(drafter.layers):
+        state = {name: t.detach().cpu() for name, t in module.state_dict().items()}
+        fixed_prefix, block_prefix = module_prefix(layout, num_layers, k)
+        out.update({fixed_prefix + theirs: state[ours] for ours, theirs in _FIXED[layout].items()})
+        block = {name.removeprefix("block."): t for name, t in state.items() if name.startswith("block.")}
+        if layout != "speculators":
+            block = split_experts(block)
+        out.update({block_prefix + name: t for name, t in block.items()})
+        if layout == "deepseek_v3":
+            # Own copies: safetensors refuses tensors that share memory (several modules, tied embeddings).
+            out[fixed_prefix + "embed_tokens.weight"] = drafter.target_info.embed_weight.detach().cpu().clone()
+            out[fixed_prefix + "shared_head.head.weight"] = drafter.target_info.lm_head_weight.detach().cpu().clone()
+    return out
+
+
+def write(drafter, directory: str, fmt: str) -> None:
+    """Write `drafter` (an MTPDrafter) in `fmt` (one of EXPORT_FORMATS) to `directory`."""
+    check_exportable(drafter, fmt)
+    if fmt == "speculators":
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(speculators_config(drafter), f, indent=2)
+        tensors = {name: t.contiguous() for name, t in layout_tensors(drafter, fmt).items()}
+        save_file(tensors, os.path.join(directory, "model.safetensors"))
+        return
+    write_native_layout(drafter, directory, fmt)
+
+
+def write_native_layout(drafter, directory: str, layout: str) -> None:
+    """The target's directory with this drafter's MTP modules in `layout` (see the module docstring)."""
+    source = drafter.target_info.name_or_path
+    if not os.path.isfile(os.path.join(source, "config.json")):
+        raise ValueError(f"--format {layout} writes the target's checkpoint with the MTP modules in it, but the "
+                         f"target {source!r} is not a local model directory (pass --target DIR)")
+    index = checkpoint_index(source)
+    num_layers = drafter.target_info.num_layers
+    old = {name for name in index if any(_is_mtp(name, known, num_layers) for known in NATIVE_LAYOUTS)}
+    dtype = _stored_dtype(source, index)
+    ours = {name: t.to(dtype if t.is_floating_point() else t.dtype).contiguous()
+            for name, t in layout_tensors(drafter, layout).items()}
+    os.makedirs(directory, exist_ok=True)
+    weight_map = {name: file for name, file in index.items() if name not in old}
+    for file in sorted(os.listdir(source)):
+        path, out = os.path.join(source, file), os.path.join(directory, file)
+        if file in ("model.safetensors.index.json", MTP_SHARD, "config.json") or os.path.isdir(path):
+            continue
+        if file in set(index.values()) and any(index[name] == file for name in old):
+            with safe_open(path, "pt") as f:
+                kept = {name: f.get_tensor(name) for name in f.keys() if name not in old}
+            save_file(kept, out, metadata={"format": "pt"})
+        else:
+            _link_or_copy(path, out)
+    save_file(ours, os.path.join(directory, MTP_SHARD), metadata={"format": "pt"})
+    weight_map.update({name: MTP_SHARD for name in ours})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["num_nextn_predict_layers"] = drafter.config.num_modules
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def _stored_dtype(directory: str, index: Mapping[str, str]) -> torch.dtype:
+    """The dtype the target checkpoint stores its embedding in (the MTP tensors are written alike)."""
+    name = next((n for n in ("model.embed_tokens.weight", "lm_head.weight") if n in index), next(iter(index)))
+    with safe_open(os.path.join(directory, index[name]), "pt") as f:
+        stored = f.get_slice(name).get_dtype()
+    return _SAFETENSORS_DTYPES.get(stored, torch.float32)
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
+def speculators_config(drafter) -> dict[str, Any]:
+    """The speculators `mtp` config.json dict (no top-level model_type; vLLM routes on speculators_config)."""
+    info = drafter.target_info
+    proposal = {"proposal_type": "greedy", "speculative_tokens": drafter.num_steps, "verifier_accept_k": 1,
+                "accept_tolerance": 0.0}
+    return {
+        "speculators_model_type": "mtp",
+        "speculators_version": SPECULATORS_VERSION,
+        "architectures": ["MTPDraftModel"],
+        "transformer_layer_config": target_text_config(info),
+        "num_nextn_predict_layers": 1,
+        "speculators_config": {
+            "algorithm": "mtp",
+            "proposal_methods": [proposal],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": info.name_or_path,
+                         "architectures": list(info.config.get("architectures") or [])},
+        },
+        "torch_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
+        "tie_word_embeddings": False,
+        "draftsmith": {"num_steps": drafter.num_steps, "loss_weights": list(drafter.config.loss_weights),
+                       "loss": drafter.config.loss},
+    }
+
+
+def detect_format(config: Mapping[str, Any]) -> str | None:
+    """"speculators" for a speculators mtp config.json dict, else None (the native header is the model's business;
+    the checkpoint layouts are target directories, read through `--drafter native-mtp`)."""
+    if config.get("speculators_model_type") == "mtp" and "speculators_config" in config:
+        return "speculators"
+    return None
+
+
+def read_speculators(directory: str, header: Mapping[str, Any], target_info: TargetInfo):
+    """(MTPConfig, state dict) of a speculators mtp checkpoint."""
+    layer = header.get("transformer_layer_config") or {}
+    check_target_match(target_info, layer.get("hidden_size"), layer.get("vocab_size"), directory)
+    if int(header.get("num_nextn_predict_layers", 1)) != 1:
+        raise ValueError(f"{directory}: num_nextn_predict_layers {header['num_nextn_predict_layers']}; the "
+                         "speculators mtp layout holds exactly 1")
+    proposals = header.get("speculators_config", {}).get("proposal_methods") or [{}]
+    ours = header.get("draftsmith") or {}
+    config = MTPConfig(num_modules=1, reuse=True,
+                       num_steps=int(ours.get("num_steps") or proposals[0].get("speculative_tokens", 1)),
+                       loss_weights=tuple(ours.get("loss_weights") or ()), loss=ours.get("loss", "soft"),
+                       layout="speculators")
+    with safe_open(os.path.join(directory, "model.safetensors"), "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    prefix = "mtp_layers.0."
+    state = {}
+    for name, tensor in tensors.items():
+        if not name.startswith(prefix):
+            raise ValueError(f"{directory}: unexpected tensor {name} in a speculators mtp checkpoint")
+        local = name.removeprefix(prefix)
+        inverse = {theirs: ours for ours, theirs in _FIXED["speculators"].items()}
+        state["layers.0." + inverse.get(local, "block." + local)] = tensor
+    return config, state

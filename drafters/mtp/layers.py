@@ -1,0 +1,287 @@
+"""MTP building blocks: the recipe config, the checkpoint layouts' conventions, one MTP module, and its KV cache.
+
+Reference: algorithms_eagle3_mtp.md section B.1-B.4 (DeepSeek-V3, Qwen3-Next, MiMo MTP; how vLLM loads them).
+
+An MTP module reads the hidden state h of the step before and the embedding e of a known token:
+    x = eh_proj([enorm(e) ; hnorm(h)])       (MiMo: [hnorm(h) ; enorm(e)])
+    y = block(x)                             one decoder layer of the TARGET's own family (pre-norm output)
+    logits = lm_head(final_norm(y))          the target's frozen lm_head
+The block is the target family's own Hugging Face decoder-layer class (LlamaDecoderLayer, Qwen3NextDecoderLayer with
+full attention, DeepseekV3DecoderLayer with MLA and MoE, ...), built from the target's config at the layer index the
+checkpoints give the module (N + k for the k-th module of an N-layer target). So its widths mirror the target exactly
+and a native module imported from a checkpoint computes what the checkpoint's model computes; it is composed from
+transformers, not copied. Its norms are that family's RMSNorm class (zero-centred `x * (1 + w)` for Qwen3-Next).
+
+Layout conventions (`LAYOUTS`), which differ between the model families that ship MTP weights (each as vLLM runs it):
+- embedding_first: the concatenation order into eh_proj; DeepSeek-V3 and Qwen3-Next put the embedding first, MiMo the
+  hidden state (the paper's equation writes hidden first: follow the checkpoints or eh_proj's columns are swapped).
+- mask_first_position: DeepSeek-V3 and MiMo zero the token embedding at position 0.
+- feed_back_normed: what a module hands the next step as h. DeepSeek-V3's layer returns the pre-norm output (its
+  shared_head.norm is applied only for logits); Qwen3-Next, MiMo and speculators return the output after the final
+  norm, and that normed state is fed back.
+Module 1 always reads the target's final hidden state AFTER its final norm: vLLM passes the target model's returned
+hidden states (post-norm) to every MTP proposer, and speculators trains on the same. The engine serves it as
+`final_hidden` (FeatureRequest.final_hidden), training as `target_last_hidden`.
+
+Shapes: B batch, T sequence, n block length, C cache columns, D hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters.base import TargetInfo
+
+
+@dataclass(kw_only=True)
+class MTPConfig:
+    """The `drafter:` section of a recipe for kind "mtp".
+
+    num_modules: D distinct MTP modules (MTP-D). Depth k (0-based) uses module k, or with `reuse` module k % D (one
+      module applied for every step, as vLLM runs a checkpoint with fewer modules than speculative tokens).
+    num_steps: teacher-forced depths trained per sequence, at most num_modules unless reuse. Read at every forward, so
+      a phase may change it.
+    loss_weights: per-depth weights of the per-depth mean losses; () = 1/num_steps each, DeepSeek-V3's (lambda/D)
+      sum_k L_k with lambda = 1 (its lambda only balances the MTP loss against the main loss, which a frozen target
+      does not have). Longer lists are cut to num_steps.
+    loss: "soft" = cross-entropy against the target's distribution at the label (distillation, as EAGLE-3 here);
+      "hard" = cross-entropy against the data token (DeepSeek-V3's objective).
+    layout: the checkpoint family whose conventions the modules follow and into which they export natively:
+      "deepseek_v3", "qwen3_next", "mimo" or "speculators" (see the module docstring).
+    init_from_native: before training (Drafter.init_from_data), import the MTP weights that ship in the target's own
+      checkpoint (drafters/mtp/export.py) instead of starting from fresh modules; a fine-tune of the model's own MTP.
+      Fresh modules start as the identity on the hidden path (see `init_module_`).
+    sample_drafts: propose by sampling the draft distribution and return it; else argmax drafts.
+    """
+
+    num_modules: int = 1
+    reuse: bool = False
+    num_steps: int | None = None
+    loss_weights: tuple[float, ...] = ()
+    loss: Literal["soft", "hard"] = "soft"
+    layout: Literal["deepseek_v3", "qwen3_next", "mimo", "speculators"] = "deepseek_v3"
+    init_from_native: bool = False
+    sample_drafts: bool = False
+
+
+@dataclass(frozen=True)
+class Convention:
+    embedding_first: bool
+    mask_first_position: bool
+    feed_back_normed: bool
+
+    def describe(self) -> str:
+        return ", ".join(["embedding first" if self.embedding_first else "hidden state first",
+                          "position-0 embedding zeroed" if self.mask_first_position else "no position-0 masking",
+                          "normed output fed back" if self.feed_back_normed else "pre-norm output fed back"])
+
+
+LAYOUTS: dict[str, Convention] = {
+    "deepseek_v3": Convention(embedding_first=True, mask_first_position=True, feed_back_normed=False),
+    "qwen3_next": Convention(embedding_first=True, mask_first_position=False, feed_back_normed=True),
+    "mimo": Convention(embedding_first=False, mask_first_position=True, feed_back_normed=True),
+    "speculators": Convention(embedding_first=True, mask_first_position=False, feed_back_normed=True),
+}
+# Model types whose checkpoints are not a transformers family of their own: the family their decoder layer belongs to.
+BLOCK_FAMILY_ALIASES = {"mimo": "qwen2"}
+
+
+def resolve_num_steps(config: MTPConfig) -> int:
+    """The trained depth K; ValueError naming the field when it exceeds the modules without reuse."""
+    steps = config.num_modules if config.num_steps is None else int(config.num_steps)
+    if config.num_modules < 1:
+        raise ValueError(f"drafter.num_modules must be >= 1, got {config.num_modules}")
+    if steps < 1:
+        raise ValueError(f"drafter.num_steps must be >= 1, got {steps}")
+    if steps > config.num_modules and not config.reuse:
+        raise ValueError(f"drafter.num_steps {steps} exceeds drafter.num_modules {config.num_modules}: depth k needs "
+                         "module k; add modules or set drafter.reuse: true to apply one module for every step")
+    return steps
+
+
+def depth_weights(config: MTPConfig, num_steps: int) -> list[float]:
+    """[K] loss weights (see MTPConfig.loss_weights)."""
+    if not config.loss_weights:
+        return [1.0 / num_steps] * num_steps
+    if len(config.loss_weights) < num_steps:
+        raise ValueError(f"drafter.loss_weights has {len(config.loss_weights)} entries for {num_steps} steps "
+                         "(drafter.num_steps); give one weight per depth")
+    return [float(w) for w in config.loss_weights[:num_steps]]
+
+
+def target_text_config(target_info: TargetInfo) -> dict[str, Any]:
+    """The target's (text) HF config as a dict."""
+    config = dict(target_info.config)
+    if "hidden_size" not in config and isinstance(config.get("text_config"), Mapping):
+        config = dict(config["text_config"])
+    return config
+
+
+@dataclass(frozen=True)
+class FamilyClasses:
+    """The transformers classes an MTP module borrows from the target's family."""
+
+    decoder_layer: type
+    norm: type
+    rotary: type
+
+
+def family_classes(model_type: str) -> FamilyClasses:
+    """Decoder layer, RMSNorm and rotary embedding classes of the transformers family `model_type`."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    family = BLOCK_FAMILY_ALIASES.get(model_type, model_type)
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(family)
+    if name is None:
+        raise ValueError(f"target model_type {model_type!r} is not a causal LM family of the installed transformers; "
+                         "the MTP block mirrors the target's own decoder layer class")
+    import transformers
+
+    module = sys.modules[getattr(transformers, name).__module__]
+    layer_names = [n for n in getattr(getattr(transformers, name), "_no_split_modules", None) or []
+                   if n.endswith("DecoderLayer")]
+    if not layer_names:
+        raise ValueError(f"target model_type {model_type!r}: no decoder layer class found in {module.__name__}")
+    prefix = layer_names[0].removesuffix("DecoderLayer")
+    classes = [getattr(module, n, None) for n in (layer_names[0], prefix + "RMSNorm", prefix + "RotaryEmbedding")]
+    if any(c is None for c in classes):
+        raise ValueError(f"target model_type {model_type!r}: {module.__name__} lacks one of {prefix}DecoderLayer, "
+                         f"{prefix}RMSNorm, {prefix}RotaryEmbedding, which the MTP block is built from")
+    return FamilyClasses(*classes)
+
+
+def block_config(target_info: TargetInfo, num_modules: int):
+    """The target's HF config object for building MTP blocks at layer indices N .. N + num_modules - 1: attention
+    through SDPA (which takes our boolean masks), and hybrid models' `layer_types` extended with full attention for
+    those indices (Qwen3-Next's MTP layer is a full-attention layer)."""
+    from transformers import AutoConfig
+
+    values = target_text_config(target_info)
+    model_type = values.pop("model_type", None) or "llama"
+    family = BLOCK_FAMILY_ALIASES.get(model_type, model_type)
+    config = AutoConfig.for_model(family, **values)
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"  # MoE blocks: transformers' exact per-expert loop
+    num_layers = target_info.num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and len(layer_types) < num_layers + num_modules:
+        extra = num_layers + num_modules - len(layer_types)
+        config.layer_types = list(layer_types) + ["full_attention"] * extra
+    return config
+
+
+class MTPModule(nn.Module):
+    """One MTP module: enorm, hnorm, eh_proj (2D -> D, no bias), the family's decoder layer `block`, final_norm.
+
+    Parameter names: enorm.weight, hnorm.weight, eh_proj.weight, final_norm.weight, block.<the HF layer's own names>
+    (drafters/mtp/export.py maps them to each checkpoint layout).
+    """
+
+    def __init__(self, config, layer_index: int, classes: FamilyClasses, embedding_first: bool):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.embedding_first = embedding_first
+        self.enorm = classes.norm(hidden, eps)
+        self.hnorm = classes.norm(hidden, eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.block = classes.decoder_layer(config, layer_index)
+        self.final_norm = classes.norm(hidden, eps)
+        parameters = inspect.signature(self.block.forward).parameters
+        self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
+                position_embeddings, cache=None) -> torch.Tensor:
+        """embeds, hidden [B, n, D]; mask [B or 1, 1, n, C] bool; position_ids [B, n] -> pre-norm output [B, n, D]."""
+        parts = [self.enorm(embeds), self.hnorm(hidden)]
+        x = self.eh_proj(torch.cat(parts if self.embedding_first else parts[::-1], dim=-1))
+        out = self.block(x, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings,
+                         **{self._cache_arg: cache})
+        return out[0] if isinstance(out, tuple) else out
+
+
+@torch.no_grad()
+def init_module_(module: MTPModule, std: float) -> None:
+    """Fresh weights: every matrix (linear layers, fused expert tensors, routers) N(0, std), linear biases zero; norms
+    keep their constructors' values (scale 1: weight 1, or 0 for zero-centred norms), as the HF models initialise
+    them. Then eh_proj's hidden half is the identity, so a fresh module starts close to passing hnorm(h) through its
+    block (whose random output projections add little) and predicts about what the target predicts from h, the way
+    Medusa's zero-initialised blocks start. Measured on SmolLM2-135M (3 ShareGPT batches): initial loss 7.5 against
+    18 with a random eh_proj, and 23 with the target's final-norm weights on final_norm (applied twice to a
+    post-norm input) or a block copied from the target's last layer (which expects its residual stream's scale)."""
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear) and sub.bias is not None:
+            sub.bias.zero_()
+    for name, parameter in module.named_parameters():
+        if parameter.dim() >= 2:
+            parameter.normal_(0.0, std)
+    hidden = module.eh_proj.weight.shape[0]
+    columns = slice(hidden, 2 * hidden) if module.embedding_first else slice(0, hidden)
+    module.eh_proj.weight[:, columns] = torch.eye(hidden, dtype=module.eh_proj.weight.dtype)
+
+
+def causal_mask(length: int, device) -> torch.Tensor:
+    """[1, 1, T, T] bool, True = may attend."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril().view(1, 1, length, length)
+
+
+class BlockCache:
+    """The KV cache of one MTP block at one depth, per row, with holes (the pattern of drafters.layers.KVCache).
+
+    It stores whatever pair of tensors the block's attention caches ([B, h, n, d] each: keys and values, or MLA's
+    latent and rotary key, of different widths), through the `update` method HF attention calls. `plan(valid)` must
+    run before each block forward: it places the block at each row's own offset and returns the attention mask.
+    `mark()` / `rewind()` keep or drop speculative entries.
+    """
+
+    def __init__(self, batch: int, device):
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self.store: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._marked = self.lengths.clone()
+        self._columns: torch.Tensor | None = None
+
+    def plan(self, valid: torch.Tensor) -> torch.Tensor:
+        """valid [B, n] bool for the next block -> mask [B, 1, n, C] (earlier valid columns, the block causally, and
+        always the query's own column). A row advances by its last valid entry."""
+        batch, n = valid.shape
+        device = valid.device
+        columns = self.lengths.unsqueeze(1) + torch.arange(n, device=device)  # [B, n]
+        used = int(columns.max()) + 1
+        if self.valid.shape[1] < used:
+            self.valid = F.pad(self.valid, (0, max(used, 2 * self.valid.shape[1]) - self.valid.shape[1]))
+        self.valid[torch.arange(batch, device=device).unsqueeze(1), columns] = valid
+        column_ids = torch.arange(used, device=device)
+        mask = self.valid[:, None, :used] & (column_ids <= columns.unsqueeze(-1))
+        mask |= column_ids == columns.unsqueeze(-1)
+        last_valid = torch.where(valid, torch.arange(1, n + 1, device=device), 0).amax(dim=1)
+        self.lengths = self.lengths + last_valid
+        self._columns = columns
+        return mask.unsqueeze(1)
+
+    def update(self, first: torch.Tensor, second: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the planned block's pair [B, h, n, d] and return the cached pair [B, h, C, d] up to the block."""
+        columns = self._columns
+        assert columns is not None and columns.shape[1] == first.shape[2], "BlockCache.plan must precede the forward"
+        used = int(columns.max()) + 1
+        if self.store is None:
+            self.store = tuple(t.new_zeros(t.shape[0], t.shape[1], max(used, 64), t.shape[3]) for t in (first, second))
+        elif self.store[0].shape[2] < used:
+            grow = max(used, 2 * self.store[0].shape[2]) - self.store[0].shape[2]
+            self.store = tuple(F.pad(t, (0, 0, 0, grow)) for t in self.store)
+        rows = torch.arange(first.shape[0], device=first.device).unsqueeze(1).expand_as(columns)
+        for stored, new in zip(self.store, (first, second)):
+            stored[rows, :, columns] = new.transpose(1, 2).to(stored.dtype)
+        return self.store[0][:, :, :used], self.store[1][:, :, :used]
+
+    def mark(self) -> None:
+        self._marked = self.lengths.clone()
+
+    def rewind(self) -> None:
+        self.lengths = self._marked.clone()

@@ -1,0 +1,395 @@
+"""MTP drafter: DeepSeek-V3-style multi-token-prediction modules on a frozen target (reference B.1-B.4).
+
+Module k (0-based depth k) at sequence position i reads the hidden state of depth k-1 at i (depth 0: the target's
+final hidden state after its final norm) and the embedding of the ground-truth token x_{i+k+1}, runs one decoder
+layer of the target's family causally over all positions of its depth (DeepSeek-V3's h^k_{1:T-k} = TRM_k(...)), and
+predicts x_{i+k+2} through its final norm and the target's frozen lm_head. Building blocks: drafters/mtp/layers.py.
+
+Depth convention (drafters/base.py): the anchor a is the last token the drafter knows (at inference the token the
+target just emitted, whose hidden state does not exist yet), so a row is one position i = a - 1 and depth k predicts
+the token k + 1 places after the anchor: label position i + k + 2 = a + 1 + k.
+
+- Training (`forward`): teacher-forced depths 0..num_steps-1, each over the whole sequence (module k reads module
+  k-1's output, fed back pre-norm or normed per the layout, and real tokens); logits only for rows with a loss.
+  `loss`: per-depth means of soft (target distribution, the default) or hard (data token) cross-entropy, weighted by
+  `loss_weights` and normalised over all processes (losses.global_mean).
+- Inference: a stateful chain proposer with one KV cache per depth (BlockCache), so drafts equal the training forward
+  on the same tokens. Depth k has processed position i once x_{i+k+1} is known, i.e. positions < n - k for an anchor
+  at n. Proposing d_1 reads depth 0's output at n-1; d_{k+1} runs depth k over positions n-k..n-1, whose tokens are
+  d_1..d_k, as speculative cache entries dropped at the next propose / commit. Depths are caught up lazily up to the
+  deepest proposal asked for. With `reuse` the module is shared but each depth keeps its own cache.
+- max_draft_tokens: num_modules, or None with `reuse`.
+- The target's embedding and lm_head come from TargetInfo and are never parameters.
+- Persistence: native (config + state dict), "speculators", and the target-checkpoint layouts "deepseek_v3",
+  "qwen3_next", "mimo" (drafters/mtp/export.py); `from_target` builds the target's own MTP modules, which
+  `draftsmith eval --drafter native-mtp` uses (drafters.load_drafter).
+
+Shapes: B batch, T sequence, N rows, K depths, P positions kept per row, D hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, FeatureRequest, Proposal, TargetInfo
+from drafters.losses import global_mean, output_metrics, soft_cross_entropy
+from drafters.mtp import export as mtp_export
+from drafters.mtp.layers import (
+    LAYOUTS,
+    BlockCache,
+    MTPConfig,
+    MTPModule,
+    block_config,
+    causal_mask,
+    depth_weights,
+    family_classes,
+    init_module_,
+    resolve_num_steps,
+    target_text_config,
+)
+
+
+@dataclass
+class _Depth:
+    """Proposer state of one depth: its cache, how many positions of each row it has committed, and its fed-back
+    outputs at those positions ([B, P, D], the next depth's hidden input)."""
+
+    cache: BlockCache
+    done: torch.Tensor
+    out: torch.Tensor
+
+
+class MTPDrafter(Drafter):
+    """MTP heads. See the module docstring for the training, inference and persistence contracts."""
+
+    kind = "mtp"
+    Config = MTPConfig
+
+    def __init__(self, config: MTPConfig, target_info: TargetInfo):
+        super().__init__(config, target_info)
+        resolve_num_steps(config)
+        if config.layout not in LAYOUTS:
+            raise ValueError(f"drafter.layout {config.layout!r} is not one of {sorted(LAYOUTS)}")
+        self.convention = LAYOUTS[config.layout]
+        num_layers = target_info.num_layers
+        classes = family_classes(target_text_config(target_info).get("model_type") or "llama")
+        self.block_config = block_config(target_info, config.num_modules)
+        if self.block_config.hidden_size != target_info.hidden_size:
+            raise ValueError(f"the target config's hidden_size {self.block_config.hidden_size} differs from the "
+                             f"target's {target_info.hidden_size}")
+        first = self.convention.embedding_first
+        self.layers = nn.ModuleList(MTPModule(self.block_config, num_layers + k, classes, first)
+                                    for k in range(config.num_modules))
+        self.rotary = classes.rotary(self.block_config)
+        self._frozen: dict[tuple, torch.Tensor] = {}
+        self._depths: list[_Depth] = []
+        self._generator = None
+        # Native modules are imported before use (init_from_data / load), so random init would be wasted work.
+        if not self.layers[0].eh_proj.weight.is_meta and not config.init_from_native:
+            self._init_weights()
+
+    @property
+    def num_steps(self) -> int:
+        return resolve_num_steps(self.config)
+
+    def feature_request(self) -> FeatureRequest:
+        return FeatureRequest(layer_ids=tuple(self.target_layer_ids()), final_hidden=True)
+
+    def max_draft_tokens(self) -> int | None:
+        return None if self.config.reuse else self.config.num_modules
+
+    def _module_index(self, depth: int) -> int:
+        return depth % self.config.num_modules if self.config.reuse else depth
+
+    # ---- initialisation -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        std = float(getattr(self.block_config, "initializer_range", None) or 0.02)
+        for module in self.layers:
+            init_module_(module, std)
+
+    def init_from_data(self, token_counts: torch.Tensor) -> None:
+        """With init_from_native: import the target checkpoint's own MTP modules (the data is not needed)."""
+        if self.config.init_from_native:
+            self.import_native()
+
+    def import_native(self) -> None:
+        """Load the MTP modules shipped in the target's checkpoint (TargetInfo.name_or_path) into this drafter."""
+        directory = self.target_info.name_or_path
+        model_type = target_text_config(self.target_info).get("model_type")
+        found = mtp_export.find_native(directory, self.target_info.num_layers, model_type)
+        if found.layout != self.config.layout:
+            raise ValueError(f"drafter.layout is {self.config.layout!r}, but the target checkpoint {directory} holds "
+                             f"its MTP weights in the {found.layout} layout")
+        if found.num_modules != self.config.num_modules:
+            raise ValueError(f"drafter.num_modules is {self.config.num_modules}, but the target checkpoint {directory}"
+                             f" has {found.num_modules} MTP module(s)")
+        state = mtp_export.read_native(directory, self.target_info, found.layout, found.num_modules)
+        try:
+            self.layers.load_state_dict({name.removeprefix("layers."): t for name, t in state.items()}, strict=True)
+        except RuntimeError as err:
+            raise ValueError(f"{directory}: its {found.layout} MTP modules do not fit a block built from the target's "
+                             f"config: {err}") from None
+
+    @classmethod
+    def from_target(cls, target_info: TargetInfo) -> "MTPDrafter":
+        """The target's own MTP modules (`--drafter native-mtp`): layout and count read from its checkpoint; the
+        modules are reused for every step beyond the last, as vLLM does."""
+        model_type = target_text_config(target_info).get("model_type")
+        found = mtp_export.find_native(target_info.name_or_path, target_info.num_layers, model_type)
+        config = MTPConfig(num_modules=found.num_modules, reuse=True, layout=found.layout, init_from_native=True)
+        drafter = cls(config, target_info)
+        drafter.import_native()
+        return drafter.to(target_info.embed_weight.device, target_info.embed_weight.dtype).eval()
+
+    def _target_tensor(self, name: str) -> torch.Tensor:
+        """A frozen TargetInfo tensor on this module's device/dtype (copied once per device, never a buffer)."""
+        weight = self.layers[0].eh_proj.weight
+        key = (name, weight.device, weight.dtype)
+        if key not in self._frozen:
+            self._frozen[key] = getattr(self.target_info, name).detach().to(weight.device, weight.dtype)
+        return self._frozen[key]
+
+    # ---- one depth over a block of positions --------------------------------------------------------------------
+    def _step(self, depth: int, tokens, hidden, position_ids, mask, cache=None, position_embeddings=None):
+        """tokens [B, n], hidden [B, n, D] (depth - 1's fed-back output, or the target's), position_ids [B, n]
+        -> (fed-back output, normed output) [B, n, D]."""
+        module = self.layers[self._module_index(depth)]
+        embeds = F.embedding(tokens, self._target_tensor("embed_weight"))
+        if self.convention.mask_first_position:
+            embeds = embeds.masked_fill((position_ids == 0).unsqueeze(-1), 0.0)
+        if position_embeddings is None:
+            position_embeddings = self.rotary(embeds, position_ids)
+        pre = module(embeds, hidden.to(embeds.dtype), mask, position_ids, position_embeddings, cache)
+        normed = module.final_norm(pre)
+        return (normed if self.convention.feed_back_normed else pre), normed
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return F.linear(normed, self._target_tensor("lm_head_weight"))
+
+    # ---- training ---------------------------------------------------------------------------------------------------
+    def forward(self, batch: Mapping[str, Any]) -> DraftOutput:
+        """Teacher-forced depths over the batch (right padding).
+
+        Returns:
+            DraftOutput: row n = (batch_index, position i = anchor - 1) for every i where some depth has a loss;
+            logits [N, K, V] of depth k at i; label_position [N, K] = i + k + 2 (clamped to T - 1 past the end);
+            depth_valid [N, K] = label inside the sequence and in loss_mask.
+        """
+        input_ids = batch["input_ids"]
+        batch_size, seq_len = input_ids.shape
+        steps, device = self.num_steps, input_ids.device
+        batch_index, position, label_position, depth_valid = self._cells(batch, steps)
+        hidden = batch["target_last_hidden"]
+        positions = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
+        position_embeddings = self.rotary(hidden.to(self.layers[0].eh_proj.weight.dtype), positions)
+        mask = causal_mask(seq_len, device)
+        tokens = F.pad(input_ids, (0, steps + 1))  # depth k at position i reads tokens[i + k + 1]
+        normed_rows = []
+        for depth in range(steps):
+            hidden, normed = self._step(depth, tokens[:, depth + 1 : depth + 1 + seq_len], hidden, positions, mask,
+                                        position_embeddings=position_embeddings)
+            normed_rows.append(normed[batch_index, position])
+        logits = self._logits(torch.stack(normed_rows, dim=1))  # [N, K, V]: only rows with a loss
+        return DraftOutput(logits=logits, batch_index=batch_index, label_position=label_position,
+                           depth_valid=depth_valid)
+
+    @staticmethod
+    def _cells(batch: Mapping[str, Any], steps: int):
+        """(batch_index [N], position [N], label_position [N, K], depth_valid [N, K]) of the rows with a loss."""
+        input_ids = batch["input_ids"]
+        batch_size, seq_len = input_ids.shape
+        device = input_ids.device
+        lengths = batch["attention_mask"].long().sum(dim=1)
+        in_loss = F.pad(batch["loss_mask"].bool() & batch["attention_mask"].bool(), (0, steps + 2))
+        labels = torch.arange(seq_len, device=device)[:, None] + 2 + torch.arange(steps, device=device)  # [T, K]
+        valid = (labels < lengths[:, None, None]) & in_loss[:, labels]  # [B, T, K]
+        batch_index, position = valid.any(dim=-1).nonzero(as_tuple=True)
+        return batch_index, position, labels[position].clamp(max=seq_len - 1), valid[batch_index, position]
+
+    def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """sum_k w_k * mean CE at depth k over its valid cells of all processes (see MTPConfig.loss)."""
+        logits = output.logits.to(torch.promote_types(output.logits.dtype, torch.float32))
+        rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
+        if self.config.loss == "soft":
+            with torch.no_grad():
+                teacher_hidden = batch["target_last_hidden"][rows, output.label_position - 1].to(logits.dtype)
+                head = self._target_tensor("lm_head_weight").to(logits.dtype)
+                teacher = torch.softmax(F.linear(teacher_hidden, head), dim=-1)
+            cell_loss = soft_cross_entropy(logits, teacher)
+        else:
+            labels = batch["input_ids"][rows, output.label_position]
+            cell_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+        _, metrics = output_metrics(output, batch, cell_loss)
+        valid = output.depth_valid.to(cell_loss.dtype)
+        per_depth = global_mean((cell_loss * valid).sum(dim=0), valid.sum(dim=0), batch)
+        weights = torch.tensor(depth_weights(self.config, logits.shape[1]), dtype=per_depth.dtype,
+                               device=per_depth.device)
+        return (weights * per_depth).sum(), metrics
+
+    # ---- inference: a stateful chain proposer -------------------------------------------------------------------
+    @torch.no_grad()
+    def begin(self, context: DraftContext) -> None:
+        """Absorb the (left-padded) prompt and the target's next token, then catch up depth 0."""
+        if context.final_hidden is None:
+            raise ValueError("mtp: the engine served no final_hidden (FeatureRequest.final_hidden)")
+        batch, _ = context.input_ids.shape
+        device = context.input_ids.device
+        known = context.valid.long().sum(dim=1) + 1  # prompt tokens + the next token
+        capacity = int(known.max()) + 64
+        weight = self.layers[0].eh_proj.weight
+        self._tokens = torch.zeros(batch, capacity, dtype=torch.long, device=device)
+        self._target = torch.zeros(batch, capacity, weight.shape[0], dtype=weight.dtype, device=device)
+        self._known = torch.zeros(batch, dtype=torch.long, device=device)
+        self._depths = []
+        self._generator = context.generator
+        self._absorb(context, torch.ones(batch, dtype=torch.bool, device=device))
+        self._grow_to(1)
+
+    @torch.no_grad()
+    def commit(self, num_accepted: torch.Tensor, context: DraftContext) -> None:
+        """Drop the last proposal's speculative entries, record the verified block [previous token, accepted
+        drafts] and the new next token, and advance every depth over the positions that became computable."""
+        if not self._depths:
+            raise ValueError("commit() called before begin()")
+        num_valid = context.valid.sum(dim=1)
+        active = num_valid > 0
+        if bool((active & (num_valid != num_accepted.to(num_valid.device) + 1)).any()):
+            raise ValueError("commit: context.valid must mark exactly num_accepted + 1 positions of each active row")
+        for state in self._depths:
+            state.cache.rewind()
+        self._absorb(context, active)
+        for depth, state in enumerate(self._depths):
+            self._advance(depth)
+            state.cache.mark()
+
+    def _absorb(self, context: DraftContext, active: torch.Tensor) -> None:
+        """Store the valid tokens and final hidden states at their positions; the next token after them."""
+        self._reserve(int(context.position_ids.max()) + 2 + len(self._depths) + 2)
+        rows = torch.arange(context.input_ids.shape[0], device=active.device)
+        valid, positions = context.valid, context.position_ids
+        row_index = rows.unsqueeze(1).expand_as(positions)[valid]
+        self._tokens[row_index, positions[valid]] = context.input_ids[valid]
+        self._target[row_index, positions[valid]] = context.final_hidden[valid].to(self._target.dtype)
+        known = torch.where(active, positions.masked_fill(~valid, -1).amax(dim=1) + 2, self._known)
+        self._tokens[rows[active], known[active] - 1] = context.next_tokens.to(self._tokens.device)[active]
+        self._known = known
+
+    def _reserve(self, needed: int) -> None:
+        """Grow the per-position histories to hold `needed` positions (plus room)."""
+        capacity = self._tokens.shape[1]
+        if needed <= capacity:
+            return
+        grow = max(needed, 2 * capacity) - capacity
+        self._tokens = F.pad(self._tokens, (0, grow))
+        self._target = F.pad(self._target, (0, 0, 0, grow))
+        for state in self._depths:
+            state.out = F.pad(state.out, (0, 0, 0, grow))
+
+    def _grow_to(self, num_depths: int) -> None:
+        """Create depths up to num_depths, each caught up over every computable committed position."""
+        self._reserve(int(self._known.max()) + num_depths + 2)
+        while len(self._depths) < num_depths:
+            batch, device = self._target.shape[0], self._target.device
+            zeros = torch.zeros(batch, dtype=torch.long, device=device)
+            self._depths.append(_Depth(BlockCache(batch, device), zeros, torch.zeros_like(self._target)))
+            self._advance(len(self._depths) - 1)
+            self._depths[-1].cache.mark()
+
+    def _advance(self, depth: int) -> None:
+        """Run `depth` over its newly computable positions: start = done .. known - 2 - depth of each row."""
+        state = self._depths[depth]
+        source = self._target if depth == 0 else self._depths[depth - 1].out
+        count = (self._known - 1 - depth - state.done).clamp(min=0)
+        width = int(count.max())
+        if width == 0:
+            return
+        offsets = torch.arange(width, device=count.device)
+        valid = offsets < count.unsqueeze(1)
+        positions = torch.where(valid, state.done.unsqueeze(1) + offsets, 0)  # [B, w]; padding entries read 0
+        rows = torch.arange(positions.shape[0], device=count.device).unsqueeze(1).expand_as(positions)
+        tokens = self._tokens[rows, positions + depth + 1]
+        fed, _ = self._step(depth, tokens, source[rows, positions], positions, state.cache.plan(valid), state.cache)
+        state.out[rows[valid], positions[valid]] = fed[valid].to(state.out.dtype)
+        state.done = state.done + count
+
+    @torch.no_grad()
+    def propose(self, num_tokens: int) -> Proposal:
+        """A chain of num_tokens drafts per row (see the module docstring); probs [B, K, V] when sample_drafts."""
+        limit = self.max_draft_tokens()
+        if limit is not None and num_tokens > limit:
+            raise ValueError(f"propose: {num_tokens} tokens asked for, but {limit} MTP module(s) without "
+                             f"drafter.reuse draft at most {limit}")
+        if not self._depths:
+            raise ValueError("propose() called before begin()")
+        batch = self._known.shape[0]
+        if num_tokens <= 0:
+            return Proposal(tokens=self._tokens.new_zeros(batch, 0))
+        for state in self._depths:
+            state.cache.rewind()
+        self._grow_to(num_tokens)
+        anchor = self._known - 1  # position of the token the target emitted last
+        rows = torch.arange(batch, device=anchor.device)
+        fed = self._depths[0].out[rows, anchor - 1]
+        normed = fed if self.convention.feed_back_normed else self.layers[self._module_index(0)].final_norm(fed)
+        draft, q = self._choose(self._logits(normed))
+        tokens, probs, speculative = [draft], [q], None
+        for depth in range(1, num_tokens):
+            # depth runs over positions anchor-depth .. anchor-1: the first has depth-1's committed output, the rest
+            # depth-1's speculative outputs; their tokens are the drafts d_1..d_depth.
+            committed = self._depths[depth - 1].out[rows, (anchor - depth).clamp(min=0)].unsqueeze(1)
+            hidden = committed if speculative is None else torch.cat([committed, speculative], dim=1)
+            positions = (anchor - depth).unsqueeze(1) + torch.arange(depth, device=anchor.device)
+            cache = self._depths[depth].cache
+            speculative, normed = self._step(depth, torch.stack(tokens, dim=1), hidden, positions.clamp(min=0),
+                                             cache.plan(positions >= 0), cache)
+            draft, q = self._choose(self._logits(normed[:, -1]))
+            tokens.append(draft)
+            probs.append(q)
+        if not self.config.sample_drafts:
+            return Proposal(tokens=torch.stack(tokens, dim=1))
+        return Proposal(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1).float())
+
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [B, V] -> drafts [B] and q [B, V] (None for argmax drafts)."""
+        if not self.config.sample_drafts:
+            return logits.argmax(dim=-1), None
+        q = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        return torch.multinomial(q, 1, generator=self._generator).squeeze(1), q
+
+    # ---- persistence ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def detect_format(config: Mapping[str, Any]) -> str | None:
+        """"native" or "speculators" for an MTP checkpoint's config.json dict, else None."""
+        if config.get(NATIVE_KIND_KEY) == MTPDrafter.kind:
+            return "native"
+        return mtp_export.detect_format(config)
+
+    def save(self, directory: str, fmt: str = "native") -> None:
+        """"native", "speculators", or the target's checkpoint with these modules in "deepseek_v3", "qwen3_next"
+        or "mimo" layout (drafters/mtp/export.py)."""
+        if fmt == "native":
+            super().save(directory, fmt)
+            return
+        mtp_export.write(self, directory, fmt)
+
+    @classmethod
+    def load(cls, directory: str, target_info: TargetInfo) -> "MTPDrafter":
+        with open(os.path.join(directory, "config.json")) as f:
+            header = json.load(f)
+        fmt = cls.detect_format(header)
+        if fmt == "native":
+            return super().load(directory, target_info)
+        if fmt is None:
+            raise ValueError(f"{directory}: config.json is not an MTP checkpoint (native or speculators mtp)")
+        config, state = mtp_export.read_speculators(directory, header, target_info)
+        drafter = cls(config, target_info)
+        drafter.load_state_dict(state, strict=True)
+        return drafter
