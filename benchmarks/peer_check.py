@@ -160,10 +160,11 @@ def _serve_one(fmt: str, export_dir: str, target_dir: str, args, ours: dict, wor
     same = sum(a == b for a, b in zip(theirs["tokens"], ours["tokens"]))
     agree = _within(theirs["tau"], ours["tau"]) and all(
         _within(a, b) for a, b in zip(theirs["per_position"], ours["per_position"]))
-    row.update(vllm={k: v for k, v in theirs.items() if k != "tokens"}, identical_outputs=f"{same}/{len(ours['tokens'])}",
-               result=("pass" if agree else "FAIL") + f": tau {theirs['tau']:.3f} vs ours {ours['tau']:.3f}, per position "
-               f"{_fmt(theirs['per_position'])} vs {_fmt(ours['per_position'])}, identical outputs {same}/"
-               f"{len(ours['tokens'])}")
+    row.update(vllm={k: v for k, v in theirs.items() if k != "tokens"},
+               identical_outputs=f"{same}/{len(ours['tokens'])}",
+               result=("pass" if agree else "FAIL") + f": tau {theirs['tau']:.3f} vs ours {ours['tau']:.3f}, per"
+               f" position {_fmt(theirs['per_position'])} vs {_fmt(ours['per_position'])}, identical outputs"
+               f" {same}/{len(ours['tokens'])}")
     return row
 
 
@@ -195,7 +196,8 @@ def vllm_worker(args) -> None:
     drafts = metrics["vllm:spec_decode_num_drafts"].value
     accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
     per_position = [v / drafts for v in metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values]
-    result = {"drafts": drafts, "accepted": accepted, "draft_tokens": metrics["vllm:spec_decode_num_draft_tokens"].value,
+    result = {"drafts": drafts, "accepted": accepted,
+              "draft_tokens": metrics["vllm:spec_decode_num_draft_tokens"].value,
               "tau": 1 + accepted / drafts, "per_position": per_position,
               "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
     with open(args.out, "w") as f:

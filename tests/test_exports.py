@@ -163,7 +163,8 @@ CASES = {  # format -> (drafter config, the readers the format is written for)
     "speculators": ({"num_layers": 2, "norm_before_residual": True, "layer_ids": (0, 2, 4)}, ["vllm", "speculators"]),
     "eagle3": ({"num_layers": 2, "norm_before_residual": True, "layer_ids": (0, 2, 4)}, ["vllm"]),
     "sglang": ({"num_layers": 1, "layer_ids": (1, 2, 3)}, ["sglang", "specforge", "vllm"]),
-    "speculators-full-vocab": ({"num_layers": 1, "layer_ids": (1, 3), "draft_vocab_size": 256}, ["vllm", "speculators"]),
+    "speculators-full-vocab": ({"num_layers": 1, "layer_ids": (1, 3), "draft_vocab_size": 256},
+                               ["vllm", "speculators"]),
     "sglang-full-vocab": ({"num_layers": 1, "layer_ids": (1, 2, 3), "draft_vocab_size": 256}, ["sglang", "specforge"]),
 }
 
