@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import yaml
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, Qwen3Config, Qwen3NextConfig
 
 from drafters import DRAFTERS, TargetInfo
 from train.config import ScheduleConfig, derive, load_recipe, parse_overrides, recipe_from_dict, recipe_to_dict, \
@@ -29,7 +29,13 @@ LLAMA31_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=
                          rope_theta=500000.0)
 QWEN3_8B = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0)
-TARGET_SHAPES = {"smollm2": SMOLLM2, "llama3.1-8b": LLAMA31_8B, "qwen3-8b": QWEN3_8B}
+QWEN3_NEXT = Qwen3NextConfig(
+    vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+TARGET_SHAPES = {"smollm2": SMOLLM2, "llama3.1-8b": LLAMA31_8B, "qwen3-8b": QWEN3_8B, "qwen3-next": QWEN3_NEXT}
 
 
 def meta_target_info(config) -> TargetInfo:
