@@ -1,9 +1,14 @@
-"""`draftsmith export CKPT --format speculators|eagle3|native --out DIR`: a trained drafter in a serving format.
+"""`draftsmith export CKPT --format FORMAT --out DIR`: a trained drafter in a serving format.
+
+Formats by drafter kind (each drafter's `save` refuses, naming the reader and the alternative, what its layout
+cannot carry): EAGLE-3 speculators | eagle3 (plain, vLLM) | sglang (SGLang / SpecForge); DFlash dflash (z-lab,
+read by the dflash package, transformers and vLLM) | speculators; MTP its native layout | speculators; every
+drafter native.
 
     draftsmith export runs/smollm2_eagle3/final --format speculators --out runs/smollm2_eagle3/speculators \
         --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
 
-CKPT is any directory `draftsmith eval --drafter` takes (native, speculators or eagle3 layout). The target is loaded
+CKPT is any directory `draftsmith eval --drafter` takes (native or any layout above). The target is loaded
 (offline) to check the checkpoint against it and to supply the shared tensors the formats carry (the frozen
 embedding); it is read from the checkpoint unless --target names it. --verifier-name is the model id written as the
 verifier in the speculators config (vLLM serves it as the main model); by default the target's local path.
@@ -23,7 +28,7 @@ from drafters import load_drafter
 from drafters.files import replace_directory
 from inference.target import TargetModel
 
-FORMATS = ("speculators", "eagle3", "native")
+FORMATS = ("speculators", "eagle3", "sglang", "dflash", "native")
 
 
 def checkpoint_target(directory: str) -> str | None:
