@@ -8,6 +8,7 @@ import os
 from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
 from drafters.dflash import DFlashDrafter
 from drafters.draft_model import DraftModelDrafter, is_draft_model_dir
+from drafters.dspark import DSparkDrafter
 from drafters.eagle3 import Eagle3Drafter
 from drafters.medusa import MedusaDrafter
 from drafters.mtp import MTPDrafter
@@ -16,6 +17,7 @@ from drafters.ngram import NgramDrafter
 DRAFTERS: dict[str, type[Drafter]] = {
     "dflash": DFlashDrafter,
     "draft_model": DraftModelDrafter,
+    "dspark": DSparkDrafter,
     "eagle3": Eagle3Drafter,
     "medusa": MedusaDrafter,
     "mtp": MTPDrafter,

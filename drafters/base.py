@@ -65,6 +65,8 @@ class DraftContext:
     target_kv:  {layer index: (keys, values) [B, H_kv, L, d]} the target's own KV cache for the requested layers,
                 read-only, with `target_kv_valid` [B, L] marking which of its slots belong to the sequence
                 (FeatureRequest.kv_layers). The slots of this forward's tokens are the last S.
+    temperature: the engine's sampling temperature (0 = greedy; None = not told). A drafter that follows it samples
+                its drafts at it (returning their probs) and drafts the argmax at 0.
     """
 
     input_ids: torch.Tensor
@@ -77,6 +79,7 @@ class DraftContext:
     top_k: tuple[torch.Tensor, torch.Tensor] | None = None
     target_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     target_kv_valid: torch.Tensor | None = None
+    temperature: float | None = None
 
 
 @dataclass(frozen=True)
@@ -113,12 +116,18 @@ class FeatureRequest:
 class Proposal:
     """tokens [B, K] in target ids; probs [B, K, V] draft distribution in target vocab, or None for deterministic
     (argmax / lookup) drafts, which verification treats as one-hot q. `num_valid` [B] lets a row propose fewer than K
-    (an n-gram miss); positions past it are never accepted. `parents` is reserved for trees (None = chain)."""
+    (an n-gram miss); positions past it are never accepted. `parents` is reserved for trees (None = chain).
+    confidence_logits [B, K]: the drafter's logit that draft j is accepted given that drafts < j were (DSpark's
+    confidence head), computed before draft j is drawn; confidence_temperature [K]: the calibration that makes
+    sigmoid(logit / temperature) honest, None = uncalibrated. The engine schedules verification from them
+    (inference/schedule.py)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     num_valid: torch.Tensor | None = None
     parents: torch.Tensor | None = None
+    confidence_logits: torch.Tensor | None = None
+    confidence_temperature: torch.Tensor | None = None
 
 
 @dataclass

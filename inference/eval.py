@@ -31,6 +31,7 @@ from inference.generate import GenerateOutput, speculative_generate
 from inference.metrics import annotate_recommendations, build_record, merge_outputs
 from inference.prompts import load_questions, select_spread
 from inference.report import format_table, write_report
+from inference.schedule import build_schedules, parse_schedule_specs
 from inference.target import TargetModel
 
 WARMUP_TOKENS = 4
@@ -56,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", action="store_true", help="feed turns as plain text")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    parser.add_argument("--schedule", default="fixed",
+                        help="comma-separated verification schedules for drafters with confidences (DSpark): fixed, "
+                             "threshold:H (static threshold on calibrated prefix survival), scheduler (hardware-"
+                             "aware prefix scheduler, verify cost profiled at start-up); inference/schedule.py")
     return parser
 
 
@@ -82,6 +87,7 @@ def validate(args: argparse.Namespace) -> None:
     args.drafter = _split(args.drafter) or ["none"]
     args.prompts = _split(args.prompts)
     args.categories = _split(args.categories) if args.categories else None
+    args.schedule = parse_schedule_specs(args.schedule)
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1),
                              ("--top-k", args.top_k, 0), ("--threads", args.threads, 1),
                              ("--num-prompts", args.num_prompts, 1)):
@@ -118,6 +124,7 @@ class Method:
     name: str
     drafter: Drafter | None
     num_draft_tokens: int
+    schedule: object = None  # inference/schedule.py; None = every proposal verified in full
 
 
 def load_methods(names: list[str], target: TargetModel, ks: list[int]) -> list[Method]:
@@ -191,7 +198,7 @@ def run_methods(target, methods: list[Method], questions: list, args, temperatur
                     out = speculative_generate(
                         target, method.drafter, prompts, num_draft_tokens=method.num_draft_tokens,
                         max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed + calls, eos_token_ids=eos)
+                        top_k=args.top_k, seed=args.seed + calls, eos_token_ids=eos, schedule=method.schedule)
                     result.by_category.setdefault(category, []).append(out)
                     for index, tokens in zip(batch, out.tokens):
                         text = target.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -300,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         target = TargetModel.from_pretrained(args.target, dtype=torch.float32, device=device)
         check_chat_template(target.tokenizer, not args.no_chat_template, args.target)
         methods = load_methods(args.drafter, target, args.num_draft_tokens)
+        if args.schedule != ["fixed"]:
+            schedules = build_schedules(args.schedule, target, args.batch_size, max(args.num_draft_tokens))
+            methods = [Method(m.name if s is None else f"{m.name}@{name}", m.drafter, m.num_draft_tokens, s)
+                       for m in methods for name, s in schedules]
     except (ValueError, OSError) as err:
         print(f"draftsmith eval: error: {err}", file=sys.stderr)
         return 2

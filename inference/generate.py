@@ -4,17 +4,20 @@
 
 Batch size >= 1 with per-row acceptance (ragged KV cache, see drafters/ragged_lm.py), EOS and max-new-tokens per row,
 greedy and lossless sampling (inference/verify.py). `drafter=None` or `num_draft_tokens=0` is plain autoregression
-through the same code: one target forward per token, the fair baseline for speedup.
+through the same code: one target forward per token, the fair baseline for speedup. `schedule` (inference/schedule.py)
+cuts each row's proposal by the drafter's confidences (a static threshold or the prefix scheduler); drafters without
+confidences propose as usual.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from drafters.base import DraftContext, Drafter, FeatureRequest
+from inference.schedule import scheduled_num_valid
 from inference.target import synchronize
 from inference.verify import greedy_verify, sample_verify, sampling_probs
 
@@ -25,7 +28,9 @@ class GenerateOutput:
 
     tokens:          per row, the new token ids (prompt excluded, EOS included when emitted, cut at max_new_tokens).
     accept_lengths:  per row, per round that row took part in: drafts accepted (0..k). Empty lists when k = 0.
-    proposed:        per row, per round: drafts actually proposed (k, or fewer on an n-gram miss).
+    proposed:        per row, per round: drafts actually proposed (k, or fewer on an n-gram miss or when scheduled).
+    confidence_logits: per row, per round: the drafter's confidence logits of the drafts it proposed (empty lists
+                     when the drafter returns none); `draftsmith calibrate` fits its temperatures on them.
     num_draft_tokens: k.
     target_forwards: batched target forwards, prefill included.
     verify_forwards: batched target forwards after prefill (one per round; for k = 0 one per AR step).
@@ -45,6 +50,7 @@ class GenerateOutput:
     time_prefill: float = 0.0
     time_other: float = 0.0
     time_total: float = 0.0
+    confidence_logits: list[list[list[float]]] = field(default_factory=list)
 
 
 class _Clock:
@@ -89,6 +95,7 @@ def speculative_generate(
     top_k: int = 0,
     seed: int = 0,
     eos_token_ids=None,
+    schedule=None,
 ) -> GenerateOutput:
     """Generate up to max_new_tokens per prompt. See the module docstring; target is an inference.target.TargetModel."""
     if num_draft_tokens < 0:
@@ -116,18 +123,23 @@ def speculative_generate(
     batch = len(prompts)
     out = GenerateOutput([[] for _ in range(batch)], [[] for _ in range(batch)], [[] for _ in range(batch)], num_draft)
     out.target_forwards = 1
+    out.confidence_logits = [[] for _ in range(batch)]
     active = torch.ones(batch, dtype=torch.bool, device=device)
     no_drafts = next_tokens.new_zeros((batch, 0))
     active = _emit(out, active, no_drafts, torch.zeros_like(next_tokens), next_tokens, eos, max_new_tokens)
     if num_draft > 0:
         context = DraftContext(input_ids, attention_mask.bool(), _positions(attention_mask),
-                               next_tokens=next_tokens, generator=draft_generator, **served)
+                               next_tokens=next_tokens, generator=draft_generator, temperature=temperature, **served)
         clock.run("prefill", drafter.begin, context)
 
     while bool(active.any()):
         if num_draft > 0:
             proposal = clock.run("draft", drafter.propose, num_draft)
             num_valid = _num_valid(proposal, active, num_draft)
+            if schedule is not None:
+                draft_seconds = clock.totals["draft"] / max(out.verify_forwards, 1)
+                num_valid = clock.run("draft", scheduled_num_valid, schedule, proposal, num_valid, active,
+                                      draft_seconds)
             width = int(num_valid.max())
             drafts = proposal.tokens[:, :width].to(device)
             draft_probs = None if proposal.probs is None else proposal.probs[:, :width].to(device)
@@ -145,6 +157,8 @@ def speculative_generate(
             if num_draft > 0:
                 out.accept_lengths[row].append(int(num_accepted[row]))
                 out.proposed[row].append(int(num_valid[row]))
+                if proposal.confidence_logits is not None:
+                    out.confidence_logits[row].append(proposal.confidence_logits[row, : int(num_valid[row])].tolist())
         was_active = active.clone()
         active = _emit(out, active, drafts, num_accepted, new_tokens, eos, max_new_tokens)
         next_tokens = new_tokens
@@ -152,7 +166,7 @@ def speculative_generate(
             valid = (torch.arange(width + 1, device=device)[None, :] <= num_accepted[:, None]) & was_active[:, None]
             positions = target.runner.lengths[:, None] - valid.long().sum(-1, keepdim=True) + torch.arange(width + 1, device=device)
             context = DraftContext(block, valid, positions, next_tokens=next_tokens, generator=draft_generator,
-                                   **served)
+                                   temperature=temperature, **served)
             clock.run("draft", drafter.commit, num_accepted, context)
 
     out.time_total = time.perf_counter() - start

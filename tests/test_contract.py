@@ -24,6 +24,7 @@ from drafters import DRAFTERS, load_drafter
 from drafters.base import DraftContext, Drafter, TargetInfo
 from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.draft_model import DraftModelConfig, DraftModelDrafter
+from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.medusa import MedusaConfig, MedusaDrafter
 from drafters.mtp import MTPConfig, MTPDrafter
@@ -55,8 +56,15 @@ FACTORIES: dict[str, Callable[[TargetInfo], Drafter]] = {
     # have no tokenizer, so their last row is named as the mask token
     "dflash": lambda info: DFlashDrafter(DFlashConfig(layer_ids=(1, 2, 3), num_layers=2, block_size=NUM_DRAFTS + 1,
                                                       num_anchors=64, mask_token_id=info.vocab_size - 1), info),
+    # the DFlash backbone with the anchor slot drafting: blocks of NUM_DRAFTS give NUM_DRAFTS drafts
+    "dspark": lambda info: DSparkDrafter(DSparkConfig(layer_ids=(1, 2, 3), num_layers=2, block_size=NUM_DRAFTS,
+                                                      num_anchors=64, markov_rank=16,
+                                                      mask_token_id=info.vocab_size - 1), info),
 }
 SAMPLING = {  # the factory variant that samples its drafts, for kinds that can
+    # DSpark samples at the engine's temperature (DraftContext.temperature) with its exact Markov-corrected q
+    "dspark": lambda info: DSparkDrafter(DSparkConfig(layer_ids=(1, 2, 3), num_layers=1, block_size=NUM_DRAFTS,
+                                                      markov_rank=16, mask_token_id=info.vocab_size - 1), info),
     "mtp": lambda info: MTPDrafter(MTPConfig(num_modules=1, reuse=True, sample_drafts=True), info),
     "medusa": lambda info: MedusaDrafter(MedusaConfig(num_heads=NUM_DRAFTS, sample_drafts=True), info),
     "eagle3": lambda info: Eagle3Drafter(Eagle3Config(layer_ids=(1, 2, 4), draft_vocab_size=info.vocab_size,

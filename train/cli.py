@@ -7,6 +7,7 @@
     draftsmith estimate  RECIPE [key=value ...]          disk and time an offline cache will take
     draftsmith export    CKPT --format F --out DIR       write a checkpoint in a serving format
     draftsmith doctor    DRAFTER --target T [--prompts P]  check an export the way each server reads it
+    draftsmith calibrate DRAFTER --target T --prompts P --out DIR   fit and store confidence temperatures (STS)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ SUBCOMMANDS = {
     "estimate": "train.estimate",
     "export": "train.export",
     "doctor": "train.doctor",
+    "calibrate": "inference.calibrate",
 }
 
 

@@ -7,7 +7,10 @@ Reference: algorithms_dflash_dspark.md section 1.1-1.3 (DFlash, Chen et al. 2026
 - `DFlashDecoderLayer`, a Qwen3-style pre-norm decoder layer whose keys/values also read the context ("KV
   injection": context and block tokens go through the SAME k/v projections, concatenated along the sequence);
 - `block_forward`, the training-time backbone over all blocks of a row at once;
-- `block_attention_mask` and `sample_anchors`.
+- `block_attention_mask` and `sample_anchors`;
+- the inference-time context caches: `new_context_caches`, `absorb_context` (project verified tokens' features into
+  every layer's cache) and `cached_block_forward` (one block against the caches, its own keys/values dropped), so
+  that a drafter on this backbone (DSpark) drafts with them instead of re-implementing them.
 
 Decisions:
 - Layer ids use our (vLLM) convention: id k = residual stream entering decoder layer k = HF hidden_states[k]. The
@@ -35,7 +38,7 @@ import torch
 from torch import nn
 
 from drafters.base import TargetInfo
-from drafters.layers import RMSNorm, SwiGLU, apply_rope, attention, rope_parameters
+from drafters.layers import KVCache, RMSNorm, SwiGLU, apply_rope, attention, rope_parameters
 
 PUBLISHED_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # paper A.1, Eq. 4
 NUM_DEFAULT_LAYER_IDS = 5
@@ -344,3 +347,39 @@ def sample_anchors(attention_mask: torch.Tensor, loss_mask: torch.Tensor, num_an
         anchors[row, : positions.numel()] = positions
         valid[row, : positions.numel()] = True
     return anchors.to(attention_mask.device), valid.to(attention_mask.device)
+
+
+# ---- inference: per-layer caches of the projected context ----------------------------------------------------------
+def new_context_caches(layers, batch: int, device, dtype, capacity: int) -> list[KVCache]:
+    """One empty KVCache per draft layer, sized for `capacity` columns (it grows when needed)."""
+    return [KVCache(batch, layer.self_attn.num_kv_heads, layer.self_attn.head_dim, device, dtype, capacity=capacity)
+            for layer in layers]
+
+
+def absorb_context(layers, caches: list[KVCache], context: torch.Tensor, rope, valid: torch.Tensor) -> None:
+    """Append the keys/values of context tokens c [B, n, D] (fused target features at positions whose RoPE is
+    `rope`) where valid [B, n] holds, to every layer's cache, and mark the result as committed."""
+    for layer, cache in zip(layers, caches):
+        k, v = layer.context_kv(context, *rope)
+        cache.append(k, v, valid)
+        cache.mark()
+
+
+def cached_block_forward(layers, caches: list[KVCache], h: torch.Tensor, rope) -> torch.Tensor:
+    """The block stream h [B, S, D] through every layer: each slot sees its row's committed context (holes stay
+    hidden) and the whole block, bidirectionally. The block's own keys/values are dropped again (KVCache.rewind).
+
+    Returns:
+        [B, S, D] pre-norm output.
+    """
+    batch, block_size, _ = h.shape
+    slots_valid = torch.ones(batch, block_size, dtype=torch.bool, device=h.device)
+    for layer, cache in zip(layers, caches):
+        q, k, v = layer.block_qkv(h, *rope)
+        block_end = cache.lengths + block_size
+        keys, values, _ = cache.append(k, v, slots_valid)
+        columns = torch.arange(keys.shape[2], device=h.device)
+        mask = cache.valid[:, : keys.shape[2]] & (columns < block_end.unsqueeze(1))
+        h = layer.finish(h, attention(q, keys, values, mask[:, None, None, :]))
+        cache.rewind()
+    return h

@@ -1,0 +1,354 @@
+"""DSpark drafter: the DFlash backbone with a sequential head and a confidence head (Cheng et al. 2026, DeepSpec;
+reference algorithms_dflash_dspark.md sections 2.1-2.3 and 5.2).
+
+Composed from the DFlash backbone (drafters/dflash/layers.py: config rules, context fusion, decoder layers, block
+mask, anchor sampler, context caches), with one change: the anchor slot is the first prediction slot. A block is
+[x_a, MASK x (S-1)] at positions a..a+S-1 and slot k (0..S-1) predicts x_{a+k+1}: S inputs give S drafts. In the
+contract's terms depth k = slot k, label position a + 1 + k.
+
+- Training (`forward` / `block_outputs`): anchors as DFlash (uniform among positions whose token and next token are
+  loss tokens, redrawn per epoch from (seed, epoch, sample index)); all blocks of a row in one backbone forward.
+  A cell is supervised when its label is inside the sequence and a loss token, and supervision is contiguous from
+  the front (a block stops at its first unsupervised label). Logits are the sequential head's, teacher-forced on
+  the true previous tokens. `loss`: per cell 0.1 CE(label) + 0.9 ||p_d - p_t||_1 + 1.0 BCE(confidence,
+  1 - ||p_d - p_t||_1 / 2 detached), weighted exp(-k / 4), normalised by the weight sum over all processes
+  (losses.global_mean). p_t = softmax(target lm_head(target_last_hidden at the position before the label)): the
+  batch's final hidden state through the frozen lm_head, so no V-sized target logits are ever stored.
+- Inference: the context caches of DFlash's backbone (`absorb_context` after prefill and every verify,
+  `cached_block_forward` for the block), then ONE backbone forward per round and the block drawn left to right with
+  the exact per-slot distribution q_k = softmax(U_k + B_k(x_{k-1})): the argmax when the engine runs greedy
+  (DraftContext.temperature 0 or not told), else a sample from softmax(logits / T) with q returned as `probs`, so
+  rejection sampling with that q is lossless. The confidence logits (computed before each draw) and the calibration
+  temperatures come with the proposal; the engine may schedule from them (inference/schedule.py).
+- Persistence: native (config.json with draftsmith_kind + model.safetensors); speculators' "dspark" layout and
+  DeepSpec's layout live in drafters/dspark/export.py. `store_confidence_temperatures` writes the temperatures
+  `draftsmith calibrate` fitted into a checkpoint of any of the three formats.
+
+Parameter names: fc, hidden_norm, norm, layers.{i}.* (as DFlash), markov_head.markov_w1 (Embedding V x r),
+markov_head.markov_w2 (Linear r -> V), markov_head.gate_proj (gated) / joint_proj (rnn), confidence_head.proj.
+Shapes: B batch, T sequence, D hidden, A anchors per row, S block size, N kept anchors, K depths, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.dflash.layers import (
+    DFlashDecoderLayer,
+    absorb_context,
+    block_attention_mask,
+    block_forward,
+    block_positions,
+    cached_block_forward,
+    draft_layer_config,
+    fuse_context,
+    new_context_caches,
+    resolve_layer_ids,
+    resolve_mask_token_id,
+    sample_anchors,
+)
+from drafters.dspark import export
+from drafters.dspark.layers import (
+    ConfidenceHead,
+    DSparkConfig,
+    MarkovHead,
+    backbone_config,
+    check_config,
+    depth_weights,
+)
+from drafters.layers import RMSNorm, RotaryEmbedding, rope_inverse_frequencies
+from drafters.losses import global_mean, output_metrics
+
+
+class DSparkDrafter(Drafter):
+    """DSpark drafter. See the module docstring for the training, inference and persistence contracts."""
+
+    kind = "dspark"
+    Config = DSparkConfig
+
+    def __init__(self, config: DSparkConfig, target_info: TargetInfo):
+        super().__init__(config, target_info)
+        check_config(config)
+        backbone = backbone_config(config)
+        if config.num_layers < 1 or config.num_anchors < 1:
+            raise ValueError(f"drafter.num_layers ({config.num_layers}) and drafter.num_anchors ({config.num_anchors})"
+                             " must be >= 1")
+        self.layer_ids = resolve_layer_ids(backbone, target_info.num_layers)
+        self.mask_token_id = resolve_mask_token_id(backbone, target_info)
+        self.config = dataclasses.replace(config, layer_ids=self.layer_ids, mask_token_id=self.mask_token_id,
+                                          confidence_temperatures=tuple(map(float, config.confidence_temperatures)))
+        self.layer_config = draft_layer_config(backbone, target_info)
+        hidden, eps = target_info.hidden_size, self.layer_config["rms_norm_eps"]
+        self.fc = nn.Linear(len(self.layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(self.layer_config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(hidden, eps)  # starts at ones, as DFlash's (see drafters/dflash/model.py)
+        self.rotary = RotaryEmbedding(*rope_inverse_frequencies(self.layer_config))
+        self.markov_head: MarkovHead | None = None
+        if config.markov_head_type != "none":
+            self.markov_head = MarkovHead(config.markov_head_type, target_info.vocab_size, config.markov_rank, hidden)
+        self.confidence_head: ConfidenceHead | None = None
+        if config.enable_confidence_head:
+            with_markov = config.confidence_head_with_markov
+            self.confidence_head = ConfidenceHead(hidden + (config.markov_rank if with_markov else 0))
+        self._frozen: dict[tuple, torch.Tensor] = {}
+        self._caches = []
+        self._state: dict[str, Any] = {}
+
+    # ---- what the drafter needs from the target ----------------------------------------------------------------
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.layer_ids
+
+    def max_draft_tokens(self) -> int:
+        return self.config.block_size
+
+    def _target_tensor(self, name: str) -> torch.Tensor:
+        """A frozen TargetInfo tensor on this module's device/dtype (copied once per device, never a buffer)."""
+        weight = self.fc.weight
+        key = (name, weight.device, weight.dtype)
+        if key not in self._frozen:
+            self._frozen[key] = getattr(self.target_info, name).detach().to(weight.device, weight.dtype)
+        return self._frozen[key]
+
+    def _block_embeds(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """anchor_tokens [...] -> embeddings [..., S, D] of the blocks [x_a, MASK x (S-1)]."""
+        tokens = anchor_tokens.new_full((*anchor_tokens.shape, self.config.block_size), self.mask_token_id)
+        tokens[..., 0] = anchor_tokens
+        return F.embedding(tokens, self._target_tensor("embed_weight"))
+
+    def _markov_embedding(self, previous: torch.Tensor) -> torch.Tensor | None:
+        return None if self.markov_head is None else self.markov_head.embed(previous)
+
+    def confidence_logits(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:
+        """Confidence logits [...] from post-norm hidden [..., D] and the previous tokens [...]; None without head."""
+        if self.confidence_head is None:
+            return None
+        embedding = self._markov_embedding(previous) if self.config.confidence_head_with_markov else None
+        return self.confidence_head(hidden, embedding)
+
+    # ---- training ------------------------------------------------------------------------------------------
+    def forward(self, batch: Mapping[str, Any]) -> DraftOutput:
+        """Sample this epoch's anchors (as DFlash) and run `block_outputs` on them."""
+        anchors, anchor_valid = sample_anchors(
+            batch["attention_mask"], batch["loss_mask"], self.config.num_anchors, seed=int(batch.get("seed", 0)),
+            epoch=int(batch.get("epoch", 0)), sample_index=batch.get("sample_index"))
+        return self.block_outputs(batch, anchors, anchor_valid)
+
+    def block_outputs(self, batch: Mapping[str, Any], anchors: torch.Tensor,
+                      anchor_valid: torch.Tensor | None = None) -> DraftOutput:
+        """Teacher-forced DSpark logits of the blocks at the given anchors, all blocks of a row in one forward.
+
+        Args:
+            batch: input_ids, attention_mask, loss_mask [B, T] (right padding), target_hidden {id: [B, T, D]}.
+            anchors: [B, A] anchor positions; anchor_valid: [B, A] bool (default all), False = a padding block.
+        Returns:
+            DraftOutput over the N kept anchors: logits [N, S, V] (base + sequential bias), batch_index [N],
+            label_position [N, S] = a + 1 + k (clamped to T - 1 past the end), depth_valid [N, S] (contiguous from
+            slot 0), hidden [N, S, D] after the final norm (what the heads read).
+        """
+        input_ids, real = batch["input_ids"], batch["attention_mask"].bool()
+        batch_size, seq_len = input_ids.shape
+        block_size = self.config.block_size
+        anchors = anchors.to(input_ids.device)
+        anchor_valid = torch.ones_like(anchors, dtype=torch.bool) if anchor_valid is None else anchor_valid.bool()
+        context = fuse_context(batch["target_hidden"], self.layer_ids, self.fc, self.hidden_norm)  # [B, T, D]
+        h = self._block_embeds(input_ids.gather(1, anchors)).flatten(1, 2)  # [B, A*S, D]
+        context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch_size, seq_len)
+        block_rope = self.rotary(block_positions(anchors, block_size), h.dtype)
+        context_rope = self.rotary(context_positions, h.dtype)
+        mask = block_attention_mask(anchors, anchor_valid, real, block_size)
+        h = block_forward(self.layers, h, context, block_rope, context_rope, mask)
+        h = h.view(batch_size, anchors.shape[1], block_size, -1)
+        rows, columns = anchor_valid.nonzero(as_tuple=True)
+        hidden = self.norm(h[rows, columns])  # [N, S, D]
+        unclamped = anchors[rows, columns].unsqueeze(1) + 1 + torch.arange(block_size, device=input_ids.device)
+        label_position = unclamped.clamp(max=seq_len - 1)
+        row_index = rows.unsqueeze(1).expand_as(label_position)
+        supervised = (unclamped < seq_len) & real[row_index, label_position]
+        supervised &= batch["loss_mask"].bool()[row_index, label_position]
+        depth_valid = supervised.long().cumprod(dim=1).bool()  # contiguous from the front (DeepSpec)
+        previous = input_ids[row_index, label_position - 1]  # x_{a+k}: the anchor at slot 0
+        logits = self.teacher_forced_logits(hidden, previous)
+        return DraftOutput(logits=logits, batch_index=rows, label_position=label_position, depth_valid=depth_valid,
+                           hidden=hidden)
+
+    def teacher_forced_logits(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """U + B for a whole block at once: post-norm hidden [N, S, D], the token before each slot [N, S] (slot 0:
+        the anchor) -> logits [N, S, V]. Equals `draw_block`'s slot-by-slot logits when its draws are `previous`."""
+        logits = F.linear(hidden, self._target_tensor("lm_head_weight"))
+        if self.markov_head is not None:
+            logits = logits + self.markov_head.teacher_forced(previous, hidden)
+        return logits
+
+    def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """ce_weight CE + l1_weight L1 + confidence_weight BCE per valid cell, weighted exp(-k / gamma), over the
+        weight sum of all processes (losses.global_mean). See the module docstring."""
+        logits = output.logits
+        compute = torch.promote_types(logits.dtype, torch.float32)
+        valid = output.depth_valid
+        num_rows, depths, _ = logits.shape
+        rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)[valid]
+        positions = output.label_position[valid]
+        depth = valid.nonzero(as_tuple=True)[1]
+        labels = batch["input_ids"][rows, positions]
+        log_draft = torch.log_softmax(logits[valid].to(compute), dim=-1)  # [M, V]
+        teacher_hidden = batch["target_last_hidden"][rows, positions - 1].to(self.fc.weight.dtype)
+        teacher = torch.softmax(F.linear(teacher_hidden, self._target_tensor("lm_head_weight")).to(compute), dim=-1)
+        ce = -log_draft.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        l1 = (log_draft.exp() - teacher).abs().sum(dim=-1)
+        accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()  # the acceptance probability of rejection sampling
+        cell = self.config.ce_weight * ce + self.config.l1_weight * l1
+        confidence = self.confidence_logits(output.hidden[valid], batch["input_ids"][rows, positions - 1])
+        if confidence is not None:
+            bce = F.binary_cross_entropy_with_logits(confidence.to(compute), accept, reduction="none")
+            cell = cell + self.config.confidence_weight * bce
+        weights = depth_weights(depths, self.config.loss_decay_gamma, logits.device, compute)[depth]
+        loss = global_mean((weights * cell).sum(), weights.sum(), batch)
+        cell_loss = torch.zeros(num_rows, depths, device=logits.device, dtype=compute)
+        cell_loss = cell_loss.index_put((*valid.nonzero(as_tuple=True),), cell)
+        _, metrics = output_metrics(output, batch, cell_loss)
+        if depth.numel():
+            metrics.update(ce=float(ce.detach().mean()), l1=float(l1.detach().mean()),
+                           accept_rate=float(accept.mean()))
+            if confidence is not None:
+                metrics.update(confidence_bce=float(bce.detach().mean()),
+                               confidence_error=float((torch.sigmoid(confidence.detach()) - accept).abs().mean()))
+        return loss, metrics
+
+    # ---- inference: one backbone forward per round, then the block drawn left to right ----------------------------
+    @torch.no_grad()
+    def begin(self, context: DraftContext) -> None:
+        """Project the valid prompt positions into the context caches; the target's next token is the first anchor."""
+        batch, seq_len = context.input_ids.shape
+        weight = self.fc.weight
+        self._caches = new_context_caches(self.layers, batch, weight.device, weight.dtype,
+                                          capacity=seq_len + 4 * self.config.block_size)
+        self._state = {}
+        self._absorb(context, torch.ones(batch, dtype=torch.bool, device=context.valid.device))
+
+    @torch.no_grad()
+    def commit(self, num_accepted: torch.Tensor, context: DraftContext) -> None:
+        """context covers the verify forward [previous anchor, d_0..d_{k-1}]; row b keeps its first
+        num_accepted[b] + 1 positions (none for a finished row). The new anchor is next_tokens."""
+        if not self._caches:
+            raise ValueError("commit() called before begin()")
+        num_valid = context.valid.sum(dim=1)
+        active = num_valid > 0
+        if bool((active & (num_valid != num_accepted.to(num_valid.device) + 1)).any()):
+            raise ValueError("commit: context.valid must mark exactly num_accepted + 1 positions of each active row")
+        self._absorb(context, active)
+
+    def _absorb(self, context: DraftContext, active: torch.Tensor) -> None:
+        features = fuse_context(context.hidden, self.layer_ids, self.fc, self.hidden_norm)
+        absorb_context(self.layers, self._caches, features, self.rotary(context.position_ids, features.dtype),
+                       context.valid)
+        last_position = context.position_ids.masked_fill(~context.valid, -1).amax(dim=1)
+        new = {"anchor": context.next_tokens.to(last_position.device), "position": last_position + 1}
+        for name, value in new.items():
+            self._state[name] = torch.where(active, value, self._state[name]) if name in self._state else value
+        self._state["temperature"] = float(context.temperature or 0.0)
+        self._state["generator"] = context.generator
+
+    @torch.no_grad()
+    def propose(self, num_tokens: int) -> Proposal:
+        """One backbone forward of [anchor, MASK x (S-1)] at pos..pos+S-1, then `draw_block` over its first
+        num_tokens slots."""
+        block_size = self.config.block_size
+        if num_tokens > block_size:
+            raise ValueError(f"propose: {num_tokens} tokens asked for, but a DSpark block of block_size {block_size} "
+                             f"drafts at most {block_size}")
+        if not self._state:
+            raise ValueError("propose() called before begin()")
+        anchor, position = self._state["anchor"], self._state["position"]
+        if num_tokens <= 0:
+            return Proposal(tokens=anchor.new_zeros(anchor.shape[0], 0))
+        h = self._block_embeds(anchor)  # [B, S, D]
+        rope = self.rotary(position.unsqueeze(1) + torch.arange(block_size, device=position.device), h.dtype)
+        h = cached_block_forward(self.layers, self._caches, h, rope)
+        return self.draw_block(self.norm(h[:, :num_tokens]), anchor, self._state["temperature"],
+                               self._state["generator"])
+
+    def draw_block(self, hidden: torch.Tensor, anchor: torch.Tensor, temperature: float = 0.0,
+                   generator: torch.Generator | None = None) -> Proposal:
+        """The sequential stage over post-norm hidden [B, K, D] of slots 0..K-1, the anchors [B] first.
+
+        Slot k: logits = U_k + B_k(x_{k-1}), confidence logit from (h_k, x_{k-1}), then x_k = argmax (temperature 0)
+        or a draw from q_k = softmax(logits / temperature) (returned as probs [B, K, V]).
+        """
+        base = F.linear(hidden, self._target_tensor("lm_head_weight"))  # [B, K, V]
+        state = None if self.markov_head is None else self.markov_head.initial_state(hidden[:, 0])
+        previous = anchor
+        tokens, probs, confidences = [], [], []
+        for k in range(hidden.shape[1]):
+            logits = base[:, k]
+            if self.markov_head is not None:
+                bias, state = self.markov_head.step(self.markov_head.embed(previous), hidden[:, k], state)
+                logits = logits + bias
+            confidence = self.confidence_logits(hidden[:, k], previous)
+            if confidence is not None:
+                confidences.append(confidence)
+            if temperature > 0:
+                q = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+                previous = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+                probs.append(q)
+            else:
+                previous = logits.argmax(dim=-1)
+            tokens.append(previous)
+        temperatures = self.config.confidence_temperatures
+        return Proposal(
+            tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1) if probs else None,
+            confidence_logits=torch.stack(confidences, dim=1) if confidences else None,
+            confidence_temperature=(torch.tensor(temperatures[: len(tokens)], device=hidden.device)
+                                    if temperatures and confidences else None))
+
+    # ---- calibration and persistence -------------------------------------------------------------------------
+    def set_confidence_temperatures(self, temperatures) -> None:
+        """Adopt STS temperatures (one per block slot; () = uncalibrated)."""
+        config = dataclasses.replace(self.config, confidence_temperatures=tuple(float(t) for t in temperatures))
+        check_config(config)
+        self.config = config
+
+    @staticmethod
+    def store_confidence_temperatures(directory: str, temperatures) -> None:
+        """Write STS temperatures into the checkpoint at `directory` (native, speculators or DeepSpec layout)."""
+        export.store_confidence_temperatures(directory, [float(t) for t in temperatures])
+
+    @staticmethod
+    def detect_format(config: Mapping[str, Any]) -> str | None:
+        """"native" for our header, "speculators" / "deepspec" for the export layouts, else None."""
+        if config.get(NATIVE_KIND_KEY) == DSparkDrafter.kind:
+            return "native"
+        return export.detect_format(config)
+
+    def save(self, directory: str, fmt: str = "native") -> None:
+        """Write "native", or a serving layout of drafters/dspark/export.py."""
+        if fmt == "native":
+            super().save(directory, fmt)
+            return
+        if fmt not in export.EXPORT_FORMATS:
+            raise ValueError(f"dspark cannot export format {fmt!r}; it writes: "
+                             f"{', '.join(('native',) + export.EXPORT_FORMATS)}")
+        export.write(self, directory, fmt)
+
+    @classmethod
+    def load(cls, directory: str, target_info: TargetInfo) -> "DSparkDrafter":
+        """Load a native checkpoint or a serving layout (drafters/dspark/export.py) for `target_info`."""
+        with open(os.path.join(directory, "config.json")) as f:
+            header = json.load(f)
+        fmt = cls.detect_format(header)
+        if fmt is None:
+            raise ValueError(f"{directory}: config.json is not a DSpark checkpoint")
+        if fmt == "native":
+            return super().load(directory, target_info)
+        config, state = export.read(directory, header, fmt, target_info)
+        drafter = cls(config, target_info)
+        drafter.load_state_dict(state, strict=True)
+        return drafter

@@ -1,0 +1,152 @@
+"""`draftsmith calibrate DRAFTER --target T --prompts P --out DIR`: fit the temperatures of a drafter's confidence head.
+
+    draftsmith calibrate runs/smollm2_dspark/final --target smollm2-135m-instruct --prompts spec_bench \\
+        --categories translation,summarization,qa,rag --num-prompts 48 --max-new-tokens 96 \\
+        --out runs/smollm2_dspark/calibration
+
+Runs held-out prompts (first turns, chat template) through the engine with every proposal verified in full (k = the
+drafter's longest proposal, no schedule), records per round the confidence logits of the drafts and which prefix
+was accepted, fits Sequential Temperature Scaling (drafters/dspark/calibration.py: one temperature per position,
+in order, each with the earlier ones frozen) and stores the temperatures in the checkpoint (config.json only; the
+weights are untouched). DIR gets calibration.json (per position: ece_before, ece_after, auroc, brier, temperature,
+and the "before" values and reliability bins) and reliability.png (predicted vs observed prefix survival per
+position, before and after). Calibrate at the temperature you serve at (--temperature): acceptance, hence the
+labels, depends on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from drafters import load_drafter
+from drafters.dspark.calibration import NUM_BINS, TEMPERATURE_GRID, calibration_report, check_rounds, fit_sts
+from drafters.files import write_json_atomic
+from inference.eval import _split, check_chat_template, load_prompt_sets, render_prompt
+from inference.generate import speculative_generate
+from inference.target import TargetModel
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith calibrate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("drafter", help="drafter checkpoint directory whose proposals carry confidences (DSpark)")
+    parser.add_argument("--target", required=True, help="target name (smollm2-135m-instruct) or HF model directory")
+    parser.add_argument("--prompts", default="spec_bench", help="comma-separated held-out prompt sets (paths or names)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="questions per prompt set (default: all)")
+    parser.add_argument("--categories", default=None,
+                        help="comma-separated categories to keep (keep the calibration prompts apart from eval's)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature to calibrate for")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--no-chat-template", action="store_true", help="feed the prompts as plain text")
+    parser.add_argument("--out", required=True, help="directory for calibration.json and reliability.png")
+    return parser
+
+
+def collect(target, drafter, prompts: list[list[int]], args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run every prompt; return confidence logits, prefix-acceptance labels and validity, each [rounds, K]."""
+    k = drafter.max_draft_tokens()
+    eos = target.target_info().eos_token_ids
+    logits, labels, valid = [], [], []
+    for start in range(0, len(prompts), args.batch_size):
+        out = speculative_generate(target, drafter, prompts[start: start + args.batch_size], num_draft_tokens=k,
+                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                   seed=args.seed + start, eos_token_ids=eos)
+        for row_logits, row_accepts in zip(out.confidence_logits, out.accept_lengths):
+            if len(row_logits) != len(row_accepts):
+                raise ValueError(f"--drafter {args.drafter!r}: its proposals carry no confidence logits; only a "
+                                 "drafter with a confidence head (DSpark) can be calibrated")
+            for round_logits, accepted in zip(row_logits, row_accepts):
+                n = len(round_logits)
+                logits.append(torch.tensor(round_logits + [0.0] * (k - n), dtype=torch.float64))
+                labels.append(torch.arange(k) < accepted)
+                valid.append(torch.arange(k) < n)
+    if not logits:
+        raise ValueError(f"--drafter {args.drafter!r}: no round carried confidence logits (a drafter without a "
+                         "confidence head cannot be calibrated)")
+    return torch.stack(logits), torch.stack(labels), torch.stack(valid)
+
+
+def plot_reliability(report: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = min(4, len(report))
+    rows = (len(report) + columns - 1) // columns
+    figure, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.4 * rows), squeeze=False)
+    for axis, entry in zip(axes.flat, report):
+        axis.plot([0, 1], [0, 1], "--", color="0.6", linewidth=1)
+        for key, style, label in (("reliability_before", "o:", "before"), ("reliability_after", "o-", "after STS")):
+            bins = entry[key]
+            axis.plot([b["predicted"] for b in bins], [b["observed"] for b in bins], style, markersize=3, label=label)
+        axis.set_title(f"position {entry['position']}: ECE {entry['ece_before']:.3f} -> {entry['ece_after']:.3f}\n"
+                       f"T = {entry['temperature']:.2f}, AUROC {entry['auroc']:.3f}", fontsize=9)
+        axis.set_xlim(0, 1)
+        axis.set_ylim(0, 1)
+        axis.set_xlabel("predicted prefix survival", fontsize=8)
+        axis.set_ylabel("observed", fontsize=8)
+        axis.legend(fontsize=7, loc="upper left")
+    for axis in list(axes.flat)[len(report):]:
+        axis.axis("off")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; bad input is a ValueError that `draftsmith` reports in one line (exit 2)."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
+                        ("--num-prompts", args.num_prompts), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.prompts = _split(args.prompts)
+    args.categories = _split(args.categories) if args.categories else None
+    prompt_sets = load_prompt_sets(args)
+    target = TargetModel.from_pretrained(args.target, dtype=torch.float32)
+    check_chat_template(target.tokenizer, not args.no_chat_template, args.target)
+    drafter = load_drafter(args.drafter, target.target_info())
+    store = getattr(drafter, "store_confidence_temperatures", None)
+    if drafter is None or store is None or drafter.max_draft_tokens() is None:
+        raise ValueError(f"--drafter {args.drafter!r}: not a drafter with a confidence head (DSpark) that stores "
+                         "calibration temperatures")
+    drafter = drafter.eval()
+    prompts = [render_prompt(target.tokenizer, q.turns[:1], [], not args.no_chat_template)
+               for _, questions in prompt_sets for q in questions]
+    logits, labels, valid = collect(target, drafter, prompts, args)
+    check_rounds(valid)
+    temperatures = fit_sts(logits, labels, valid)
+    report = calibration_report(logits, labels, valid, temperatures)
+    os.makedirs(args.out, exist_ok=True)
+    summary = {"drafter": args.drafter, "target": args.target, "temperature": args.temperature,
+               "num_prompts": len(prompts), "rounds": int(valid[:, 0].sum()), "num_bins": NUM_BINS,
+               "temperatures": temperatures, "positions": report}
+    write_json_atomic(os.path.join(args.out, "calibration.json"), summary, indent=2)
+    plot_reliability(report, os.path.join(args.out, "reliability.png"))
+    store(args.drafter, temperatures)
+    print("position  rounds  temperature  ece_before  ece_after  auroc  brier")
+    for entry in report:
+        print(f"{entry['position']:>8}  {entry['rounds']:>6}  {entry['temperature']:>11.3f}"
+              f"  {entry['ece_before']:>10.4f}"
+              f"  {entry['ece_after']:>9.4f}  {entry['auroc']:.3f}  {entry['brier']:.4f}")
+    edges = [e["position"] for e in report if e["temperature"] in (TEMPERATURE_GRID[0], TEMPERATURE_GRID[-1])]
+    if edges:  # temperature scaling rescales logits; it cannot move a confidence that is biased at logit 0
+        print(f"note: positions {edges} hit the edge of the temperature grid ({TEMPERATURE_GRID[0]:g}.."
+              f"{TEMPERATURE_GRID[-1]:g}): their confidences are biased, not merely over- or under-confident")
+    print(f"stored the temperatures in {args.drafter}; wrote {args.out}/calibration.json and reliability.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
