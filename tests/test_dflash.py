@@ -16,13 +16,8 @@ from conftest import make_tiny_model
 from drafters import DRAFTERS, load_drafter
 from drafters.base import DraftContext
 from drafters.dflash import DFlashConfig, DFlashDrafter
-from drafters.dflash.layers import (
-    anchor_candidates,
-    block_attention_mask,
-    decay_gamma,
-    default_layer_ids,
-    sample_anchors,
-)
+from drafters.dflash.anchors import anchor_candidates, block_attention_mask, sample_anchors
+from drafters.dflash.layers import decay_gamma, default_layer_ids
 from drafters.layers import KVCache
 from inference.generate import speculative_generate
 from inference.target import TargetModel

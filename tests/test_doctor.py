@@ -1,8 +1,10 @@
-"""`draftsmith doctor` on the tiny debug target: a good export passes every check, and broken exports (shifted layer
-ids, a missing d2t, a wrong hidden size) fail naming the field; bad input gets one line, never a traceback."""
+"""`draftsmith doctor` on the tiny debug target: a good export passes every check, and broken exports fail naming
+the field (EAGLE-3: shifted layer ids, a missing d2t, a wrong hidden size; DFlash: shifted layer ids, a missing mask
+token, a wrong hidden size, a text token as mask); bad input gets one line, never a traceback."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from inference.eval import render_prompt
 from inference.generate import speculative_generate
@@ -21,14 +24,9 @@ TARGET = "debug:tiny-llama"
 PROMPTS = str(Path(__file__).parent / "data" / "questions_small.jsonl")
 
 
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    """A drafter overfitted (in a few seconds) on the target's own greedy answers to the doctor's prompts, so that
-    its acceptance there is far above random weights; exported in every format."""
-    root = tmp_path_factory.mktemp("doctor")
-    target = TargetModel.from_pretrained(TARGET)
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(Eagle3Config(layer_ids=(1, 2, 3), draft_vocab_size=128, ttt_steps=2), target.target_info())
+def overfit(target: TargetModel, drafter, steps: int):
+    """Train `drafter` (in a few seconds) on the target's own greedy answers to the doctor's prompts, so that its
+    acceptance there is far above random weights."""
     _, questions = load_questions(PROMPTS, num_prompts=5)
     prompts = [render_prompt(target.tokenizer, q.turns[:1], [], True) for q in questions]
     answers = speculative_generate(target, None, prompts, num_draft_tokens=0, max_new_tokens=48).tokens
@@ -41,11 +39,22 @@ def exports(tmp_path_factory):
     batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, "target_hidden": features.hidden,
              "target_last_hidden": features.last_hidden, "target_argmax": features.argmax}
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    for _ in range(40):
-        loss, _ = drafter.loss(drafter(batch), batch)
+    for step in range(steps):
+        loss, _ = drafter.loss(drafter({**batch, "epoch": step}), batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """An overfitted EAGLE-3 drafter exported in every format."""
+    root = tmp_path_factory.mktemp("doctor")
+    target = TargetModel.from_pretrained(TARGET)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(Eagle3Config(layer_ids=(1, 2, 3), draft_vocab_size=128, ttt_steps=2), target.target_info())
+    drafter = overfit(target, drafter, steps=40)
     for fmt in ("native", "speculators", "eagle3", "sglang"):
         drafter.save(str(root / fmt), fmt)
     return root
@@ -138,3 +147,95 @@ def test_bad_input_is_one_line(exports, capsys, argv, message):
     code = main([a.replace("{exports}", str(exports)) for a in argv])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---- DFlash (drafters/dflash/readers.py) -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dflash_exports(tmp_path_factory):
+    """An overfitted DFlash drafter (full vocabulary, block 4) in the z-lab and speculators layouts, and one with a
+    reduced draft vocabulary in the z-lab layout."""
+    root = tmp_path_factory.mktemp("doctor_dflash")
+    target = TargetModel.from_pretrained(TARGET)
+    torch.manual_seed(0)
+    config = DFlashConfig(layer_ids=(1, 2, 3), num_layers=1, block_size=4, num_anchors=256)
+    drafter = overfit(target, DFlashDrafter(config, target.target_info()), steps=40)
+    for fmt in ("dflash", "speculators"):
+        drafter.save(str(root / fmt), fmt)
+    reduced = DFlashDrafter(dataclasses.replace(config, draft_vocab_size=128), target.target_info())
+    reduced.save(str(root / "reduced"), "dflash")
+    return root
+
+
+DFLASH_FIELD_CHECKS = ("layout", "fields", "layer ids", "mask token", "sizes", "draft vocab", "block",
+                       "reader draftsmith", "reader vllm")
+
+
+@pytest.mark.parametrize("fmt", ["dflash", "speculators"])
+def test_dflash_good_export_passes(dflash_exports, capsys, fmt):
+    code, out = doctor(capsys, dflash_exports / fmt)
+    assert code == 0, out
+    readers = ["dflash", "transformers"] if fmt == "dflash" else ["speculators"]
+    for name in DFLASH_FIELD_CHECKS + tuple(f"reader {r}" for r in readers) + ("engine",):
+        assert check_line(out, name).startswith("  PASS"), (name, out)
+    assert "INFO  reader " + ("speculators" if fmt == "dflash" else "dflash") in out
+
+
+def test_dflash_reduced_vocab_warns_for_the_zlab_readers(dflash_exports):
+    target = TargetModel.from_pretrained(TARGET)
+    rows = {row.name: row for row in DFlashDrafter.export_checks(str(dflash_exports / "reduced"),
+                                                                   target.target_info())}
+    assert all(rows[name].status == "pass" for name in DFLASH_FIELD_CHECKS), rows
+    for reader in ("dflash", "transformers"):  # they always use the target's lm_head
+        assert rows[f"reader {reader}"].status == "warn" and "draft_vocab_size: null" in rows[f"reader {reader}"].detail
+
+
+def test_dflash_shifted_layer_ids_fail_naming_the_field(dflash_exports, tmp_path, capsys):
+    def shift(config):  # the classic slip: our ids written where z-lab ids (ours - 1) belong
+        config["dflash_config"]["target_layer_ids"] = config["target_layer_ids"] = [1, 2, 3]
+        return config
+
+    code, out = doctor(capsys, broken_copy(dflash_exports, tmp_path, "dflash", edit_config=shift))
+    assert code == 1
+    line = check_line(out, "layer ids")
+    assert line.startswith("  FAIL") and "dflash_config.target_layer_ids [1, 2, 3] (= our ids [2, 3, 4])" in line
+    assert "disagree with eagle_aux_hidden_state_layer_ids" in line
+    assert check_line(out, "reader draftsmith").startswith("  FAIL") and "disagree" in out
+    for reader in ("dflash", "transformers"):  # they read the shifted z-lab lists: one layer off
+        line = check_line(out, f"reader {reader}")
+        assert line.startswith("  FAIL") and "layer_ids (2, 3, 4) (the file means (1, 2, 3))" in line, line
+    assert check_line(out, "reader vllm").startswith("  PASS")  # it captures eagle_aux_hidden_state_layer_ids
+
+
+def test_dflash_missing_mask_token_fails_naming_the_field(dflash_exports, tmp_path, capsys):
+    def drop(config):
+        del config["dflash_config"]["mask_token_id"], config["mask_token_id"]
+        return config
+
+    code, out = doctor(capsys, broken_copy(dflash_exports, tmp_path, "dflash", edit_config=drop))
+    assert code == 1
+    assert check_line(out, "fields").startswith("  FAIL") and "dflash_config.mask_token_id (the dflash" in out
+    assert check_line(out, "mask token").startswith("  FAIL")
+    assert "has no default mask_token_id" in check_line(out, "reader dflash")
+    assert check_line(out, "reader transformers").startswith("  FAIL") and "mask_token_id 201818" in out
+    assert "Traceback" not in out
+
+
+def test_dflash_wrong_hidden_size_fails(dflash_exports, tmp_path, capsys):
+    def widen(config):
+        config["transformer_layer_config"]["hidden_size"] = 96
+        return config
+
+    code, out = doctor(capsys, broken_copy(dflash_exports, tmp_path, "speculators", edit_config=widen))
+    assert code == 1
+    assert check_line(out, "sizes").startswith("  FAIL") and "hidden_size 96 != the target's 64" in out
+
+
+def test_dflash_text_mask_token_fails(dflash_exports, tmp_path):
+    def text_token(config):
+        config["mask_token_id"] = 65  # a byte the tokenizer uses for text
+        return config
+
+    target = TargetModel.from_pretrained(TARGET)
+    rows = {row.name: row for row in DFlashDrafter.export_checks(
+        str(broken_copy(dflash_exports, tmp_path, "speculators", edit_config=text_token)), target.target_info())}
+    assert rows["mask token"].status == "fail" and "uses for text" in rows["mask token"].detail

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import warnings
 
 import pytest
@@ -20,7 +21,7 @@ from conftest import make_tiny_model
 
 from drafters import DRAFTERS, load_drafter
 from drafters.base import DraftContext
-from drafters.dflash.layers import sample_anchors
+from drafters.dflash.anchors import sample_anchors
 from drafters.dspark import DSparkConfig, DSparkDrafter
 from inference.generate import speculative_generate
 from inference.schedule import PrefixScheduler, StaticThreshold, VerifyCost, profile_verify_cost
@@ -404,6 +405,36 @@ def test_exports_load_back_with_identical_logits_and_temperatures(tmp_path, fmt)
     with torch.no_grad():
         mine, theirs = drafter(batch), loaded(batch)
     torch.testing.assert_close(theirs.logits, mine.logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "deepspec"])
+def test_doctor_checks_pass_a_good_export_and_name_the_broken_field(tmp_path, fmt):
+    """`draftsmith doctor`'s format checks (drafters/dspark/readers.py, the backbone's from drafters/dflash/checks.py):
+    every check of a fresh export passes (the tiny target has no tokenizer, so the mask row is only reported); ids
+    shifted by one in the file's own convention, a head the fields disown and a missing mask token each fail."""
+    target = TargetModel(make_tiny_model(num_layers=4, dtype=torch.float32), name_or_path="tiny-llama")
+    make_drafter(target, markov_head_type="gated").float().save(str(tmp_path / "good"), fmt)
+
+    def checks(directory):
+        return {row.name: row for row in DSparkDrafter.export_checks(str(directory), target.target_info())}
+
+    good = checks(tmp_path / "good")
+    assert {name: row.status for name, row in good.items()} == {
+        "layout": "pass", "fields": "pass", "layer ids": "pass", "mask token": "info", "sizes": "pass",
+        "block": "pass", "heads": "pass", "reader draftsmith": "pass"}, good
+    ids_field = "aux_hidden_state_layer_ids" if fmt == "speculators" else "target_layer_ids"
+    config = json.loads((tmp_path / "good" / "config.json").read_text())
+    config[ids_field] = [i + 1 for i in config[ids_field]]
+    config["markov_rank"] = 0
+    del config["mask_token_id"]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(config))
+    shutil.copy(tmp_path / "good" / "model.safetensors", tmp_path / "bad" / "model.safetensors")
+    bad = checks(tmp_path / "bad")
+    assert bad["layer ids"].status == "fail" and f"{ids_field} {config[ids_field]}" in bad["layer ids"].detail
+    assert bad["heads"].status == "fail" and "markov_head.markov_w1.weight" in bad["heads"].detail
+    assert bad["fields"].status == "fail" and "mask_token_id" in bad["fields"].detail
+    assert bad["mask token"].status == "fail" and bad["reader draftsmith"].status == "fail"
 
 
 def test_bad_input_names_the_field():

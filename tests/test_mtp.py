@@ -400,3 +400,29 @@ def test_fp8_mtp_weights_are_refused(native, tmp_path):
     info = dataclasses.replace(load_target(directory).target_info(), name_or_path=str(tmp_path / "fp8"))
     with pytest.raises(ValueError, match="FP8-quantised"):
         MTPDrafter.from_target(info)
+
+
+def test_doctor_checks_of_the_speculators_layout(tmp_path):
+    """`draftsmith doctor`'s format checks (drafters/mtp/readers.py): a good export passes; a verifier config of
+    another size and a missing module tensor fail naming the field."""
+    target = TargetModel(make_tiny_model("llama", num_layers=2, dtype=torch.float32), name_or_path="tiny-llama")
+    torch.manual_seed(0)
+    MTPDrafter(MTPConfig(layout="speculators", reuse=True, num_steps=2), target.target_info()).save(
+        str(tmp_path / "good"), "speculators")
+
+    def checks(directory):
+        return {row.name: row for row in MTPDrafter.export_checks(str(directory), target.target_info())}
+
+    good = checks(tmp_path / "good")
+    assert [row.status for row in good.values()] == ["pass"] * 4, good
+    config = json.loads((tmp_path / "good" / "config.json").read_text())
+    config["transformer_layer_config"]["hidden_size"] = 48
+    tensors = load_file(str(tmp_path / "good" / "model.safetensors"))
+    del tensors["mtp_layers.0.token_layernorm.weight"]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(tmp_path / "bad" / "model.safetensors"))
+    bad = checks(tmp_path / "bad")
+    assert bad["sizes"].status == "fail" and "transformer_layer_config.hidden_size 48 != the target's 64" in \
+        bad["sizes"].detail and "mtp_layers.0.token_layernorm.weight has shape None" in bad["sizes"].detail
+    assert bad["reader draftsmith"].status == "fail"

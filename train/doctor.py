@@ -3,16 +3,19 @@
     draftsmith doctor runs/smollm2_eagle3/speculators --target smollm2-135m-instruct
 
 Two kinds of checks, each printed as PASS / FAIL / WARN / INFO with what to fix:
-1. The format checks the drafter's kind provides (`export_checks(directory, target_info)` on its registered class,
-   e.g. drafters/eagle3/readers.py): required fields present and explicit, layer ids in range, sorted and unique,
-   sizes and vocabulary matching the target, and which servers load the file correctly and which would misread it.
+1. The format checks the drafter's kind provides (`export_checks(directory, target_info)` on its registered class:
+   drafters/eagle3/readers.py, drafters/dflash/readers.py, drafters/dspark/readers.py, drafters/mtp/readers.py):
+   required fields present and explicit, layer ids in range, sorted, unique and the same in every place a reader
+   looks, the mask token (block drafters), sizes and vocabulary matching the target, and which readers load the
+   file correctly and which would misread it.
 2. An engine check, the same for every kind: five prompts (rendered with the target's chat template exactly as
    `draftsmith eval` does) decoded greedily through our engine with the checkpoint, and again with a copy of the
    drafter whose weights are re-initialised at random (`reset_parameters` on every module that has it). The bar:
    the checkpoint's first-position acceptance must beat the random copy's by at least 0.10 and by three standard
    errors of the difference (a two-proportion z of 3), i.e. clearly above what a drafter that learned nothing
-   gets on the same prompts. The per-position acceptance (unconditional: rounds whose first j drafts were all
-   accepted / rounds) and tau = 1 + accepted / rounds are printed for both.
+   gets on the same prompts. k is capped at the drafter's longest proposal (a DFlash block of 4 drafts 3). The
+   per-position acceptance (unconditional: rounds whose first j drafts were all accepted / rounds) and
+   tau = 1 + accepted / rounds are printed for both.
 
 Exit status: 0 when nothing failed, 1 when a check failed, 2 for bad input (one line naming the field).
 """
@@ -109,8 +112,9 @@ def run(args) -> int:
     except ValueError as err:
         rows.append(("engine", "fail", f"our engine cannot load it: {err}"))
     else:
-        trained = acceptance(target, drafter, prompts, args.num_draft_tokens, args.max_new_tokens)
-        random = acceptance(target, randomised(drafter), prompts, args.num_draft_tokens, args.max_new_tokens)
+        k = min(args.num_draft_tokens, drafter.max_draft_tokens() or args.num_draft_tokens)
+        trained = acceptance(target, drafter, prompts, k, args.max_new_tokens)
+        random = acceptance(target, randomised(drafter), prompts, k, args.max_new_tokens)
         rows.append(("engine", *engine_check(trained, random)))
     width = max(len(name) for name, _, _ in rows)
     for name, status, detail in rows:

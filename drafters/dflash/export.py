@@ -96,7 +96,8 @@ def _draft_vocab_size(drafter) -> int:
     return int(state["lm_head.weight"].shape[0]) if "lm_head.weight" in state else drafter.target_info.vocab_size
 
 
-def _dtype_name(drafter) -> str:
+def dtype_name(drafter) -> str:
+    """The drafter's weight dtype as config.json spells it ("float32", "bfloat16")."""
     return str(drafter.fc.weight.dtype).removeprefix("torch.")
 
 
@@ -126,7 +127,7 @@ def dflash_config(drafter) -> dict[str, Any]:
         "draft_vocab_size": _draft_vocab_size(drafter),
         "vocab_size": info.vocab_size,
         "tie_word_embeddings": False,
-        "torch_dtype": _dtype_name(drafter),
+        "torch_dtype": dtype_name(drafter),
         _OURS: _ours(drafter),
     }
 
@@ -153,7 +154,7 @@ def speculators_config(drafter) -> dict[str, Any]:
         "mask_token_id": int(drafter.mask_token_id),
         "sliding_window_non_causal": False,
         "sample_from_anchor": False,
-        "torch_dtype": _dtype_name(drafter),
+        "torch_dtype": dtype_name(drafter),
         "tie_word_embeddings": False,
         "speculators_config": {
             "algorithm": "dflash",
@@ -181,7 +182,7 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
     else:
         raise ValueError(f"{directory}: unknown DFlash checkpoint format {fmt!r}; known: {', '.join(EXPORT_FORMATS)}")
     check_target_match(target_info, layer.get("hidden_size"), layer.get("vocab_size"), directory)
-    _check_supported(directory, header, layer)
+    check_supported(directory, header, layer)
     if not 0 <= mask_token_id < target_info.vocab_size:
         raise ValueError(f"{directory}: mask_token_id {mask_token_id} is outside the target vocabulary "
                          f"[0, {target_info.vocab_size})")
@@ -212,7 +213,7 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
         head_dim=int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
         rope_theta=float(rope["rope_theta"]),
     )
-    _check_layer_shapes(directory, layer, config, target_info)
+    check_layer_shapes(directory, layer, config, target_info)
     return config, state
 
 
@@ -289,8 +290,9 @@ def _check_ids(directory, field, written, ours, num_layers, offset):
                          f"(allowed {low}..{high} in this file's convention)")
 
 
-def _check_supported(directory, header, layer) -> None:
-    """Refuse what draftsmith's DFlash (full, non-causal Qwen3 attention; plain logits) does not implement."""
+def check_supported(directory, header, layer) -> None:
+    """Refuse what draftsmith's DFlash backbone (full, non-causal Qwen3 attention; plain logits) does not implement
+    (DSpark's export reads with it too)."""
     nested = header.get("dflash_config") or {}
     architectures = [str(a) for a in header.get("architectures") or ()]
     known = ("DFlashDraftModel", "DFlashSpeculator")
@@ -314,7 +316,7 @@ def _check_supported(directory, header, layer) -> None:
         raise ValueError(f"{directory}: hidden_act {layer.get('hidden_act')!r} is not supported (silu)")
 
 
-def _check_layer_shapes(directory, layer, config: DFlashConfig, target_info: TargetInfo) -> None:
+def check_layer_shapes(directory, layer, config: DFlashConfig, target_info: TargetInfo) -> None:
     """What DFlashConfig cannot express must equal what draftsmith derives from the target (norm eps, RoPE type)."""
     from drafters.dflash.layers import draft_layer_config
 
@@ -330,6 +332,15 @@ def _check_layer_shapes(directory, layer, config: DFlashConfig, target_info: Tar
                          "draftsmith's DFlash layers mirror the target's RoPE scaling")
 
 
+def load_weights(directory: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors files, without a "model." prefix (DSpark's export reads with it
+    too)."""
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{directory}: no .safetensors weights found")
+    return {name.removeprefix("model."): tensor for path in files for name, tensor in load_file(path).items()}
+
+
 def _read_tensors(directory: str, vocab_size: int) -> dict[str, torch.Tensor]:
     """All safetensors files of the directory, renamed to DFlashDrafter's state-dict names.
 
@@ -337,16 +348,7 @@ def _read_tensors(directory: str, vocab_size: int) -> dict[str, torch.Tensor]:
     (a full-vocabulary one, e.g. the verifier copy older speculators versions wrote, gives the same logits); d2t / t2d
     are rebuilt when missing (identity for a full-vocabulary head).
     """
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not files:
-        raise ValueError(f"{directory}: no .safetensors weights found")
-    state: dict[str, torch.Tensor] = {}
-    for path in files:
-        for name, tensor in load_file(path).items():
-            name = name.removeprefix("model.")
-            if name in _DROPPED_WEIGHTS:
-                continue
-            state[name] = tensor
+    state = {name: t for name, t in load_weights(directory).items() if name not in _DROPPED_WEIGHTS}
     head = state.get("lm_head.weight")
     if head is None:  # the target's full-vocabulary head
         for name in ("d2t", "t2d"):

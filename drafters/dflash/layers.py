@@ -5,9 +5,10 @@ Reference: algorithms_dflash_dspark.md section 1.1-1.3 (DFlash, Chen et al. 2026
   (`resolve_layer_ids`, `resolve_mask_token_id`, `decay_gamma`, `draft_layer_config`);
 - the context projection `fuse_context` (concat of the target features -> fc -> hidden_norm = context c);
 - `DFlashDecoderLayer`, a Qwen3-style pre-norm decoder layer whose keys/values also read the context ("KV
-  injection": context and block tokens go through the SAME k/v projections, concatenated along the sequence);
-- `block_forward`, the training-time backbone over all blocks of a row at once;
-- `block_attention_mask` and `sample_anchors`;
+  injection": context and block tokens go through the SAME k/v projections, concatenated along the sequence), and
+  `backbone_modules`, the modules a drafter on this backbone holds;
+- `block_forward` / `anchored_blocks`, the training-time backbone over all blocks of a row at once (where the blocks
+  sit, the anchors, the mask and the supervised cells: drafters/dflash/anchors.py), and `block_embeddings`;
 - the inference-time context caches: `new_context_caches`, `absorb_context` (project verified tokens' features into
   every layer's cache) and `cached_block_forward` (one block against the caches, its own keys/values dropped), so
   that a drafter on this backbone (DSpark) drafts with them instead of re-implementing them.
@@ -35,10 +36,21 @@ from dataclasses import dataclass
 from typing import Literal, Any, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import TargetInfo
-from drafters.layers import KVCache, RMSNorm, SwiGLU, apply_rope, attention, rope_parameters
+from drafters.base import DraftContext, TargetInfo
+from drafters.dflash.anchors import block_attention_mask, block_positions
+from drafters.layers import (
+    KVCache,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    apply_rope,
+    attention,
+    rope_inverse_frequencies,
+    rope_parameters,
+)
 
 PUBLISHED_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # paper A.1, Eq. 4
 NUM_DEFAULT_LAYER_IDS = 5
@@ -257,6 +269,16 @@ class DFlashDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def backbone_modules(layer_config: Mapping[str, Any], num_features: int,
+                     num_layers: int) -> tuple[nn.Linear, RMSNorm, nn.ModuleList, RMSNorm, RotaryEmbedding]:
+    """fc (num_features target features -> D), hidden_norm, the draft layers, the final norm and their RoPE, in the
+    order a drafter assigns them (so its parameter names, the ones every layout stores, and its seeded init stay)."""
+    hidden, eps = layer_config["hidden_size"], layer_config["rms_norm_eps"]
+    return (nn.Linear(num_features * hidden, hidden, bias=False), RMSNorm(hidden, eps),
+            nn.ModuleList(DFlashDecoderLayer(layer_config) for _ in range(num_layers)), RMSNorm(hidden, eps),
+            RotaryEmbedding(*rope_inverse_frequencies(layer_config)))
+
+
 def block_forward(layers, h: torch.Tensor, context: torch.Tensor, block_rope, context_rope,
                   mask: torch.Tensor) -> torch.Tensor:
     """All draft layers over the block stream h [B, n, D], every query seeing [context keys ; block keys] by `mask`.
@@ -276,84 +298,43 @@ def block_forward(layers, h: torch.Tensor, context: torch.Tensor, block_rope, co
     return h
 
 
-def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """anchors [B, A] -> positions [B, A * S] of every block slot (slot j of the block at a sits at a + j)."""
-    slots = torch.arange(block_size, device=anchors.device)
-    return (anchors.unsqueeze(-1) + slots).flatten(1)
-
-
-def block_attention_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_valid: torch.Tensor,
-                         block_size: int) -> torch.Tensor:
-    """The training mask over keys [T context ; A * S block slots] (section 1.2, step 4).
-
-    A query of a kept block at anchor a sees context keys j < a (strictly: the anchor's own target feature does not
-    exist yet at inference) where context_valid holds, and every slot of its own block (bidirectional); nothing of
-    other blocks. A padding block (anchor_valid False) sees its own block only, so no row is empty.
+def anchored_blocks(layers, rotary, context: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
+                    anchor_valid: torch.Tensor, context_valid: torch.Tensor) -> torch.Tensor:
+    """Every block of every row through the draft layers in one forward (training; mask: anchors.block_attention_mask).
 
     Args:
-        anchors: [B, A] positions; anchor_valid: [B, A] bool; context_valid: [B, T] bool (attention mask).
+        layers: DFlashDecoderLayer modules; rotary: their RotaryEmbedding. context: [B, T, D] fused target features.
+        block_embeds: [B, A, S, D] the block inputs [x_a, MASK x (S-1)]; anchors, anchor_valid: [B, A];
+        context_valid: [B, T] bool.
     Returns:
-        [B, 1, A * S, T + A * S] bool, True = may attend.
+        [B, A, S, D] pre-norm block states.
     """
-    batch, num_anchors = anchors.shape
-    seq_len = context_valid.shape[1]
-    device = anchors.device
-    columns = torch.arange(seq_len, device=device)
-    context = (columns < anchors.unsqueeze(-1)) & context_valid.unsqueeze(1) & anchor_valid.unsqueeze(-1)  # [B, A, T]
-    context = context.repeat_interleave(block_size, dim=1)  # [B, A*S, T]
-    block_of = torch.arange(num_anchors, device=device).repeat_interleave(block_size)  # [A*S]
-    own = (block_of.unsqueeze(1) == block_of.unsqueeze(0)).expand(batch, -1, -1)  # [B, A*S, A*S]
-    return torch.cat([context, own], dim=-1).unsqueeze(1)
+    batch_size, num_anchors, block_size, _ = block_embeds.shape
+    seq_len = context.shape[1]
+    h = block_embeds.flatten(1, 2)  # [B, A*S, D]
+    context_positions = torch.arange(seq_len, device=context.device).expand(batch_size, seq_len)
+    block_rope = rotary(block_positions(anchors, block_size), h.dtype)
+    context_rope = rotary(context_positions, h.dtype)
+    mask = block_attention_mask(anchors, anchor_valid, context_valid, block_size)
+    h = block_forward(layers, h, context, block_rope, context_rope, mask)
+    return h.view(batch_size, num_anchors, block_size, -1)
 
 
-def anchor_candidates(attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool: positions a where attention_mask and loss_mask hold at a and at a + 1 (section 1.2, step 2)."""
-    usable = attention_mask.bool() & loss_mask.bool()
-    candidates = torch.zeros_like(usable)
-    candidates[:, :-1] = usable[:, :-1] & usable[:, 1:]
-    return candidates
-
-
-def anchor_seed(seed: int, epoch: int, sample_index: int) -> int:
-    """The generator seed of one sequence's anchors in one epoch (a pure function: resume and any process split
-    draw the same anchors)."""
-    return ((int(seed) * 1_000_003 + int(epoch)) * 1_000_033 + int(sample_index)) % (2**63 - 1)
-
-
-def sample_anchors(attention_mask: torch.Tensor, loss_mask: torch.Tensor, num_anchors: int, *, seed: int = 0,
-                   epoch: int = 0, sample_index=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to num_anchors anchors per row, uniform without replacement among `anchor_candidates`, sorted.
-
-    Row b draws from a CPU generator seeded by anchor_seed(seed, epoch, sample_index[b]) (sample_index defaults to the
-    row number). A row with fewer candidates takes all of them; rows are padded to a common A (at least 1) with
-    anchor 0 marked invalid.
-
-    Returns:
-        anchors [B, A] long and anchor_valid [B, A] bool, on the device of the masks.
-    """
-    candidates = anchor_candidates(attention_mask, loss_mask).cpu()
-    batch = candidates.shape[0]
-    indices = range(batch) if sample_index is None else [int(i) for i in sample_index]
-    chosen = []
-    for row, index in zip(range(batch), indices):
-        positions = candidates[row].nonzero().flatten()
-        generator = torch.Generator().manual_seed(anchor_seed(seed, epoch, index))
-        pick = torch.randperm(positions.numel(), generator=generator)[:num_anchors]
-        chosen.append(positions[pick].sort().values)
-    width = max(1, max(c.numel() for c in chosen))
-    anchors = torch.zeros(batch, width, dtype=torch.long)
-    valid = torch.zeros(batch, width, dtype=torch.bool)
-    for row, positions in enumerate(chosen):
-        anchors[row, : positions.numel()] = positions
-        valid[row, : positions.numel()] = True
-    return anchors.to(attention_mask.device), valid.to(attention_mask.device)
+def block_embeddings(anchor_tokens: torch.Tensor, block_size: int, mask_token_id: int,
+                     embed_weight: torch.Tensor) -> torch.Tensor:
+    """anchor_tokens [...] -> embeddings [..., S, D] of the blocks [x_a, MASK x (S-1)] (the target's embedding)."""
+    tokens = anchor_tokens.new_full((*anchor_tokens.shape, block_size), mask_token_id)
+    tokens[..., 0] = anchor_tokens
+    return F.embedding(tokens, embed_weight)
 
 
 # ---- inference: per-layer caches of the projected context ----------------------------------------------------------
-def new_context_caches(layers, batch: int, device, dtype, capacity: int) -> list[KVCache]:
-    """One empty KVCache per draft layer, sized for `capacity` columns (it grows when needed)."""
-    return [KVCache(batch, layer.self_attn.num_kv_heads, layer.self_attn.head_dim, device, dtype, capacity=capacity)
-            for layer in layers]
+def new_context_caches(layers, context: DraftContext, weight: torch.Tensor, block_size: int) -> list[KVCache]:
+    """One empty KVCache per draft layer for the rows of `context` (the prompt's), on `weight`'s device and dtype,
+    with room for the prompt and four blocks (it grows when needed)."""
+    batch, seq_len = context.input_ids.shape
+    return [KVCache(batch, layer.self_attn.num_kv_heads, layer.self_attn.head_dim, weight.device, weight.dtype,
+                    capacity=seq_len + 4 * block_size) for layer in layers]
 
 
 def absorb_context(layers, caches: list[KVCache], context: torch.Tensor, rope, valid: torch.Tensor) -> None:
@@ -383,3 +364,22 @@ def cached_block_forward(layers, caches: list[KVCache], h: torch.Tensor, rope) -
         h = layer.finish(h, attention(q, keys, values, mask[:, None, None, :]))
         cache.rewind()
     return h
+
+
+def committed_rows(num_accepted: torch.Tensor, context: DraftContext) -> torch.Tensor:
+    """[B] bool: the rows a verify forward extended (a finished row has no valid position). Each must mark exactly
+    num_accepted + 1 positions valid (the previous anchor and its accepted drafts)."""
+    num_valid = context.valid.sum(dim=1)
+    active = num_valid > 0
+    if bool((active & (num_valid != num_accepted.to(num_valid.device) + 1)).any()):
+        raise ValueError("commit: context.valid must mark exactly num_accepted + 1 positions of each active row")
+    return active
+
+
+def advance_anchors(state: dict[str, torch.Tensor], context: DraftContext, active: torch.Tensor | None) -> None:
+    """Set state["anchor"] [B] to the token the target emitted last (in no cache yet) and state["position"] [B] to
+    its position, for the active rows [B] (None or a first call: all rows)."""
+    last_position = context.position_ids.masked_fill(~context.valid, -1).amax(dim=1)
+    new = {"anchor": context.next_tokens.to(last_position.device), "position": last_position + 1}
+    for name, value in new.items():
+        state[name] = value if active is None or name not in state else torch.where(active, value, state[name])

@@ -9,10 +9,10 @@ discarded. So one drafter forward proposes S-1 tokens.
 
 - Training (`forward`): `num_anchors` anchors per sequence, uniform without replacement among positions whose
   token and next token are both loss tokens, redrawn every epoch from (seed, epoch, sample index); all blocks of a
-  row run in one forward against the full-sequence context (mask in layers.block_attention_mask). `block_logits`
+  row run in one forward against the full-sequence context (mask in anchors.block_attention_mask). `block_logits`
   does the same for given anchors. DraftOutput: one row per kept anchor, depth d = slot d + 1, label position
-  a + 1 + d. `loss`: hard-label cross-entropy on the data tokens (or the target's greedy tokens), weighted exp(-d / gamma) (paper Eq. 4, d = k-1),
-  normalised by the weight sum over all processes (losses.global_mean).
+  a + 1 + d. `loss`: hard-label cross-entropy on the data tokens (or the target's greedy tokens), weighted
+  exp(-d / gamma) (paper Eq. 4, d = k-1), normalised by the weight sum over all processes (losses.global_mean).
 - Inference: per-layer caches of the projected context keys/values (k_norm and RoPE applied) of verified tokens only.
   `begin` projects the prompt; `propose(k)` runs ONE forward of the full block [bonus, MASK...] (always S slots, as
   trained) and returns the argmax of slots 1..k with probs None: the engine verifies argmax drafts as one-hot q,
@@ -26,7 +26,8 @@ discarded. So one drafter forward proposes S-1 tokens.
   loss is about 60 nats instead of about ln V.
 - Persistence: native (config.json with draftsmith_kind + model.safetensors); the resolved layer ids and mask token
   id are written into the saved config, so a checkpoint names them explicitly. Serving layouts (z-lab,
-  speculators) live in drafters/dflash/export.py when present; `save` / `load` delegate to it.
+  speculators) live in drafters/dflash/export.py; `save` / `load` delegate to it, and `export_checks`
+  (drafters/dflash/readers.py, `draftsmith doctor`) says which readers load an export correctly.
 
 Parameter names (fixed: the export reads them): fc.weight, hidden_norm.weight, norm.weight,
 layers.{i}.{input_layernorm,post_attention_layernorm}.weight, layers.{i}.self_attn.{q,k,v,o}_proj.weight,
@@ -39,8 +40,6 @@ Shapes: B batch, T sequence, D hidden, A anchors per row, S block size, N kept a
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import json
 import os
 from typing import Any, Mapping
@@ -49,33 +48,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.dflash import export, readers
+from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.layers import (
     DFlashConfig,
-    DFlashDecoderLayer,
-    block_attention_mask,
-    block_forward,
-    block_positions,
+    absorb_context,
+    advance_anchors,
+    anchored_blocks,
+    backbone_modules,
+    block_embeddings,
+    cached_block_forward,
     check_config,
+    committed_rows,
     decay_gamma,
     draft_layer_config,
     fuse_context,
+    new_context_caches,
     resolve_layer_ids,
     resolve_mask_token_id,
-    sample_anchors,
 )
-from drafters.layers import KVCache, RMSNorm, RotaryEmbedding, attention, rope_inverse_frequencies
+from drafters.layers import KVCache
 from drafters.losses import global_mean, output_metrics
 from drafters.vocab import DraftVocab
-
-_EXPORT_MODULE = "drafters.dflash.export"
-
-
-def _export_module():
-    """drafters.dflash.export (the serving layouts) when it exists, else None (native only)."""
-    if importlib.util.find_spec(_EXPORT_MODULE) is None:
-        return None
-    return importlib.import_module(_EXPORT_MODULE)
 
 
 class DFlashDrafter(Drafter):
@@ -92,12 +87,9 @@ class DFlashDrafter(Drafter):
         # The drafter's own copy names the resolved ids, so checkpoints carry them explicitly.
         self.config = dataclasses.replace(config, layer_ids=self.layer_ids, mask_token_id=self.mask_token_id)
         self.layer_config = draft_layer_config(config, target_info)
-        hidden, eps = target_info.hidden_size, self.layer_config["rms_norm_eps"]
-        self.fc = nn.Linear(len(self.layer_ids) * hidden, hidden, bias=False)
-        self.hidden_norm = RMSNorm(hidden, eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(self.layer_config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(hidden, eps)
-        self.rotary = RotaryEmbedding(*rope_inverse_frequencies(self.layer_config))
+        hidden = target_info.hidden_size
+        self.fc, self.hidden_norm, self.layers, self.norm, self.rotary = backbone_modules(
+            self.layer_config, len(self.layer_ids), config.num_layers)  # the final norm starts at ones (module doc)
         self.lm_head: nn.Linear | None = None
         if config.draft_vocab_size is not None:
             self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
@@ -160,17 +152,13 @@ class DFlashDrafter(Drafter):
 
     def _block_embeds(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """anchor_tokens [...] -> embeddings [..., S, D] of the blocks [x_a, MASK x (S-1)]."""
-        tokens = anchor_tokens.new_full((*anchor_tokens.shape, self.config.block_size), self.mask_token_id)
-        tokens[..., 0] = anchor_tokens
-        return F.embedding(tokens, self._target_tensor("embed_weight"))
+        return block_embeddings(anchor_tokens, self.config.block_size, self.mask_token_id,
+                                self._target_tensor("embed_weight"))
 
     # ---- training ------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Any]) -> DraftOutput:
-        """Sample this epoch's anchors (layers.sample_anchors) and run `block_logits` on them."""
-        anchors, anchor_valid = sample_anchors(
-            batch["attention_mask"], batch["loss_mask"], self.config.num_anchors, seed=int(batch.get("seed", 0)),
-            epoch=int(batch.get("epoch", 0)), sample_index=batch.get("sample_index"))
-        return self.block_logits(batch, anchors, anchor_valid)
+        """Sample this epoch's anchors (anchors.sample_anchors) and run `block_logits` on them."""
+        return self.block_logits(batch, *batch_anchors(batch, self.config.num_anchors))
 
     def block_logits(self, batch: Mapping[str, Any], anchors: torch.Tensor,
                      anchor_valid: torch.Tensor | None = None) -> DraftOutput:
@@ -185,29 +173,17 @@ class DFlashDrafter(Drafter):
             [N, S-1] (label inside the sequence, a real loss token, and inside the draft vocabulary when it is
             reduced), draft_ids.
         """
-        input_ids, real = batch["input_ids"], batch["attention_mask"].bool()
-        batch_size, seq_len = input_ids.shape
-        block_size = self.config.block_size
+        input_ids = batch["input_ids"]
         anchors = anchors.to(input_ids.device)
         anchor_valid = torch.ones_like(anchors, dtype=torch.bool) if anchor_valid is None else anchor_valid.bool()
-        num_anchors = anchors.shape[1]
         context = fuse_context(batch["target_hidden"], self.layer_ids, self.fc, self.hidden_norm)  # [B, T, D]
-        h = self._block_embeds(input_ids.gather(1, anchors)).flatten(1, 2)  # [B, A*S, D]
-        context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch_size, seq_len)
-        block_rope = self.rotary(block_positions(anchors, block_size), h.dtype)
-        context_rope = self.rotary(context_positions, h.dtype)
-        mask = block_attention_mask(anchors, anchor_valid, real, block_size)
-        h = block_forward(self.layers, h, context, block_rope, context_rope, mask)
-        h = h.view(batch_size, num_anchors, block_size, -1)
-        rows, columns = anchor_valid.nonzero(as_tuple=True)
+        h = anchored_blocks(self.layers, self.rotary, context, self._block_embeds(input_ids.gather(1, anchors)),
+                            anchors, anchor_valid, batch["attention_mask"].bool())  # [B, A, S, D]
+        rows, columns, label_position, depth_valid = block_cells(
+            anchors, anchor_valid, self.config.block_size - 1, batch["attention_mask"], batch["loss_mask"])
         logits = self._logits(h[rows, columns, 1:])  # [N, S-1, V_d]: slots 1..S-1 only
-        depth = torch.arange(block_size - 1, device=input_ids.device)
-        unclamped = anchors[rows, columns].unsqueeze(1) + 1 + depth  # [N, S-1]
-        label_position = unclamped.clamp(max=seq_len - 1)  # cells past the end stay indexable (and invalid)
-        row_index = rows.unsqueeze(1).expand_as(label_position)
-        loss_mask = batch["loss_mask"].bool()
-        depth_valid = (unclamped < seq_len) & real[row_index, label_position] & loss_mask[row_index, label_position]
         if self.lm_head is not None:
+            row_index = rows.unsqueeze(1).expand_as(label_position)
             depth_valid &= self.t2d[self._labels(batch, row_index, label_position)]
         return DraftOutput(logits=logits, batch_index=rows, label_position=label_position, depth_valid=depth_valid,
                            draft_ids=self.draft_ids())
@@ -249,15 +225,9 @@ class DFlashDrafter(Drafter):
     def begin(self, context: DraftContext) -> None:
         """Project the valid prompt positions into the context caches; the target's next token is the first
         anchor (the bonus: it has no target feature until the next verify forward)."""
-        batch, seq_len = context.input_ids.shape
-        weight = self.fc.weight
-        self._caches = [
-            KVCache(batch, layer.self_attn.num_kv_heads, layer.self_attn.head_dim, weight.device, weight.dtype,
-                    capacity=seq_len + 4 * self.config.block_size)
-            for layer in self.layers
-        ]
+        self._caches = new_context_caches(self.layers, context, self.fc.weight, self.config.block_size)
         self._state = {}
-        self._absorb(context, torch.ones(batch, dtype=torch.bool, device=context.valid.device))
+        self._absorb(context, None)
 
     @torch.no_grad()
     def commit(self, num_accepted: torch.Tensor, context: DraftContext) -> None:
@@ -265,24 +235,14 @@ class DFlashDrafter(Drafter):
         positions (none for a finished row). Their features join the context; the new bonus is next_tokens."""
         if not self._caches:
             raise ValueError("commit() called before begin()")
-        num_valid = context.valid.sum(dim=1)
-        active = num_valid > 0
-        if bool((active & (num_valid != num_accepted.to(num_valid.device) + 1)).any()):
-            raise ValueError("commit: context.valid must mark exactly num_accepted + 1 positions of each active row")
-        self._absorb(context, active)
+        self._absorb(context, committed_rows(num_accepted, context))
 
-    def _absorb(self, context: DraftContext, active: torch.Tensor) -> None:
-        """Append the projected context K/V of context.valid positions; update the bonus token and its position."""
-        context_features = fuse_context(context.hidden, self.layer_ids, self.fc, self.hidden_norm)
-        cos, sin = self.rotary(context.position_ids, context_features.dtype)
-        for layer, cache in zip(self.layers, self._caches):
-            k, v = layer.context_kv(context_features, cos, sin)
-            cache.append(k, v, context.valid)
-            cache.mark()
-        last_position = context.position_ids.masked_fill(~context.valid, -1).amax(dim=1)
-        new = {"bonus": context.next_tokens.to(last_position.device), "position": last_position + 1}
-        for name, value in new.items():
-            self._state[name] = torch.where(active, value, self._state[name]) if name in self._state else value
+    def _absorb(self, context: DraftContext, active: torch.Tensor | None) -> None:
+        """Append the projected context K/V of context.valid positions; the bonus token becomes the next anchor."""
+        features = fuse_context(context.hidden, self.layer_ids, self.fc, self.hidden_norm)
+        absorb_context(self.layers, self._caches, features, self.rotary(context.position_ids, features.dtype),
+                       context.valid)
+        advance_anchors(self._state, context, active)
 
     @torch.no_grad()
     def propose(self, num_tokens: int) -> Proposal:
@@ -294,22 +254,12 @@ class DFlashDrafter(Drafter):
                              f"drafts at most {block_size - 1}")
         if not self._state:
             raise ValueError("propose() called before begin()")
-        bonus, position = self._state["bonus"], self._state["position"]
-        batch = bonus.shape[0]
+        bonus, position = self._state["anchor"], self._state["position"]
         if num_tokens <= 0:
-            return Proposal(tokens=bonus.new_zeros(batch, 0))
+            return Proposal(tokens=bonus.new_zeros(bonus.shape[0], 0))
         h = self._block_embeds(bonus)  # [B, S, D]
-        cos, sin = self.rotary(position.unsqueeze(1) + torch.arange(block_size, device=position.device), h.dtype)
-        slots_valid = torch.ones(batch, block_size, dtype=torch.bool, device=h.device)
-        for layer, cache in zip(self.layers, self._caches):
-            q, k, v = layer.block_qkv(h, cos, sin)
-            block_end = cache.lengths + block_size
-            keys, values, _ = cache.append(k, v, slots_valid)
-            # The row's committed context (holes stay hidden) and its whole block, bidirectionally.
-            columns = torch.arange(keys.shape[2], device=h.device)
-            mask = cache.valid[:, : keys.shape[2]] & (columns < block_end.unsqueeze(1))
-            h = layer.finish(h, attention(q, keys, values, mask[:, None, None, :]))
-            cache.rewind()  # block keys/values are never kept
+        rope = self.rotary(position.unsqueeze(1) + torch.arange(block_size, device=position.device), h.dtype)
+        h = cached_block_forward(self.layers, self._caches, h, rope)  # block keys/values are never kept
         drafts = self._logits(h[:, 1 : num_tokens + 1]).argmax(dim=-1)  # [B, k]
         draft_ids = self.draft_ids()
         return Proposal(tokens=drafts if draft_ids is None else draft_ids[drafts])
@@ -317,21 +267,23 @@ class DFlashDrafter(Drafter):
     # ---- persistence ---------------------------------------------------------------------------------------
     @staticmethod
     def detect_format(config: Mapping[str, Any]) -> str | None:
-        """"native" for our header; the export module's formats (z-lab, speculators) when it exists; else None."""
-        if config.get(NATIVE_KIND_KEY) == DFlashDrafter.kind:
-            return "native"
-        export = _export_module()
-        return None if export is None else export.detect_format(config)
+        """"native" for our header, "dflash" (z-lab) or "speculators" for the serving layouts, else None."""
+        return export.detect_format(config, DFlashDrafter.kind)
+
+    @staticmethod
+    def export_checks(directory: str, target_info: TargetInfo) -> list:
+        """What `draftsmith doctor` checks in a checkpoint of this kind: Check(name, status, detail) rows saying
+        which readers load it correctly (drafters/dflash/readers.py)."""
+        return readers.export_checks(directory, target_info)
 
     def save(self, directory: str, fmt: str = "native") -> None:
         """Write "native", or a serving layout of drafters/dflash/export.py."""
         if fmt == "native":
             super().save(directory, fmt)
             return
-        export = _export_module()
-        formats = () if export is None else tuple(export.EXPORT_FORMATS)
-        if fmt not in formats:
-            raise ValueError(f"dflash cannot export format {fmt!r}; it writes: {', '.join(('native',) + formats)}")
+        if fmt not in export.EXPORT_FORMATS:
+            raise ValueError(f"dflash cannot export format {fmt!r}; it writes: "
+                             f"{', '.join(('native',) + export.EXPORT_FORMATS)}")
         export.write(self, directory, fmt)
 
     @classmethod
@@ -344,7 +296,7 @@ class DFlashDrafter(Drafter):
             raise ValueError(f"{directory}: config.json is not a DFlash checkpoint")
         if fmt == "native":
             return super().load(directory, target_info)
-        config, state = _export_module().read(directory, header, fmt, target_info)
+        config, state = export.read(directory, header, fmt, target_info)
         drafter = cls(config, target_info)
         drafter.load_state_dict(state, strict=True)
         return drafter

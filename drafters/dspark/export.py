@@ -27,16 +27,15 @@ key, which the engines ignore.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Any, Mapping
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from drafters.base import NATIVE_KIND_KEY, TargetInfo, check_target_match
-from drafters.dflash.layers import draft_layer_config
+from drafters.dflash.export import check_layer_shapes, check_supported, dtype_name, load_weights
 from drafters.dspark.layers import DSparkConfig, backbone_config
 from drafters.files import write_json_atomic
 from drafters.layers import rope_parameters
@@ -91,10 +90,6 @@ def _ours(drafter) -> dict[str, Any]:
     return {"layer_ids": [int(i) for i in drafter.layer_ids], **settings}
 
 
-def _dtype_name(drafter) -> str:
-    return str(drafter.fc.weight.dtype).removeprefix("torch.")
-
-
 def speculators_config(drafter) -> dict[str, Any]:
     """The speculators config.json dict (no top-level model_type; vLLM routes on speculators_config)."""
     info = drafter.target_info
@@ -114,7 +109,7 @@ def speculators_config(drafter) -> dict[str, Any]:
         "sliding_window_non_causal": False,
         "sample_from_anchor": True,  # slot 0 drafts too: block_size speculative tokens
         **_heads(drafter),
-        "torch_dtype": _dtype_name(drafter),
+        "torch_dtype": dtype_name(drafter),
         "tie_word_embeddings": False,
         "speculators_config": {
             "algorithm": "dspark",
@@ -142,7 +137,7 @@ def deepspec_config(drafter) -> dict[str, Any]:
         **_heads(drafter),
         "vocab_size": info.vocab_size,
         "pad_token_id": info.pad_token_id,
-        "torch_dtype": _dtype_name(drafter),
+        "torch_dtype": dtype_name(drafter),
         _OURS: _ours(drafter),
     }
 
@@ -181,7 +176,7 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
     if not layer_ids or bad or len(set(layer_ids)) != len(layer_ids):
         raise ValueError(f"{directory}: {field} (our ids {layer_ids}) must be distinct ids that fit a "
                          f"{target_info.num_layers}-layer target (ours 0..{target_info.num_layers - 1})")
-    _check_supported(directory, layer)
+    check_supported(directory, header, layer)
     ours = header.get(_OURS) or {}
     rank = int(header.get("markov_rank", 0))
     rope = rope_parameters(layer)
@@ -202,13 +197,7 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
         rope_theta=float(rope["rope_theta"]),
         **_training_settings(header, ours),
     )
-    derived = draft_layer_config(backbone_config(config), target_info)
-    eps = layer.get("rms_norm_eps")
-    if eps is not None and abs(float(eps) - derived["rms_norm_eps"]) > 1e-12:
-        raise ValueError(f"{directory}: rms_norm_eps {eps} differs from the target's {derived['rms_norm_eps']}")
-    if rope.get("rope_type") != derived["rope_parameters"].get("rope_type"):
-        raise ValueError(f"{directory}: rope_type {rope.get('rope_type')!r} differs from the target's "
-                         f"{derived['rope_parameters'].get('rope_type')!r}")
+    check_layer_shapes(directory, layer, backbone_config(config), target_info)
     return config, _read_tensors(directory, target_info)
 
 
@@ -246,31 +235,12 @@ def _deepspec_header(directory, header, target_info):
     return dict(header), [int(t) + 1 for t in header["target_layer_ids"]], "target_layer_ids"
 
 
-def _check_supported(directory, layer) -> None:
-    """Refuse what our backbone (full, non-causal Qwen3 attention without biases, SiLU) does not implement."""
-    if [t for t in layer.get("layer_types") or () if t != "full_attention"] or layer.get("use_sliding_window"):
-        raise ValueError(f"{directory}: layer_types / use_sliding_window: sliding-window draft layers are not "
-                         "supported")
-    if layer.get("attention_bias"):
-        raise ValueError(f"{directory}: attention_bias=true is not supported (the draft projections have no bias)")
-    if layer.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{directory}: hidden_act {layer.get('hidden_act')!r} is not supported (silu)")
-
-
 def _read_tensors(directory: str, target_info: TargetInfo) -> dict[str, torch.Tensor]:
     """Every safetensors file, without a "model." prefix and without the target's own tensors (shape-checked)."""
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not files:
-        raise ValueError(f"{directory}: no .safetensors weights found")
-    state: dict[str, torch.Tensor] = {}
+    state = load_weights(directory)
     expected = (target_info.vocab_size, target_info.hidden_size)
-    for path in files:
-        for name, tensor in load_file(path).items():
-            name = name.removeprefix("model.")
-            if name in _DROPPED_WEIGHTS:
-                if name in ("embed_tokens.weight", "lm_head.weight") and tuple(tensor.shape) != expected:
-                    raise ValueError(f"{directory}: {name} has shape {list(tensor.shape)}, the target's is "
-                                     f"{list(expected)}")
-                continue
-            state[name] = tensor
-    return state
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        if name in state and tuple(state[name].shape) != expected:
+            raise ValueError(f"{directory}: {name} has shape {list(state[name].shape)}, the target's is "
+                             f"{list(expected)}")
+    return {name: tensor for name, tensor in state.items() if name not in _DROPPED_WEIGHTS}

@@ -38,24 +38,24 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.layers import (
-    DFlashDecoderLayer,
     absorb_context,
-    block_attention_mask,
-    block_forward,
-    block_positions,
+    advance_anchors,
+    anchored_blocks,
+    backbone_modules,
+    block_embeddings,
     cached_block_forward,
+    committed_rows,
     draft_layer_config,
     fuse_context,
     new_context_caches,
     resolve_layer_ids,
     resolve_mask_token_id,
-    sample_anchors,
 )
-from drafters.dspark import export
+from drafters.dspark import export, readers
 from drafters.dspark.layers import (
     ConfidenceHead,
     DSparkConfig,
@@ -64,7 +64,6 @@ from drafters.dspark.layers import (
     check_config,
     depth_weights,
 )
-from drafters.layers import RMSNorm, RotaryEmbedding, rope_inverse_frequencies
 from drafters.losses import global_mean, output_metrics
 
 
@@ -86,12 +85,9 @@ class DSparkDrafter(Drafter):
         self.config = dataclasses.replace(config, layer_ids=self.layer_ids, mask_token_id=self.mask_token_id,
                                           confidence_temperatures=tuple(map(float, config.confidence_temperatures)))
         self.layer_config = draft_layer_config(backbone, target_info)
-        hidden, eps = target_info.hidden_size, self.layer_config["rms_norm_eps"]
-        self.fc = nn.Linear(len(self.layer_ids) * hidden, hidden, bias=False)
-        self.hidden_norm = RMSNorm(hidden, eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(self.layer_config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(hidden, eps)  # starts at ones, as DFlash's (see drafters/dflash/model.py)
-        self.rotary = RotaryEmbedding(*rope_inverse_frequencies(self.layer_config))
+        hidden = target_info.hidden_size
+        self.fc, self.hidden_norm, self.layers, self.norm, self.rotary = backbone_modules(
+            self.layer_config, len(self.layer_ids), config.num_layers)  # the final norm starts at ones (module doc)
         self.markov_head: MarkovHead | None = None
         if config.markov_head_type != "none":
             self.markov_head = MarkovHead(config.markov_head_type, target_info.vocab_size, config.markov_rank, hidden)
@@ -120,9 +116,8 @@ class DSparkDrafter(Drafter):
 
     def _block_embeds(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """anchor_tokens [...] -> embeddings [..., S, D] of the blocks [x_a, MASK x (S-1)]."""
-        tokens = anchor_tokens.new_full((*anchor_tokens.shape, self.config.block_size), self.mask_token_id)
-        tokens[..., 0] = anchor_tokens
-        return F.embedding(tokens, self._target_tensor("embed_weight"))
+        return block_embeddings(anchor_tokens, self.config.block_size, self.mask_token_id,
+                                self._target_tensor("embed_weight"))
 
     def _markov_embedding(self, previous: torch.Tensor) -> torch.Tensor | None:
         return None if self.markov_head is None else self.markov_head.embed(previous)
@@ -137,10 +132,7 @@ class DSparkDrafter(Drafter):
     # ---- training ------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Any]) -> DraftOutput:
         """Sample this epoch's anchors (as DFlash) and run `block_outputs` on them."""
-        anchors, anchor_valid = sample_anchors(
-            batch["attention_mask"], batch["loss_mask"], self.config.num_anchors, seed=int(batch.get("seed", 0)),
-            epoch=int(batch.get("epoch", 0)), sample_index=batch.get("sample_index"))
-        return self.block_outputs(batch, anchors, anchor_valid)
+        return self.block_outputs(batch, *batch_anchors(batch, self.config.num_anchors))
 
     def block_outputs(self, batch: Mapping[str, Any], anchors: torch.Tensor,
                       anchor_valid: torch.Tensor | None = None) -> DraftOutput:
@@ -154,26 +146,16 @@ class DSparkDrafter(Drafter):
             label_position [N, S] = a + 1 + k (clamped to T - 1 past the end), depth_valid [N, S] (contiguous from
             slot 0), hidden [N, S, D] after the final norm (what the heads read).
         """
-        input_ids, real = batch["input_ids"], batch["attention_mask"].bool()
-        batch_size, seq_len = input_ids.shape
-        block_size = self.config.block_size
+        input_ids = batch["input_ids"]
         anchors = anchors.to(input_ids.device)
         anchor_valid = torch.ones_like(anchors, dtype=torch.bool) if anchor_valid is None else anchor_valid.bool()
         context = fuse_context(batch["target_hidden"], self.layer_ids, self.fc, self.hidden_norm)  # [B, T, D]
-        h = self._block_embeds(input_ids.gather(1, anchors)).flatten(1, 2)  # [B, A*S, D]
-        context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch_size, seq_len)
-        block_rope = self.rotary(block_positions(anchors, block_size), h.dtype)
-        context_rope = self.rotary(context_positions, h.dtype)
-        mask = block_attention_mask(anchors, anchor_valid, real, block_size)
-        h = block_forward(self.layers, h, context, block_rope, context_rope, mask)
-        h = h.view(batch_size, anchors.shape[1], block_size, -1)
-        rows, columns = anchor_valid.nonzero(as_tuple=True)
+        h = anchored_blocks(self.layers, self.rotary, context, self._block_embeds(input_ids.gather(1, anchors)),
+                            anchors, anchor_valid, batch["attention_mask"].bool())  # [B, A, S, D]
+        rows, columns, label_position, supervised = block_cells(
+            anchors, anchor_valid, self.config.block_size, batch["attention_mask"], batch["loss_mask"])
         hidden = self.norm(h[rows, columns])  # [N, S, D]
-        unclamped = anchors[rows, columns].unsqueeze(1) + 1 + torch.arange(block_size, device=input_ids.device)
-        label_position = unclamped.clamp(max=seq_len - 1)
         row_index = rows.unsqueeze(1).expand_as(label_position)
-        supervised = (unclamped < seq_len) & real[row_index, label_position]
-        supervised &= batch["loss_mask"].bool()[row_index, label_position]
         depth_valid = supervised.long().cumprod(dim=1).bool()  # contiguous from the front (DeepSpec)
         previous = input_ids[row_index, label_position - 1]  # x_{a+k}: the anchor at slot 0
         logits = self.teacher_forced_logits(hidden, previous)
@@ -227,12 +209,9 @@ class DSparkDrafter(Drafter):
     @torch.no_grad()
     def begin(self, context: DraftContext) -> None:
         """Project the valid prompt positions into the context caches; the target's next token is the first anchor."""
-        batch, seq_len = context.input_ids.shape
-        weight = self.fc.weight
-        self._caches = new_context_caches(self.layers, batch, weight.device, weight.dtype,
-                                          capacity=seq_len + 4 * self.config.block_size)
+        self._caches = new_context_caches(self.layers, context, self.fc.weight, self.config.block_size)
         self._state = {}
-        self._absorb(context, torch.ones(batch, dtype=torch.bool, device=context.valid.device))
+        self._absorb(context, None)
 
     @torch.no_grad()
     def commit(self, num_accepted: torch.Tensor, context: DraftContext) -> None:
@@ -240,20 +219,13 @@ class DSparkDrafter(Drafter):
         num_accepted[b] + 1 positions (none for a finished row). The new anchor is next_tokens."""
         if not self._caches:
             raise ValueError("commit() called before begin()")
-        num_valid = context.valid.sum(dim=1)
-        active = num_valid > 0
-        if bool((active & (num_valid != num_accepted.to(num_valid.device) + 1)).any()):
-            raise ValueError("commit: context.valid must mark exactly num_accepted + 1 positions of each active row")
-        self._absorb(context, active)
+        self._absorb(context, committed_rows(num_accepted, context))
 
-    def _absorb(self, context: DraftContext, active: torch.Tensor) -> None:
+    def _absorb(self, context: DraftContext, active: torch.Tensor | None) -> None:
         features = fuse_context(context.hidden, self.layer_ids, self.fc, self.hidden_norm)
         absorb_context(self.layers, self._caches, features, self.rotary(context.position_ids, features.dtype),
                        context.valid)
-        last_position = context.position_ids.masked_fill(~context.valid, -1).amax(dim=1)
-        new = {"anchor": context.next_tokens.to(last_position.device), "position": last_position + 1}
-        for name, value in new.items():
-            self._state[name] = torch.where(active, value, self._state[name]) if name in self._state else value
+        advance_anchors(self._state, context, active)
         self._state["temperature"] = float(context.temperature or 0.0)
         self._state["generator"] = context.generator
 
@@ -327,6 +299,11 @@ class DSparkDrafter(Drafter):
         if config.get(NATIVE_KIND_KEY) == DSparkDrafter.kind:
             return "native"
         return export.detect_format(config)
+
+    @staticmethod
+    def export_checks(directory: str, target_info: TargetInfo) -> list:
+        """What `draftsmith doctor` checks in a checkpoint of this kind (drafters/dspark/readers.py)."""
+        return readers.export_checks(directory, target_info)
 
     def save(self, directory: str, fmt: str = "native") -> None:
         """Write "native", or a serving layout of drafters/dspark/export.py."""

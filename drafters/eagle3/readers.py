@@ -12,18 +12,20 @@ Readers modelled (read from their released source; facts in our own words; docs/
 `export_checks(directory, target_info)` returns Check(name, status, detail) rows, status one of pass / fail /
 warn / info: a fail is a reader the layout is meant for (INTENDED_READERS) that would misread or refuse it, or a
 field that is missing, out of range or does not match the target; a warn is another reader that would misread it.
+`Check`, `open_checkpoint`, `our_reader`, `reader_verdict` and `d2t_problem` serve the other kinds' checks too
+(drafters/{dflash,dspark,mtp}/readers.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from safetensors import safe_open
 
-from drafters.base import TargetInfo
+from drafters.base import NATIVE_KIND_KEY, TargetInfo
 from drafters.eagle3.export import detect_format, listed_layer_ids, nested_layer_ids, read
 from drafters.eagle3.layers import default_layer_ids
 
@@ -46,6 +48,18 @@ class Check(NamedTuple):
     name: str
     status: str  # "pass", "fail", "warn" or "info"
     detail: str
+
+
+class Checkpoint(NamedTuple):
+    """A checkpoint directory in a serving layout: its format, config.json dict and tensor index."""
+
+    fmt: str
+    header: dict[str, Any]
+    index: dict[str, tuple]  # tensor name -> (shape, file name)
+
+    @property
+    def shapes(self) -> dict[str, tuple]:
+        return {name: shape for name, (shape, _) in self.index.items()}
 
 
 def reader_view(reader: str, fmt: str, header: Mapping[str, Any], shapes: Mapping[str, tuple],
@@ -124,32 +138,70 @@ def compare_views(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
 
 
 # ---- the doctor's checks ----------------------------------------------------------------------------------------
-def export_checks(directory: str, target_info: TargetInfo) -> list[Check]:
-    """Check an EAGLE-3 checkpoint directory against `target_info` the way each server will read it."""
+def open_checkpoint(directory: str, kind: str, detect: Callable[[Mapping[str, Any]], str | None],
+                    exports: str) -> Checkpoint | Check:
+    """The serving-layout checkpoint at `directory`, or the one layout row that ends its checks: no config.json,
+    draftsmith's native format of drafter `kind` (`exports` says what to run instead), or a layout `detect` does not
+    know."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        return [Check("layout", "fail", f"{directory} has no config.json")]
+        return Check("layout", "fail", f"{directory} has no config.json")
     with open(path) as f:
         header = json.load(f)
-    fmt = detect_format(header)
+    fmt = "native" if header.get(NATIVE_KIND_KEY) == kind else detect(header)
     if fmt is None:
-        return [Check("layout", "fail", "config.json is not an EAGLE-3 checkpoint")]
+        return Check("layout", "fail", f"config.json is not a {kind} checkpoint")
     if fmt == "native":
-        return [Check("layout", "info", "draftsmith's native checkpoint: only draftsmith reads it; for a server run"
-                      " `draftsmith export DIR --format speculators` (vLLM) or `--format sglang` (SGLang, SpecForge)")]
-    index = _tensor_index(directory)
-    shapes = {name: shape for name, (shape, _) in index.items()}
+        return Check("layout", "info", "draftsmith's native checkpoint: only draftsmith reads it; for a server run "
+                     + exports)
+    return Checkpoint(fmt, header, tensor_index(directory))
+
+
+def our_reader(read_file: Callable[[], Any]) -> tuple[Check, Any]:
+    """The "reader draftsmith" row of calling `read_file`, and what it read (None when it refused the file)."""
+    try:
+        result = read_file()
+    except (ValueError, KeyError) as err:
+        return Check("reader draftsmith", "fail", f"draftsmith cannot read it: {err}"), None
+    return Check("reader draftsmith", "pass", "draftsmith's engine reads it as written"), result
+
+
+def reader_verdict(name: str, label: str, outcome: str | list[str], bad: str, fix: str) -> Check:
+    """The row of one reader: `outcome` says why it cannot use the file (a string; "not its layout ..." is only
+    information) or what it would misread (a list, empty when nothing); `bad` is the status of a problem and `fix`
+    what to do about it."""
+    if isinstance(outcome, str):
+        if outcome.startswith("not its layout"):
+            return Check(name, "info", f"{label}: {outcome}")
+        return Check(name, bad, f"{label} cannot use it: {outcome}; {fix}")
+    if not outcome:
+        return Check(name, "pass", f"{label} loads it correctly")
+    return Check(name, bad, f"{label} would load it and misread {'; '.join(outcome)}; {fix}")
+
+
+def export_checks(directory: str, target_info: TargetInfo) -> list[Check]:
+    """Check an EAGLE-3 checkpoint directory against `target_info` the way each server will read it."""
+    opened = open_checkpoint(directory, "eagle3", detect_format, "`draftsmith export DIR --format speculators` (vLLM)"
+                             " or `--format sglang` (SGLang, SpecForge)")
+    if isinstance(opened, Check):
+        return [opened]
+    fmt, header, index = opened
+    shapes = opened.shapes
     n, vocab = target_info.num_layers, target_info.vocab_size
     checks = [Check("layout", "pass", f"{fmt} layout, meant for "
                     + ", ".join(READERS[r] for r in INTENDED_READERS[fmt] if r != "draftsmith"))]
     checks += [_fields_check(fmt, header, n), _layer_ids_check(fmt, header, n)]
     checks += [_sizes_check(fmt, header, shapes, target_info), _vocab_check(fmt, header, index, directory, vocab)]
-    try:
-        ours = reader_view("draftsmith", fmt, header, shapes, n, vocab)
+
+    def read_back():  # our reader's view of the file, once our reader accepts it
+        view = reader_view("draftsmith", fmt, header, shapes, n, vocab)
         read(directory, header, fmt, target_info)
-    except (ValueError, KeyError) as err:
-        return checks + [Check("reader draftsmith", "fail", f"draftsmith cannot read it: {err}")]
-    checks.append(Check("reader draftsmith", "pass", "draftsmith's engine reads it as written"))
+        return view
+
+    row, ours = our_reader(read_back)
+    checks.append(row)
+    if row.status == "fail":
+        return checks
     for reader in READERS:
         if reader != "draftsmith":
             checks.append(_reader_check(reader, fmt, header, shapes, ours, n, vocab))
@@ -157,18 +209,11 @@ def export_checks(directory: str, target_info: TargetInfo) -> list[Check]:
 
 
 def _reader_check(reader, fmt, header, shapes, ours, n, vocab) -> Check:
-    name, theirs = f"reader {reader}", reader_view(reader, fmt, header, shapes, n, vocab)
-    bad = "fail" if reader in INTENDED_READERS[fmt] else "warn"
-    if isinstance(theirs, str):
-        if theirs.startswith("not its layout"):
-            return Check(name, "info", f"{READERS[reader]}: {theirs}")
-        return Check(name, bad, f"{READERS[reader]} cannot use it: {theirs}; to serve it there, re-export with"
-                     f" `draftsmith export CKPT --format {FORMAT_FOR[reader]}`")
-    diffs = compare_views(theirs, ours)
-    if not diffs:
-        return Check(name, "pass", f"{READERS[reader]} loads it correctly")
-    return Check(name, bad, f"{READERS[reader]} would load it and misread {'; '.join(diffs)}; to serve it there,"
-                 f" re-export with `draftsmith export CKPT --format {FORMAT_FOR[reader]}`")
+    theirs = reader_view(reader, fmt, header, shapes, n, vocab)
+    return reader_verdict(f"reader {reader}", READERS[reader],
+                          theirs if isinstance(theirs, str) else compare_views(theirs, ours),
+                          "fail" if reader in INTENDED_READERS[fmt] else "warn",
+                          f"to serve it there, re-export with `draftsmith export CKPT --format {FORMAT_FOR[reader]}`")
 
 
 def _fields_check(fmt, header, n) -> Check:
@@ -251,17 +296,25 @@ def _vocab_check(fmt, header, index, directory, vocab) -> Check:
     if "d2t" not in index:
         return Check("draft vocab", "fail", f"draft_vocab_size {draft_vocab} < {vocab} but no d2t table: every"
                      " reader would take draft id i for target id i; export the checkpoint's d2t")
+    problem = d2t_problem(directory, index, draft_vocab, vocab)
+    if problem:
+        return Check("draft vocab", "fail", problem)
+    return Check("draft vocab", "pass", f"{draft_vocab} draft ids, d2t maps them to increasing target ids")
+
+
+def d2t_problem(directory: str, index: Mapping[str, tuple], draft_vocab: int, vocab: int) -> str | None:
+    """What is wrong with the file's d2t table for draft_vocab ids over a target vocabulary of `vocab`, or None."""
     with safe_open(os.path.join(directory, index["d2t"][1]), "pt") as f:
         d2t = f.get_tensor("d2t").long()
     target_ids = torch.arange(d2t.numel()) + d2t
     if d2t.numel() != draft_vocab or int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab or bool(
             (target_ids[1:] <= target_ids[:-1]).any()):
-        return Check("draft vocab", "fail", f"d2t ({d2t.numel()} offsets) does not map draft_vocab_size {draft_vocab}"
-                     f" ids to increasing target ids in [0, {vocab})")
-    return Check("draft vocab", "pass", f"{draft_vocab} draft ids, d2t maps them to increasing target ids")
+        return (f"d2t ({d2t.numel()} offsets) does not map {draft_vocab} draft ids to increasing target ids in"
+                f" [0, {vocab})")
+    return None
 
 
-def _tensor_index(directory: str) -> dict[str, tuple]:
+def tensor_index(directory: str) -> dict[str, tuple]:
     """{tensor name: (shape, file name)} over the directory's safetensors files, without loading the tensors."""
     shapes: dict[str, tuple] = {}
     for name in sorted(os.listdir(directory)):

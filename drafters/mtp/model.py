@@ -41,6 +41,7 @@ from torch import nn
 from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, FeatureRequest, Proposal, TargetInfo
 from drafters.losses import global_mean, output_metrics, soft_cross_entropy
 from drafters.mtp import export as mtp_export
+from drafters.mtp import readers as mtp_readers
 from drafters.mtp.layers import (
     LAYOUTS,
     BlockCache,
@@ -371,6 +372,11 @@ class MTPDrafter(Drafter):
         if config.get(NATIVE_KIND_KEY) == MTPDrafter.kind:
             return "native"
         return mtp_export.detect_format(config)
+
+    @staticmethod
+    def export_checks(directory: str, target_info: TargetInfo) -> list:
+        """What `draftsmith doctor` checks in a checkpoint of this kind (drafters/mtp/readers.py)."""
+        return mtp_readers.export_checks(directory, target_info)
 
     def save(self, directory: str, fmt: str = "native") -> None:
         """"native", "speculators", or the target's checkpoint with these modules in "deepseek_v3", "qwen3_next"
