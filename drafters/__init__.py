@@ -46,8 +46,7 @@ def checkpoint_kind(directory: str) -> str:
     if NATIVE_KIND_KEY in config:
         return config[NATIVE_KIND_KEY]
     for kind, cls in DRAFTERS.items():
-        detect = getattr(cls, "detect_format", None)
-        if detect is not None and detect(config) is not None:
+        if cls.detect_format(config) is not None:
             return kind
     if is_draft_model_dir(directory):
         return "draft_model"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, ClassVar, Mapping
 
 import torch
@@ -160,7 +161,8 @@ class DraftOutput:
 
 
 class Drafter(nn.Module):
-    """Base class. Subclasses set `kind`, `Config`, and implement the methods below."""
+    """Base class. Subclasses set `kind`, `Config` (and `export_module` when they export), and implement the methods
+    below."""
 
     kind: ClassVar[str] = ""
     Config: ClassVar[type] = object
@@ -211,15 +213,36 @@ class Drafter(nn.Module):
         """num_accepted [B]: drafts accepted per row in the last round; context covers the verify forward."""
         raise NotImplementedError
 
-    # ---- persistence: the native format is config.json + model.safetensors -----------------------------------
+    # ---- persistence: native (config.json + model.safetensors) here, serving layouts in the kind's export module ----
+    # `export_module` is a kind's export.py, or None for a native-only kind. It provides EXPORT_FORMATS (the layouts
+    # it writes besides native), detect_format(header) -> one of them or None, write(drafter, directory, fmt) and
+    # read(directory, header, fmt, target_info) -> (config, state dict); save / load / detect_format dispatch to it.
+    export_module: ClassVar[ModuleType | None] = None
+
+    @classmethod
+    def formats(cls) -> tuple[str, ...]:
+        """Every format `save` writes: "native" first, then the export layouts."""
+        return ("native",) + (cls.export_module.EXPORT_FORMATS if cls.export_module else ())
+
+    @classmethod
+    def detect_format(cls, config: Mapping[str, Any]) -> str | None:
+        """The format of a checkpoint's config.json dict: "native" for our header naming this kind, else the export
+        layout the kind's export module recognises, else None."""
+        if config.get(NATIVE_KIND_KEY) == cls.kind:
+            return "native"
+        return cls.export_module.detect_format(config) if cls.export_module else None
+
     def save(self, directory: str, fmt: str = "native") -> None:
-        """Write the drafter. Subclasses add export formats (e.g. EAGLE-3's speculators / eagle3 layouts)."""
+        """Write `fmt`: "native" (config + state dict) or a serving layout of the kind's export module."""
+        if fmt not in self.formats():
+            raise ValueError(f"{self.kind} cannot export format {fmt!r}; it writes: {', '.join(self.formats())}")
         if fmt != "native":
-            raise ValueError(f"drafter {self.kind!r} cannot export format {fmt!r}; it writes: native")
+            self.export_module.write(self, directory, fmt)
+            return
         os.makedirs(directory, exist_ok=True)
         header = {
             NATIVE_KIND_KEY: self.kind,
-            "drafter_config": to_dict(self.config),
+            "drafter_config": to_dict(self.checkpoint_config()),
             "target": {
                 "name_or_path": self.target_info.name_or_path,
                 "hidden_size": self.target_info.hidden_size,
@@ -233,16 +256,34 @@ class Drafter(nn.Module):
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(tensors, os.path.join(directory, "model.safetensors"))
 
+    def checkpoint_config(self) -> Any:
+        """The config a native checkpoint records (a kind that resolves defaults at build time writes them here)."""
+        return self.config
+
     @classmethod
     def load(cls, directory: str, target_info: TargetInfo) -> "Drafter":
+        """Load any format `detect_format` recognises in directory/config.json, for `target_info`."""
         with open(os.path.join(directory, "config.json")) as f:
             header = json.load(f)
-        target = header.get("target", {})
-        check_target_match(target_info, target.get("hidden_size"), target.get("vocab_size"), directory)
-        drafter = cls(from_dict(cls.Config, header["drafter_config"], "drafter"), target_info)
-        state = load_file(os.path.join(directory, "model.safetensors"))
+        fmt = cls.detect_format(header)
+        if fmt is None:
+            raise ValueError(f"{directory}: config.json is not a checkpoint of drafter kind {cls.kind!r} (neither its "
+                             "native header nor an export layout it reads)")
+        if fmt == "native":
+            config, state = cls.read_native(directory, header, target_info)
+        else:
+            config, state = cls.export_module.read(directory, header, fmt, target_info)
+        drafter = cls(config, target_info)
         drafter.load_state_dict(state, strict=True)
         return drafter
+
+    @classmethod
+    def read_native(cls, directory: str, header: Mapping[str, Any], target_info: TargetInfo) -> tuple[Any, dict]:
+        """(config, state dict) of the native checkpoint at `directory` whose config.json is `header`."""
+        target = header.get("target", {})
+        check_target_match(target_info, target.get("hidden_size"), target.get("vocab_size"), directory)
+        config = from_dict(cls.Config, header["drafter_config"], "drafter")
+        return config, load_file(os.path.join(directory, "model.safetensors"))
 
 
 def check_target_match(target_info: TargetInfo, hidden_size: int, vocab_size: int, source: str) -> None:

@@ -1,5 +1,6 @@
-"""Building blocks shared by drafters: RMSNorm, rotary embeddings, SwiGLU MLP, attention over an explicit mask,
-attention with per-query extra keys (EAGLE-3 training-time test), and a per-row KV cache with holes.
+"""Building blocks shared by drafters: the target's frozen tensors on the drafter's device, the draft layers' HF config,
+RMSNorm, rotary embeddings, SwiGLU MLP, the argmax-or-sample draft choice, attention over an explicit mask, attention
+with per-query extra keys (EAGLE-3 training-time test), and a per-row KV cache with holes.
 
 Shapes: B batch, H query heads, H_kv key/value heads, n query positions, C cache columns, d head dim, D hidden.
 Boolean masks use True = may attend, as `torch.nn.functional.scaled_dot_product_attention` does.
@@ -12,6 +13,77 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from drafters.base import TargetInfo
+
+
+class FrozenTargetTensors:
+    """The target's frozen tensors (TargetInfo.embed_weight, lm_head_weight, ...) as a drafter computes with them.
+
+    Copied once per (name, device, dtype) of the drafter weight they are asked `like`, and never a parameter or a
+    buffer: they are not trained, not saved (native checkpoints stay small) and not moved by `.to()` (a drafter moved
+    to another device or dtype gets a fresh copy there).
+    """
+
+    def __init__(self, target_info: TargetInfo):
+        self.target_info = target_info
+        self._copies: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """TargetInfo field `name` (e.g. "embed_weight", [V, D]) on like's device and dtype."""
+        key = (name, like.device, like.dtype)
+        if key not in self._copies:
+            self._copies[key] = getattr(self.target_info, name).detach().to(like.device, like.dtype)
+        return self._copies[key]
+
+
+def hf_layer_config(config: Any, target_info: TargetInfo, model_type: str,
+                    extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The draft decoder layers as an HF config dict of `model_type` (exports write it as their layer config), shapes
+    mirrored from the target's (text) config unless the drafter's config sets them.
+
+    Args:
+        config: a drafter config with num_layers and the overrides intermediate_size, num_attention_heads,
+            num_key_value_heads, head_dim, rope_theta (None = the target's).
+        extra: the model type's own fields, written after attention_bias (e.g. Llama's mlp_bias).
+    """
+    target = target_info.config
+    if "hidden_size" not in target and isinstance(target.get("text_config"), Mapping):
+        target = target["text_config"]
+    hidden = target_info.hidden_size
+    heads = config.num_attention_heads or target.get("num_attention_heads")
+    head_dim = config.head_dim or target.get("head_dim")
+    if not heads or (hidden % heads and not head_dim):
+        raise ValueError(f"drafter.num_attention_heads: cannot derive a head count from {heads!r} (hidden {hidden})")
+    kv_heads = config.num_key_value_heads or target.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ValueError(f"drafter.num_key_value_heads {kv_heads} must divide num_attention_heads {heads}")
+    intermediate = config.intermediate_size or target.get("intermediate_size")
+    if not intermediate:
+        raise ValueError("drafter.intermediate_size: the target config has none; set it")
+    rope = rope_parameters(target)
+    if config.rope_theta is not None:
+        rope["rope_theta"] = float(config.rope_theta)
+    legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
+    return {
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(intermediate),
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": int(heads),
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": int(head_dim or hidden // heads),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(target.get("max_position_embeddings", 4096)),
+        "rms_norm_eps": float(target_info.rms_norm_eps),
+        "vocab_size": target_info.vocab_size,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": legacy_scaling,
+        "rope_parameters": rope,
+        "attention_bias": False,
+        **extra,
+        "tie_word_embeddings": False,
+    }
 
 
 class RMSNorm(nn.Module):
@@ -103,6 +175,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def draw_drafts(logits: torch.Tensor, sample: bool,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chain drafter's choice: logits [..., V] -> drafts [...] and q [..., V] in >= float32 (None for argmax drafts,
+    which verification treats as one-hot q). Sampled drafts draw from `generator` (DraftContext.generator)."""
+    if not sample:
+        return logits.argmax(dim=-1), None
+    q = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    drafts = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator).view(q.shape[:-1])
+    return drafts, q
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

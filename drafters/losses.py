@@ -1,6 +1,6 @@
 """Loss and metric functions shared by all drafters, so every drafter reports the same numbers the same way.
 
-Legend: N positions (flattened), K draft depth, V_d draft vocab.
+Legend: B batch, T sequence, N positions (flattened), K draft depth, V target vocab, V_d draft vocab, D hidden.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 
 
 _ROWS_PER_CHUNK = 256  # rows of [V] per logsumexp chunk: small temporaries that the allocator can reuse
@@ -107,6 +108,63 @@ def output_metrics(output, batch: Mapping[str, Any], cell_loss: torch.Tensor) ->
         accuracy, _ = masked_depth_means((predicted == agreed).float(), valid)
     per_depth, counts = masked_depth_means(cell_loss, valid)
     return per_depth, depth_metrics(per_depth.detach(), accuracy, counts)
+
+
+def position_cells(batch: Mapping[str, Any],
+                   num_depths: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cells of a drafter that reads the hidden state at position i (the position before its anchor) and predicts
+    depth k there, the token at i + k + 2 (MTP modules, Medusa heads): every row i with a loss at some depth.
+
+    Args:
+        batch: input_ids, attention_mask, loss_mask [B, T] (right padding).
+    Returns:
+        batch_index [N], position [N], label_position [N, K] = position + k + 2 (clamped to T - 1 past the end) and
+        depth_valid [N, K] (label inside the sequence and a loss token).
+    """
+    input_ids = batch["input_ids"]
+    seq_len, device = input_ids.shape[1], input_ids.device
+    lengths = batch["attention_mask"].long().sum(dim=1)
+    in_loss = F.pad(batch["loss_mask"].bool() & batch["attention_mask"].bool(), (0, num_depths + 2))
+    labels = torch.arange(seq_len, device=device)[:, None] + 2 + torch.arange(num_depths, device=device)  # [T, K]
+    valid = (labels < lengths[:, None, None]) & in_loss[:, labels]  # [B, T, K]
+    batch_index, position = valid.any(dim=-1).nonzero(as_tuple=True)
+    return batch_index, position, labels[position].clamp(max=seq_len - 1), valid[batch_index, position]
+
+
+def full_vocab_cross_entropy(output, batch: Mapping[str, Any], lm_head_weight: torch.Tensor,
+                             soft: bool) -> torch.Tensor:
+    """Per-cell cross-entropy of target-vocabulary draft logits: "soft" against the target's distribution at the
+    position before each label (softmax of its lm_head over target_last_hidden there), else against the data token.
+
+    Args:
+        output: a DraftOutput with logits [N, K, V], batch_index [N], label_position [N, K].
+        batch: input_ids [B, T] and target_last_hidden [B, T, D]. lm_head_weight: [V, D] the target's frozen head.
+    Returns:
+        [N, K] in at least float32.
+    """
+    logits = output.logits.to(torch.promote_types(output.logits.dtype, torch.float32))
+    rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
+    if soft:
+        with torch.no_grad():
+            teacher_hidden = batch["target_last_hidden"][rows, output.label_position - 1].to(logits.dtype)
+            teacher = torch.softmax(F.linear(teacher_hidden, lm_head_weight.to(logits.dtype)), dim=-1)
+        return soft_cross_entropy(logits, teacher)
+    labels = batch["input_ids"][rows, output.label_position]
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+
+
+def weighted_depth_loss(output, batch: Mapping[str, Any], cell_loss: torch.Tensor,
+                        weights: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """sum_k weights[k] * mean of cell_loss over depth k's valid cells of all processes (global_mean), and the
+    metrics of `output_metrics`.
+
+    Args:
+        output: a DraftOutput (depth_valid [N, K]); cell_loss: [N, K]; weights: [K] in cell_loss's dtype and device.
+    """
+    _, metrics = output_metrics(output, batch, cell_loss)
+    valid = output.depth_valid.to(cell_loss.dtype)
+    per_depth = global_mean((cell_loss * valid).sum(dim=0), valid.sum(dim=0), batch)
+    return (weights * per_depth).sum(), metrics
 
 
 def global_mean(total: torch.Tensor, weight: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:

@@ -306,6 +306,26 @@ def test_save_load_gives_identical_proposals_and_logits(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_persistence_dispatch_names_the_formats(kind, tmp_path):
+    """drafters/base.py's save / load / detect_format serve every kind that does not write its own: a native header
+    of the kind is "native", a format it does not write is refused naming every format it does (native first, then
+    its export module's layouts), and a foreign config.json is refused naming the kind."""
+    cls = DRAFTERS[kind]
+    if cls.save is not Drafter.save:
+        pytest.skip(f"{kind} writes its own format (a wrapped model or none)")
+    exports = cls.export_module.EXPORT_FORMATS if cls.export_module else ()
+    assert cls.formats() == ("native",) + tuple(exports)
+    assert cls.detect_format({"draftsmith_kind": kind}) == "native"
+    assert cls.detect_format({"architectures": ["LlamaForCausalLM"]}) is None
+    drafter = build(kind, tiny_target())
+    with pytest.raises(ValueError, match=f"{kind} cannot export format 'gguf'; it writes: {', '.join(cls.formats())}$"):
+        drafter.save(str(tmp_path / "gguf"), "gguf")
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ValueError, match=f"not a checkpoint of drafter kind '{kind}'"):
+        cls.load(str(tmp_path), tiny_target().target_info())
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_propose_refuses_more_than_max_draft_tokens(kind):
     target = tiny_target()
     drafter = build(kind, target)

@@ -38,9 +38,10 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafters.base import NATIVE_KIND_KEY, TargetInfo, check_target_match
+from drafters.base import TargetInfo, check_target_match
 from drafters.dflash.layers import DFlashConfig
 from drafters.layers import rope_parameters
+from drafters.speculators import speculators_section
 
 EXPORT_FORMATS = ("dflash", "speculators")
 SPECULATORS_VERSION = "0.9.0"  # the speculators schema this writer follows
@@ -51,10 +52,9 @@ _DROPPED_WEIGHTS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_
 _TRAINING_FIELDS = ("num_anchors", "loss_decay_gamma", "allow_text_mask_token", "label_source")  # DFlashConfig
 
 
-def detect_format(config: Mapping[str, Any], kind: str = "dflash") -> str | None:
-    """"native", "speculators" or "dflash" for a DFlash checkpoint's config.json dict, else None."""
-    if config.get(NATIVE_KIND_KEY) == kind:
-        return "native"
+def detect_format(config: Mapping[str, Any]) -> str | None:
+    """"speculators" or "dflash" for a DFlash export's config.json dict, else None (native is the drafter's:
+    Drafter.detect_format)."""
     if config.get("speculators_model_type") == "dflash" and "speculators_config" in config:
         return "speculators"
     architectures = config.get("architectures") or ()
@@ -136,12 +136,6 @@ def speculators_config(drafter) -> dict[str, Any]:
     """The speculators config.json dict (no top-level model_type; vLLM routes on speculators_config)."""
     info = drafter.target_info
     block_size = int(drafter.config.block_size)
-    proposal = {
-        "proposal_type": "greedy",
-        "speculative_tokens": block_size - 1,  # the anchor is the bonus token (sample_from_anchor false)
-        "verifier_accept_k": 1,
-        "accept_tolerance": 0.0,
-    }
     return {
         "speculators_model_type": "dflash",
         "speculators_version": SPECULATORS_VERSION,
@@ -156,13 +150,8 @@ def speculators_config(drafter) -> dict[str, Any]:
         "sample_from_anchor": False,
         "torch_dtype": dtype_name(drafter),
         "tie_word_embeddings": False,
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [proposal],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": info.name_or_path,
-                         "architectures": list(info.config.get("architectures") or [])},
-        },
+        # the anchor is the bonus token (sample_from_anchor false): block_size - 1 drafts
+        "speculators_config": speculators_section("dflash", info, block_size - 1),
         _OURS: _ours(drafter),
     }
 

@@ -48,8 +48,8 @@ from drafters.layers import (
     SwiGLU,
     apply_rope,
     attention,
+    hf_layer_config,
     rope_inverse_frequencies,
-    rope_parameters,
 )
 
 PUBLISHED_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # paper A.1, Eq. 4
@@ -153,45 +153,10 @@ def check_config(config: DFlashConfig, vocab_size: int) -> None:
 
 
 def draft_layer_config(config: DFlashConfig, target_info: TargetInfo) -> dict[str, Any]:
-    """The draft layers as an HF Qwen3 config dict (q/k norms, no biases), shapes mirrored from the target."""
-    target = target_info.config
-    if "hidden_size" not in target and isinstance(target.get("text_config"), Mapping):
-        target = target["text_config"]
-    hidden = target_info.hidden_size
-    heads = config.num_attention_heads or target.get("num_attention_heads")
-    head_dim = config.head_dim or target.get("head_dim")
-    if not heads or (hidden % heads and not head_dim):
-        raise ValueError(f"drafter.num_attention_heads: cannot derive a head count from {heads!r} (hidden {hidden})")
-    kv_heads = config.num_key_value_heads or target.get("num_key_value_heads") or heads
-    if heads % kv_heads:
-        raise ValueError(f"drafter.num_key_value_heads {kv_heads} must divide num_attention_heads {heads}")
-    intermediate = config.intermediate_size or target.get("intermediate_size")
-    if not intermediate:
-        raise ValueError("drafter.intermediate_size: the target config has none; set it")
-    rope = rope_parameters(target)
-    if config.rope_theta is not None:
-        rope["rope_theta"] = float(config.rope_theta)
-    legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
-    return {
-        "model_type": "qwen3",
-        "hidden_size": hidden,
-        "intermediate_size": int(intermediate),
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": int(heads),
-        "num_key_value_heads": int(kv_heads),
-        "head_dim": int(head_dim or hidden // heads),
-        "hidden_act": "silu",
-        "max_position_embeddings": int(target.get("max_position_embeddings", 4096)),
-        "rms_norm_eps": float(target_info.rms_norm_eps),
-        "vocab_size": target_info.vocab_size,
-        "rope_theta": rope["rope_theta"],
-        "rope_scaling": legacy_scaling,
-        "rope_parameters": rope,
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "layer_types": ["full_attention"] * config.num_layers,
-        "tie_word_embeddings": False,
-    }
+    """The draft layers as an HF Qwen3 config dict (q/k norms, no biases, full attention), shapes mirrored from the
+    target (drafters/layers.hf_layer_config)."""
+    extra = {"use_sliding_window": False, "layer_types": ["full_attention"] * config.num_layers}
+    return hf_layer_config(config, target_info, "qwen3", extra)
 
 
 def fuse_context(hidden: Mapping[int, torch.Tensor], layer_ids, fc: nn.Linear, hidden_norm: RMSNorm) -> torch.Tensor:

@@ -26,8 +26,9 @@ discarded. So one drafter forward proposes S-1 tokens.
   loss is about 60 nats instead of about ln V.
 - Persistence: native (config.json with draftsmith_kind + model.safetensors); the resolved layer ids and mask token
   id are written into the saved config, so a checkpoint names them explicitly. Serving layouts (z-lab,
-  speculators) live in drafters/dflash/export.py; `save` / `load` delegate to it, and `export_checks`
-  (drafters/dflash/readers.py, `draftsmith doctor`) says which readers load an export correctly.
+  speculators) live in drafters/dflash/export.py (`export_module`, to which the base class's `save` / `load`
+  dispatch); `export_checks` (drafters/dflash/readers.py, `draftsmith doctor`) says which readers load an export
+  correctly.
 
 Parameter names (fixed: the export reads them): fc.weight, hidden_norm.weight, norm.weight,
 layers.{i}.{input_layernorm,post_attention_layernorm}.weight, layers.{i}.self_attn.{q,k,v,o}_proj.weight,
@@ -40,8 +41,6 @@ Shapes: B batch, T sequence, D hidden, A anchors per row, S block size, N kept a
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any, Mapping
 
 import torch
@@ -68,7 +67,7 @@ from drafters.dflash.layers import (
     resolve_layer_ids,
     resolve_mask_token_id,
 )
-from drafters.layers import KVCache
+from drafters.layers import FrozenTargetTensors, KVCache
 from drafters.losses import global_mean, output_metrics
 from drafters.vocab import DraftVocab
 
@@ -78,6 +77,7 @@ class DFlashDrafter(Drafter):
 
     kind = "dflash"
     Config = DFlashConfig
+    export_module = export  # the serving layouts dflash (z-lab), speculators (save / load in drafters/base.py)
 
     def __init__(self, config: DFlashConfig, target_info: TargetInfo):
         super().__init__(config, target_info)
@@ -96,7 +96,7 @@ class DFlashDrafter(Drafter):
             # Until init_from_data / load: the first draft_vocab_size target ids (d2t all zero).
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.arange(target_info.vocab_size) < config.draft_vocab_size)
-        self._frozen: dict[tuple, torch.Tensor] = {}
+        self._frozen = FrozenTargetTensors(target_info)
         self._caches: list[KVCache] = []
         self._state: dict[str, torch.Tensor] = {}
         if not self.fc.weight.is_meta:  # a meta-device build (shape checks) has nothing to initialise
@@ -136,12 +136,8 @@ class DFlashDrafter(Drafter):
             self.lm_head.weight.copy_(head.index_select(0, self.draft_ids().to(head.device)))
 
     def _target_tensor(self, name: str) -> torch.Tensor:
-        """A frozen TargetInfo tensor on this module's device/dtype (copied once per device, never a buffer)."""
-        weight = self.fc.weight
-        key = (name, weight.device, weight.dtype)
-        if key not in self._frozen:
-            self._frozen[key] = getattr(self.target_info, name).detach().to(weight.device, weight.dtype)
-        return self._frozen[key]
+        """A frozen TargetInfo tensor on this drafter's device/dtype (drafters/layers.FrozenTargetTensors)."""
+        return self._frozen.get(name, self.fc.weight)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [..., D] -> logits [..., V_d] (the frozen target head unless the vocab is reduced)."""
@@ -264,39 +260,9 @@ class DFlashDrafter(Drafter):
         draft_ids = self.draft_ids()
         return Proposal(tokens=drafts if draft_ids is None else draft_ids[drafts])
 
-    # ---- persistence ---------------------------------------------------------------------------------------
-    @staticmethod
-    def detect_format(config: Mapping[str, Any]) -> str | None:
-        """"native" for our header, "dflash" (z-lab) or "speculators" for the serving layouts, else None."""
-        return export.detect_format(config, DFlashDrafter.kind)
-
+    # ---- persistence (save / load / detect_format: drafters/base.py, through export_module) ----------------------
     @staticmethod
     def export_checks(directory: str, target_info: TargetInfo) -> list:
         """What `draftsmith doctor` checks in a checkpoint of this kind: Check(name, status, detail) rows saying
         which readers load it correctly (drafters/dflash/readers.py)."""
         return readers.export_checks(directory, target_info)
-
-    def save(self, directory: str, fmt: str = "native") -> None:
-        """Write "native", or a serving layout of drafters/dflash/export.py."""
-        if fmt == "native":
-            super().save(directory, fmt)
-            return
-        if fmt not in export.EXPORT_FORMATS:
-            raise ValueError(f"dflash cannot export format {fmt!r}; it writes: "
-                             f"{', '.join(('native',) + export.EXPORT_FORMATS)}")
-        export.write(self, directory, fmt)
-
-    @classmethod
-    def load(cls, directory: str, target_info: TargetInfo) -> "DFlashDrafter":
-        """Load a native checkpoint or (through drafters/dflash/export.py) a serving layout, for `target_info`."""
-        with open(os.path.join(directory, "config.json")) as f:
-            header = json.load(f)
-        fmt = cls.detect_format(header)
-        if fmt is None:
-            raise ValueError(f"{directory}: config.json is not a DFlash checkpoint")
-        if fmt == "native":
-            return super().load(directory, target_info)
-        config, state = export.read(directory, header, fmt, target_info)
-        drafter = cls(config, target_info)
-        drafter.load_state_dict(state, strict=True)
-        return drafter

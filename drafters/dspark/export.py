@@ -39,6 +39,7 @@ from drafters.dflash.export import check_layer_shapes, check_supported, dtype_na
 from drafters.dspark.layers import DSparkConfig, backbone_config
 from drafters.files import write_json_atomic
 from drafters.layers import rope_parameters
+from drafters.speculators import speculators_section
 
 EXPORT_FORMATS = ("speculators", "deepspec")
 SPECULATORS_VERSION = "0.9.0"
@@ -94,8 +95,6 @@ def speculators_config(drafter) -> dict[str, Any]:
     """The speculators config.json dict (no top-level model_type; vLLM routes on speculators_config)."""
     info = drafter.target_info
     block_size = int(drafter.config.block_size)
-    proposal = {"proposal_type": "greedy", "speculative_tokens": block_size, "verifier_accept_k": 1,
-                "accept_tolerance": 0.0}
     return {
         "speculators_model_type": "dspark",
         "speculators_version": SPECULATORS_VERSION,
@@ -111,13 +110,7 @@ def speculators_config(drafter) -> dict[str, Any]:
         **_heads(drafter),
         "torch_dtype": dtype_name(drafter),
         "tie_word_embeddings": False,
-        "speculators_config": {
-            "algorithm": "dspark",
-            "proposal_methods": [proposal],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": info.name_or_path,
-                         "architectures": list(info.config.get("architectures") or [])},
-        },
+        "speculators_config": speculators_section("dspark", info, block_size),
         _OURS: _ours(drafter),
     }
 

@@ -32,14 +32,12 @@ Shapes: B batch, T sequence, D hidden, A anchors per row, S block size, N kept a
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 
-from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
 from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.layers import (
     absorb_context,
@@ -64,6 +62,7 @@ from drafters.dspark.layers import (
     check_config,
     depth_weights,
 )
+from drafters.layers import FrozenTargetTensors
 from drafters.losses import global_mean, output_metrics
 
 
@@ -72,6 +71,7 @@ class DSparkDrafter(Drafter):
 
     kind = "dspark"
     Config = DSparkConfig
+    export_module = export  # the serving layouts speculators, deepspec (save / load in drafters/base.py)
 
     def __init__(self, config: DSparkConfig, target_info: TargetInfo):
         super().__init__(config, target_info)
@@ -95,7 +95,7 @@ class DSparkDrafter(Drafter):
         if config.enable_confidence_head:
             with_markov = config.confidence_head_with_markov
             self.confidence_head = ConfidenceHead(hidden + (config.markov_rank if with_markov else 0))
-        self._frozen: dict[tuple, torch.Tensor] = {}
+        self._frozen = FrozenTargetTensors(target_info)
         self._caches = []
         self._state: dict[str, Any] = {}
 
@@ -107,12 +107,8 @@ class DSparkDrafter(Drafter):
         return self.config.block_size
 
     def _target_tensor(self, name: str) -> torch.Tensor:
-        """A frozen TargetInfo tensor on this module's device/dtype (copied once per device, never a buffer)."""
-        weight = self.fc.weight
-        key = (name, weight.device, weight.dtype)
-        if key not in self._frozen:
-            self._frozen[key] = getattr(self.target_info, name).detach().to(weight.device, weight.dtype)
-        return self._frozen[key]
+        """A frozen TargetInfo tensor on this drafter's device/dtype (drafters/layers.FrozenTargetTensors)."""
+        return self._frozen.get(name, self.fc.weight)
 
     def _block_embeds(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """anchor_tokens [...] -> embeddings [..., S, D] of the blocks [x_a, MASK x (S-1)]."""
@@ -294,38 +290,6 @@ class DSparkDrafter(Drafter):
         export.store_confidence_temperatures(directory, [float(t) for t in temperatures])
 
     @staticmethod
-    def detect_format(config: Mapping[str, Any]) -> str | None:
-        """"native" for our header, "speculators" / "deepspec" for the export layouts, else None."""
-        if config.get(NATIVE_KIND_KEY) == DSparkDrafter.kind:
-            return "native"
-        return export.detect_format(config)
-
-    @staticmethod
     def export_checks(directory: str, target_info: TargetInfo) -> list:
         """What `draftsmith doctor` checks in a checkpoint of this kind (drafters/dspark/readers.py)."""
         return readers.export_checks(directory, target_info)
-
-    def save(self, directory: str, fmt: str = "native") -> None:
-        """Write "native", or a serving layout of drafters/dspark/export.py."""
-        if fmt == "native":
-            super().save(directory, fmt)
-            return
-        if fmt not in export.EXPORT_FORMATS:
-            raise ValueError(f"dspark cannot export format {fmt!r}; it writes: "
-                             f"{', '.join(('native',) + export.EXPORT_FORMATS)}")
-        export.write(self, directory, fmt)
-
-    @classmethod
-    def load(cls, directory: str, target_info: TargetInfo) -> "DSparkDrafter":
-        """Load a native checkpoint or a serving layout (drafters/dspark/export.py) for `target_info`."""
-        with open(os.path.join(directory, "config.json")) as f:
-            header = json.load(f)
-        fmt = cls.detect_format(header)
-        if fmt is None:
-            raise ValueError(f"{directory}: config.json is not a DSpark checkpoint")
-        if fmt == "native":
-            return super().load(directory, target_info)
-        config, state = export.read(directory, header, fmt, target_info)
-        drafter = cls(config, target_info)
-        drafter.load_state_dict(state, strict=True)
-        return drafter

@@ -32,9 +32,10 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafters.base import NATIVE_KIND_KEY, TargetInfo, check_target_match
+from drafters.base import TargetInfo, check_target_match
 from drafters.eagle3.layers import Eagle3Config, default_layer_ids, fold_fc_columns
 from drafters.layers import rope_parameters
+from drafters.speculators import speculators_section
 
 EXPORT_FORMATS = ("speculators", "eagle3", "sglang")
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema this writer follows
@@ -43,13 +44,12 @@ SGLANG_NUM_AUX = 3  # SpecForge's fc reads exactly three aux states
 _UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output", "attention_bias", "mlp_bias")
 
 
-def detect_format(config: Mapping[str, Any], kind: str = "eagle3") -> str | None:
-    """"native", "speculators", "eagle3" or "sglang" for an EAGLE-3 checkpoint's config.json dict, else None.
+def detect_format(config: Mapping[str, Any]) -> str | None:
+    """"speculators", "eagle3" or "sglang" for an EAGLE-3 export's config.json dict, else None (native is the
+    drafter's: Drafter.detect_format).
 
     A LlamaForCausalLMEagle3-style config with nested `eagle_config` ids is the SGLang / SpecForge layout.
     """
-    if config.get(NATIVE_KIND_KEY) == kind:
-        return "native"
     if config.get("speculators_model_type") == "eagle3" and "speculators_config" in config:
         return "speculators"
     if any("Eagle3" in name for name in config.get("architectures") or ()):
@@ -132,14 +132,6 @@ def _eagle3_fields(drafter) -> dict[str, Any]:
 
 def speculators_config(drafter) -> dict[str, Any]:
     """The speculators config.json dict (no top-level model_type; vLLM routes on speculators_config)."""
-    info = drafter.target_info
-    verifier_architectures = list(info.config.get("architectures") or [])
-    proposal = {
-        "proposal_type": "greedy",
-        "speculative_tokens": drafter.config.ttt_steps,
-        "verifier_accept_k": 1,
-        "accept_tolerance": 0.0,
-    }
     return {
         "speculators_model_type": "eagle3",
         "speculators_version": SPECULATORS_VERSION,
@@ -147,12 +139,7 @@ def speculators_config(drafter) -> dict[str, Any]:
         "transformer_layer_config": {**drafter.layer_config, "num_aux_hidden_states": len(drafter.layer_ids)},
         **_eagle3_fields(drafter),
         "embed_requires_grad": False,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [proposal],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": info.name_or_path, "architectures": verifier_architectures},
-        },
+        "speculators_config": speculators_section("eagle3", drafter.target_info, drafter.config.ttt_steps),
     }
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from drafters.base import TargetInfo
-from drafters.layers import RMSNorm, SwiGLU, apply_rope, rope_parameters
+from drafters.layers import RMSNorm, SwiGLU, apply_rope, hf_layer_config
 
 @dataclass(kw_only=True)
 class Eagle3Config:
@@ -89,43 +89,9 @@ def fold_fc_columns(weight: torch.Tensor, listed_ids, hidden_size: int) -> tuple
 
 
 def draft_layer_config(config: Eagle3Config, target_info: TargetInfo) -> dict[str, Any]:
-    """The draft decoder layer as an HF Llama config dict (also written as speculators transformer_layer_config)."""
-    target = target_info.config
-    if "hidden_size" not in target and isinstance(target.get("text_config"), Mapping):
-        target = target["text_config"]
-    hidden = target_info.hidden_size
-    heads = config.num_attention_heads or target.get("num_attention_heads")
-    if not heads or hidden % heads and not (config.head_dim or target.get("head_dim")):
-        raise ValueError(f"drafter.num_attention_heads: cannot derive a head count from {heads!r} (hidden {hidden})")
-    kv_heads = config.num_key_value_heads or target.get("num_key_value_heads") or heads
-    if heads % kv_heads:
-        raise ValueError(f"drafter.num_key_value_heads {kv_heads} must divide num_attention_heads {heads}")
-    intermediate = config.intermediate_size or target.get("intermediate_size")
-    if not intermediate:
-        raise ValueError("drafter.intermediate_size: the target config has none; set it")
-    rope = rope_parameters(target)
-    if config.rope_theta is not None:
-        rope["rope_theta"] = float(config.rope_theta)
-    legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
-    return {
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(intermediate),
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": int(heads),
-        "num_key_value_heads": int(kv_heads),
-        "head_dim": int(config.head_dim or target.get("head_dim") or hidden // heads),
-        "hidden_act": "silu",
-        "max_position_embeddings": int(target.get("max_position_embeddings", 4096)),
-        "rms_norm_eps": float(target_info.rms_norm_eps),
-        "vocab_size": target_info.vocab_size,
-        "rope_theta": rope["rope_theta"],
-        "rope_scaling": legacy_scaling,
-        "rope_parameters": rope,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-    }
+    """The draft decoder layer as an HF Llama config dict (also written as speculators transformer_layer_config;
+    drafters/layers.hf_layer_config)."""
+    return hf_layer_config(config, target_info, "llama", {"mlp_bias": False})
 
 
 class Eagle3Attention(nn.Module):

@@ -21,17 +21,13 @@ The target's embedding is used directly from TargetInfo and is never a parameter
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
-from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, check_target_match
-from drafters.configs import from_dict
+from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
 from drafters.eagle3 import export as export_eagle3
 from drafters.eagle3 import readers as eagle3_readers
 from drafters.eagle3.layers import (
@@ -43,11 +39,13 @@ from drafters.eagle3.layers import (
     resolve_layer_ids,
 )
 from drafters.layers import (
+    FrozenTargetTensors,
     KVCache,
     RMSNorm,
     RotaryEmbedding,
     attention,
     attention_with_diagonal,
+    draw_drafts,
     rope_inverse_frequencies,
 )
 from drafters.losses import decayed_sum, output_metrics, soft_cross_entropy
@@ -62,6 +60,7 @@ class Eagle3Drafter(Drafter):
 
     kind = "eagle3"
     Config = Eagle3Config
+    export_module = export_eagle3  # the serving layouts speculators, eagle3, sglang (save / load in drafters/base.py)
 
     def __init__(self, config: Eagle3Config, target_info: TargetInfo):
         super().__init__(config, target_info)
@@ -82,7 +81,7 @@ class Eagle3Drafter(Drafter):
         # Until init_from_data / load: the first draft_vocab_size target ids (d2t all zero).
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(vocab_size) < config.draft_vocab_size)
-        self._frozen: dict[tuple, torch.Tensor] = {}
+        self._frozen = FrozenTargetTensors(target_info)
         self._caches: list[KVCache] = []
         self._state: dict[str, torch.Tensor] = {}
         source_layer = config.init_layer_from_target
@@ -155,12 +154,8 @@ class Eagle3Drafter(Drafter):
             target.copy_(source)
 
     def _target_tensor(self, name: str) -> torch.Tensor:
-        """A frozen TargetInfo tensor on this module's device/dtype (copied once per device, never a buffer)."""
-        weight = self.fc.weight
-        key = (name, weight.device, weight.dtype)
-        if key not in self._frozen:
-            self._frozen[key] = getattr(self.target_info, name).detach().to(weight.device, weight.dtype)
-        return self._frozen[key]
+        """A frozen TargetInfo tensor on this drafter's device/dtype (drafters/layers.FrozenTargetTensors)."""
+        return self._frozen.get(name, self.fc.weight)
 
     # ---- training: the training-time test (reference A.4) ---------------------------------------------------
     def forward(self, batch: Mapping[str, Any]) -> DraftOutput:
@@ -320,7 +315,7 @@ class Eagle3Drafter(Drafter):
         draft_ids = self.draft_ids()
         tokens, probs = [], []
         for j in range(num_tokens):
-            draft, q = self._choose(logits)
+            draft, q = draw_drafts(logits, self.config.sample_drafts, self._generator)
             tokens.append(draft_ids[draft])
             probs.append(q)
             if j + 1 == num_tokens:
@@ -339,73 +334,30 @@ class Eagle3Drafter(Drafter):
         full[:, :, draft_ids] = q
         return Proposal(tokens=torch.stack(tokens, dim=1), probs=full)
 
-    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [B, V_d] -> draft ids [B] and q [B, V_d] (None for argmax drafts)."""
-        if not self.config.sample_drafts:
-            return logits.argmax(dim=-1), None
-        q = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        return torch.multinomial(q, 1, generator=self._generator).squeeze(1), q
-
-    # ---- persistence ---------------------------------------------------------------------------------------
-    @staticmethod
-    def detect_format(config: Mapping[str, Any]) -> str | None:
-        """"native", "speculators", "eagle3" or "sglang" for an EAGLE-3 checkpoint's config.json dict, else None."""
-        return detect_format(config)
-
+    # ---- persistence (save / load / detect_format: drafters/base.py, through export_module) ----------------------
     @staticmethod
     def export_checks(directory: str, target_info: TargetInfo) -> list:
         """What `draftsmith doctor` checks in a checkpoint of this kind: Check(name, status, detail) rows saying
         which servers read it correctly (drafters/eagle3/readers.py)."""
         return eagle3_readers.export_checks(directory, target_info)
 
-    def save(self, directory: str, fmt: str = "native") -> None:
-        """Write `fmt`: "native" (config + state dict) or a serving format of export_eagle3.EXPORT_FORMATS."""
-        if fmt == "native":
-            # The header names the resolved (sorted, unique) ids: the order of the fc input blocks.
-            configured, self.config = self.config, dataclasses.replace(self.config, layer_ids=self.layer_ids)
-            try:
-                super().save(directory, fmt)
-            finally:
-                self.config = configured
-            return
-        if fmt not in export_eagle3.EXPORT_FORMATS:
-            known = ", ".join(("native",) + export_eagle3.EXPORT_FORMATS)
-            raise ValueError(f"eagle3 cannot export format {fmt!r}; it writes: {known}")
-        export_eagle3.write(self, directory, fmt)
+    def checkpoint_config(self) -> Eagle3Config:
+        """The native header names the resolved (sorted, unique) ids: the order of the fc input blocks."""
+        return dataclasses.replace(self.config, layer_ids=self.layer_ids)
 
     @classmethod
-    def load(cls, directory: str, target_info: TargetInfo) -> "Eagle3Drafter":
-        """Load any format detect_format knows (from config.json) for `target_info`."""
-        with open(os.path.join(directory, "config.json")) as f:
-            header = json.load(f)
-        fmt = detect_format(header)
-        if fmt is None:
-            raise ValueError(f"{directory}: config.json is not an EAGLE-3 checkpoint (native, speculators, eagle3 or"
-                             " sglang layout)")
-        if fmt == "native":
-            config, state = _read_native(directory, header, target_info)
-        else:
-            config, state = export_eagle3.read(directory, header, fmt, target_info)
-        drafter = cls(config, target_info)
-        drafter.load_state_dict(state, strict=True)
-        return drafter
-
-
-def _read_native(directory: str, header: Mapping[str, Any], target_info: TargetInfo):
-    """(config, state dict) of a native checkpoint. One written before ids were sorted and de-duplicated has its fc
-    blocks in the configured order (the default (2, N//2, N-3) included): they are folded into sorted unique order,
-    which computes exactly the same function."""
-    target = header.get("target", {})
-    check_target_match(target_info, target.get("hidden_size"), target.get("vocab_size"), directory)
-    config = from_dict(Eagle3Config, header["drafter_config"], "drafter")
-    state = load_file(os.path.join(directory, "model.safetensors"))
-    listed = tuple(config.layer_ids) or default_layer_ids(target_info.num_layers)
-    if "fc.weight" in state and state["fc.weight"].shape[1] == len(listed) * target_info.hidden_size:
-        layer_ids, state["fc.weight"] = fold_fc_columns(state["fc.weight"], listed, target_info.hidden_size)
-        config = dataclasses.replace(config, layer_ids=layer_ids)
-    return config, state
+    def read_native(cls, directory: str, header: Mapping[str, Any], target_info: TargetInfo):
+        """(config, state dict) of a native checkpoint. One written before ids were sorted and de-duplicated has its
+        fc blocks in the configured order (the default (2, N//2, N-3) included): they are folded into sorted unique
+        order, which computes exactly the same function."""
+        config, state = super().read_native(directory, header, target_info)
+        listed = tuple(config.layer_ids) or default_layer_ids(target_info.num_layers)
+        if "fc.weight" in state and state["fc.weight"].shape[1] == len(listed) * target_info.hidden_size:
+            layer_ids, state["fc.weight"] = fold_fc_columns(state["fc.weight"], listed, target_info.hidden_size)
+            config = dataclasses.replace(config, layer_ids=layer_ids)
+        return config, state
 
 
 def detect_format(config: Mapping[str, Any]) -> str | None:
     """"native", "speculators", "eagle3" or "sglang" for an EAGLE-3 checkpoint's config.json dict, else None."""
-    return export_eagle3.detect_format(config, Eagle3Drafter.kind)
+    return Eagle3Drafter.detect_format(config)

@@ -27,11 +27,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import DraftContext, Drafter, DraftOutput, FeatureRequest, Proposal, TargetInfo
-from drafters.losses import global_mean, output_metrics, soft_cross_entropy
+from drafters.layers import FrozenTargetTensors, draw_drafts
+from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss
 from drafters.medusa.layers import MedusaConfig, MedusaHead
 
 
@@ -51,7 +51,7 @@ class MedusaDrafter(Drafter):
         own_head = config.lm_head != "target"
         self.heads = nn.ModuleList(MedusaHead(target_info.hidden_size, target_info.vocab_size, config.num_layers,
                                               own_head) for _ in range(config.num_heads))
-        self._frozen: dict[tuple, torch.Tensor] = {}
+        self._frozen = FrozenTargetTensors(target_info)
         self._state: dict[str, torch.Tensor] = {}
         if config.lm_head == "copy" and not self.heads[0].lm_head.weight.is_meta:
             with torch.no_grad():
@@ -65,12 +65,8 @@ class MedusaDrafter(Drafter):
         return self.config.num_heads
 
     def _target_tensor(self, name: str) -> torch.Tensor:
-        """A frozen TargetInfo tensor on this module's device/dtype (copied once per device, never a buffer)."""
-        weight = next(self.parameters())
-        key = (name, weight.device, weight.dtype)
-        if key not in self._frozen:
-            self._frozen[key] = getattr(self.target_info, name).detach().to(weight.device, weight.dtype)
-        return self._frozen[key]
+        """A frozen TargetInfo tensor on this drafter's device/dtype (drafters/layers.FrozenTargetTensors)."""
+        return self._frozen.get(name, next(self.parameters()))
 
     def head_logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """hidden [..., D] -> logits [..., K, V] of heads 0..num_heads-1."""
@@ -86,38 +82,18 @@ class MedusaDrafter(Drafter):
             DraftOutput: row n = (batch_index, t), logits [N, K, V] of head k on h_t, label_position [N, K] = t + k + 2
             (clamped to T - 1 past the end), depth_valid [N, K] = label inside the sequence and in loss_mask.
         """
-        input_ids = batch["input_ids"]
-        _, seq_len = input_ids.shape
-        num_heads, device = self.config.num_heads, input_ids.device
-        lengths = batch["attention_mask"].long().sum(dim=1)
-        in_loss = F.pad(batch["loss_mask"].bool() & batch["attention_mask"].bool(), (0, num_heads + 2))
-        labels = torch.arange(seq_len, device=device)[:, None] + 2 + torch.arange(num_heads, device=device)  # [T, K]
-        valid = (labels < lengths[:, None, None]) & in_loss[:, labels]  # [B, T, K]
-        batch_index, position = valid.any(dim=-1).nonzero(as_tuple=True)
+        batch_index, position, label_position, depth_valid = position_cells(batch, self.config.num_heads)
         hidden = batch["target_last_hidden"][batch_index, position].to(next(self.parameters()).dtype)
-        return DraftOutput(logits=self.head_logits(hidden), batch_index=batch_index,
-                           label_position=labels[position].clamp(max=seq_len - 1),
-                           depth_valid=valid[batch_index, position])
+        return DraftOutput(logits=self.head_logits(hidden), batch_index=batch_index, label_position=label_position,
+                           depth_valid=depth_valid)
 
     def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """sum_k step_decay**k * mean CE of head k over its valid cells of all processes (see MedusaConfig.loss)."""
-        logits = output.logits.to(torch.promote_types(output.logits.dtype, torch.float32))
-        rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
-        if self.config.loss == "soft":
-            with torch.no_grad():
-                teacher_hidden = batch["target_last_hidden"][rows, output.label_position - 1].to(logits.dtype)
-                head = self._target_tensor("lm_head_weight").to(logits.dtype)
-                teacher = torch.softmax(F.linear(teacher_hidden, head), dim=-1)
-            cell_loss = soft_cross_entropy(logits, teacher)
-        else:
-            labels = batch["input_ids"][rows, output.label_position]
-            cell_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
-        _, metrics = output_metrics(output, batch, cell_loss)
-        valid = output.depth_valid.to(cell_loss.dtype)
-        per_depth = global_mean((cell_loss * valid).sum(dim=0), valid.sum(dim=0), batch)
-        weights = self.config.step_decay ** torch.arange(per_depth.numel(), dtype=per_depth.dtype,
-                                                         device=per_depth.device)
-        return (weights * per_depth).sum(), metrics
+        cell_loss = full_vocab_cross_entropy(output, batch, self._target_tensor("lm_head_weight"),
+                                             soft=self.config.loss == "soft")
+        weights = self.config.step_decay ** torch.arange(cell_loss.shape[1], dtype=cell_loss.dtype,
+                                                         device=cell_loss.device)
+        return weighted_depth_loss(output, batch, cell_loss, weights)
 
     # ---- inference --------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -155,9 +131,5 @@ class MedusaDrafter(Drafter):
         hidden = self._state["hidden"]
         if num_tokens <= 0:
             return Proposal(tokens=torch.zeros(hidden.shape[0], 0, dtype=torch.long, device=hidden.device))
-        logits = self.head_logits(hidden, num_tokens)  # [B, k, V]
-        if not self.config.sample_drafts:
-            return Proposal(tokens=logits.argmax(dim=-1))
-        q = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        drafts = torch.multinomial(q.flatten(0, 1), 1, generator=self._generator).view(q.shape[:2])
-        return Proposal(tokens=drafts, probs=q.float())
+        drafts, q = draw_drafts(self.head_logits(hidden, num_tokens), self.config.sample_drafts, self._generator)
+        return Proposal(tokens=drafts, probs=None if q is None else q.float())  # drafts [B, k], q [B, k, V]

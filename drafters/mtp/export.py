@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 
 from drafters.base import TargetInfo, check_target_match
 from drafters.mtp.layers import LAYOUTS, MTPConfig, target_text_config
+from drafters.speculators import speculators_section
 
 NATIVE_LAYOUTS = ("deepseek_v3", "qwen3_next", "mimo")
 EXPORT_FORMATS = NATIVE_LAYOUTS + ("speculators",)
@@ -339,21 +340,13 @@ def _link_or_copy(source: str, destination: str) -> None:
 def speculators_config(drafter) -> dict[str, Any]:
     """The speculators `mtp` config.json dict (no top-level model_type; vLLM routes on speculators_config)."""
     info = drafter.target_info
-    proposal = {"proposal_type": "greedy", "speculative_tokens": drafter.num_steps, "verifier_accept_k": 1,
-                "accept_tolerance": 0.0}
     return {
         "speculators_model_type": "mtp",
         "speculators_version": SPECULATORS_VERSION,
         "architectures": ["MTPDraftModel"],
         "transformer_layer_config": target_text_config(info),
         "num_nextn_predict_layers": 1,
-        "speculators_config": {
-            "algorithm": "mtp",
-            "proposal_methods": [proposal],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": info.name_or_path,
-                         "architectures": list(info.config.get("architectures") or [])},
-        },
+        "speculators_config": speculators_section("mtp", info, drafter.num_steps),
         "torch_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
         "tie_word_embeddings": False,
         "draftsmith": {"num_steps": drafter.num_steps, "loss_weights": list(drafter.config.loss_weights),
@@ -369,8 +362,10 @@ def detect_format(config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def read_speculators(directory: str, header: Mapping[str, Any], target_info: TargetInfo):
-    """(MTPConfig, state dict) of a speculators mtp checkpoint."""
+def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: TargetInfo):
+    """(MTPConfig, state dict) of a drafter directory in `fmt`: "speculators", the one layout `detect_format` finds
+    (the target-checkpoint layouts are target directories, read by this module's `read_native`)."""
+    assert fmt == "speculators", fmt
     layer = header.get("transformer_layer_config") or {}
     check_target_match(target_info, layer.get("hidden_size"), layer.get("vocab_size"), directory)
     if int(header.get("num_nextn_predict_layers", 1)) != 1:

@@ -29,8 +29,6 @@ Shapes: B batch, T sequence, N rows, K depths, P positions kept per row, D hidde
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -38,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, FeatureRequest, Proposal, TargetInfo
-from drafters.losses import global_mean, output_metrics, soft_cross_entropy
+from drafters.base import DraftContext, Drafter, DraftOutput, FeatureRequest, Proposal, TargetInfo
+from drafters.layers import FrozenTargetTensors, draw_drafts
+from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss
 from drafters.mtp import export as mtp_export
 from drafters.mtp import readers as mtp_readers
 from drafters.mtp.layers import (
@@ -72,6 +71,7 @@ class MTPDrafter(Drafter):
 
     kind = "mtp"
     Config = MTPConfig
+    export_module = mtp_export  # "speculators" and the target-checkpoint layouts (save / load in drafters/base.py)
 
     def __init__(self, config: MTPConfig, target_info: TargetInfo):
         super().__init__(config, target_info)
@@ -89,7 +89,7 @@ class MTPDrafter(Drafter):
         self.layers = nn.ModuleList(MTPModule(self.block_config, num_layers + k, classes, first)
                                     for k in range(config.num_modules))
         self.rotary = classes.rotary(self.block_config)
-        self._frozen: dict[tuple, torch.Tensor] = {}
+        self._frozen = FrozenTargetTensors(target_info)
         self._depths: list[_Depth] = []
         self._generator = None
         # Native modules are imported before use (init_from_data / load), so random init would be wasted work.
@@ -151,12 +151,8 @@ class MTPDrafter(Drafter):
         return drafter.to(target_info.embed_weight.device, target_info.embed_weight.dtype).eval()
 
     def _target_tensor(self, name: str) -> torch.Tensor:
-        """A frozen TargetInfo tensor on this module's device/dtype (copied once per device, never a buffer)."""
-        weight = self.layers[0].eh_proj.weight
-        key = (name, weight.device, weight.dtype)
-        if key not in self._frozen:
-            self._frozen[key] = getattr(self.target_info, name).detach().to(weight.device, weight.dtype)
-        return self._frozen[key]
+        """A frozen TargetInfo tensor on this drafter's device/dtype (drafters/layers.FrozenTargetTensors)."""
+        return self._frozen.get(name, self.layers[0].eh_proj.weight)
 
     # ---- one depth over a block of positions --------------------------------------------------------------------
     def _step(self, depth: int, tokens, hidden, position_ids, mask, cache=None, position_embeddings=None):
@@ -187,7 +183,7 @@ class MTPDrafter(Drafter):
         input_ids = batch["input_ids"]
         batch_size, seq_len = input_ids.shape
         steps, device = self.num_steps, input_ids.device
-        batch_index, position, label_position, depth_valid = self._cells(batch, steps)
+        batch_index, position, label_position, depth_valid = position_cells(batch, steps)
         hidden = batch["target_last_hidden"]
         positions = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
         position_embeddings = self.rotary(hidden.to(self.layers[0].eh_proj.weight.dtype), positions)
@@ -202,38 +198,13 @@ class MTPDrafter(Drafter):
         return DraftOutput(logits=logits, batch_index=batch_index, label_position=label_position,
                            depth_valid=depth_valid)
 
-    @staticmethod
-    def _cells(batch: Mapping[str, Any], steps: int):
-        """(batch_index [N], position [N], label_position [N, K], depth_valid [N, K]) of the rows with a loss."""
-        input_ids = batch["input_ids"]
-        batch_size, seq_len = input_ids.shape
-        device = input_ids.device
-        lengths = batch["attention_mask"].long().sum(dim=1)
-        in_loss = F.pad(batch["loss_mask"].bool() & batch["attention_mask"].bool(), (0, steps + 2))
-        labels = torch.arange(seq_len, device=device)[:, None] + 2 + torch.arange(steps, device=device)  # [T, K]
-        valid = (labels < lengths[:, None, None]) & in_loss[:, labels]  # [B, T, K]
-        batch_index, position = valid.any(dim=-1).nonzero(as_tuple=True)
-        return batch_index, position, labels[position].clamp(max=seq_len - 1), valid[batch_index, position]
-
     def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """sum_k w_k * mean CE at depth k over its valid cells of all processes (see MTPConfig.loss)."""
-        logits = output.logits.to(torch.promote_types(output.logits.dtype, torch.float32))
-        rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
-        if self.config.loss == "soft":
-            with torch.no_grad():
-                teacher_hidden = batch["target_last_hidden"][rows, output.label_position - 1].to(logits.dtype)
-                head = self._target_tensor("lm_head_weight").to(logits.dtype)
-                teacher = torch.softmax(F.linear(teacher_hidden, head), dim=-1)
-            cell_loss = soft_cross_entropy(logits, teacher)
-        else:
-            labels = batch["input_ids"][rows, output.label_position]
-            cell_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
-        _, metrics = output_metrics(output, batch, cell_loss)
-        valid = output.depth_valid.to(cell_loss.dtype)
-        per_depth = global_mean((cell_loss * valid).sum(dim=0), valid.sum(dim=0), batch)
-        weights = torch.tensor(depth_weights(self.config, logits.shape[1]), dtype=per_depth.dtype,
-                               device=per_depth.device)
-        return (weights * per_depth).sum(), metrics
+        cell_loss = full_vocab_cross_entropy(output, batch, self._target_tensor("lm_head_weight"),
+                                             soft=self.config.loss == "soft")
+        weights = torch.tensor(depth_weights(self.config, cell_loss.shape[1]), dtype=cell_loss.dtype,
+                               device=cell_loss.device)
+        return weighted_depth_loss(output, batch, cell_loss, weights)
 
     # ---- inference: a stateful chain proposer -------------------------------------------------------------------
     @torch.no_grad()
@@ -340,7 +311,7 @@ class MTPDrafter(Drafter):
         rows = torch.arange(batch, device=anchor.device)
         fed = self._depths[0].out[rows, anchor - 1]
         normed = fed if self.convention.feed_back_normed else self.layers[self._module_index(0)].final_norm(fed)
-        draft, q = self._choose(self._logits(normed))
+        draft, q = draw_drafts(self._logits(normed), self.config.sample_drafts, self._generator)
         tokens, probs, speculative = [draft], [q], None
         for depth in range(1, num_tokens):
             # depth runs over positions anchor-depth .. anchor-1: the first has depth-1's committed output, the rest
@@ -351,51 +322,15 @@ class MTPDrafter(Drafter):
             cache = self._depths[depth].cache
             speculative, normed = self._step(depth, torch.stack(tokens, dim=1), hidden, positions.clamp(min=0),
                                              cache.plan(positions >= 0), cache)
-            draft, q = self._choose(self._logits(normed[:, -1]))
+            draft, q = draw_drafts(self._logits(normed[:, -1]), self.config.sample_drafts, self._generator)
             tokens.append(draft)
             probs.append(q)
         if not self.config.sample_drafts:
             return Proposal(tokens=torch.stack(tokens, dim=1))
         return Proposal(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1).float())
 
-    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [B, V] -> drafts [B] and q [B, V] (None for argmax drafts)."""
-        if not self.config.sample_drafts:
-            return logits.argmax(dim=-1), None
-        q = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        return torch.multinomial(q, 1, generator=self._generator).squeeze(1), q
-
-    # ---- persistence ------------------------------------------------------------------------------------------------
-    @staticmethod
-    def detect_format(config: Mapping[str, Any]) -> str | None:
-        """"native" or "speculators" for an MTP checkpoint's config.json dict, else None."""
-        if config.get(NATIVE_KIND_KEY) == MTPDrafter.kind:
-            return "native"
-        return mtp_export.detect_format(config)
-
+    # ---- persistence (drafters/base.py dispatches to drafters/mtp/export.py) --------------------------------------
     @staticmethod
     def export_checks(directory: str, target_info: TargetInfo) -> list:
         """What `draftsmith doctor` checks in a checkpoint of this kind (drafters/mtp/readers.py)."""
         return mtp_readers.export_checks(directory, target_info)
-
-    def save(self, directory: str, fmt: str = "native") -> None:
-        """"native", "speculators", or the target's checkpoint with these modules in "deepseek_v3", "qwen3_next"
-        or "mimo" layout (drafters/mtp/export.py)."""
-        if fmt == "native":
-            super().save(directory, fmt)
-            return
-        mtp_export.write(self, directory, fmt)
-
-    @classmethod
-    def load(cls, directory: str, target_info: TargetInfo) -> "MTPDrafter":
-        with open(os.path.join(directory, "config.json")) as f:
-            header = json.load(f)
-        fmt = cls.detect_format(header)
-        if fmt == "native":
-            return super().load(directory, target_info)
-        if fmt is None:
-            raise ValueError(f"{directory}: config.json is not an MTP checkpoint (native or speculators mtp)")
-        config, state = mtp_export.read_speculators(directory, header, target_info)
-        drafter = cls(config, target_info)
-        drafter.load_state_dict(state, strict=True)
-        return drafter

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from drafters.base import TargetInfo
 from drafters.eagle3.readers import Check, open_checkpoint, our_reader
-from drafters.mtp.export import detect_format, read_speculators
+from drafters.mtp.export import detect_format, read
 from drafters.mtp.layers import target_text_config
 
 PREFIX = "mtp_layers.0."
@@ -68,4 +68,4 @@ def export_checks(directory: str, target_info: TargetInfo) -> list[Check]:
     header = opened.header
     checks = [Check("layout", "pass", "speculators mtp layout, meant for vLLM (vllm serve DIR, method mtp) and"
                     " speculators"), fields_check(header), sizes_check(header, opened.shapes, target_info)]
-    return checks + [our_reader(lambda: read_speculators(directory, header, target_info))[0]]
+    return checks + [our_reader(lambda: read(directory, header, "speculators", target_info))[0]]
