@@ -135,3 +135,21 @@ def test_missing_chat_template_is_an_error_unless_disabled(dirs, tmp_path, capsy
     assert main(argv) == 2
     assert "no chat template" in capsys.readouterr().err
     assert main(argv + ["--no-chat-template"]) == 0
+
+
+def test_k_beyond_a_block_drafter_is_refused_naming_the_limit(dirs, tmp_path, capsys):
+    """A DFlash checkpoint with block 4 drafts at most 3 tokens: --num-draft-tokens 5 is an input error."""
+    from drafters.dflash import DFlashDrafter
+    from drafters.dflash.layers import DFlashConfig
+    from inference.target import TargetModel
+
+    target = TargetModel.from_pretrained(str(dirs / "target"))
+    info = target.target_info()
+    config = DFlashConfig(layer_ids=(0, 1), num_layers=1, block_size=4, num_anchors=8,
+                          mask_token_id=info.vocab_size - 1, allow_text_mask_token=True)
+    DFlashDrafter(config, info).save(str(tmp_path / "dflash"), "native")
+    rc = run_eval(dirs, tmp_path, "--num-draft-tokens", "2,5", drafter=str(tmp_path / "dflash"))
+    err = capsys.readouterr().err
+    assert rc == 2 and "--num-draft-tokens 5" in err and "at most 3" in err and "0..3" in err, err
+    assert run_eval(dirs, tmp_path, "--num-prompts", "2", "--num-draft-tokens", "3",
+                    drafter=str(tmp_path / "dflash")) == 0
