@@ -231,6 +231,13 @@ def test_cache_checksum_and_stale_data_are_detected(workdir, tmp_path):
     stale = dict(batch, input_ids=torch.tensor([[5, 6, 7, 9], [9, 10, 0, 0]]))
     with pytest.raises(ValueError, match="sample 0 holds other tokens"):
         FeatureProvider("offline", target, request, FeatureCache(str(tmp_path / "c"), meta))(stale)
+    old_meta = {key: value for key, value in meta.items() if key != "top_k_logits"}
+    old_dir = tmp_path / "old"
+    old_dir.mkdir()
+    (old_dir / "meta.json").write_text(json.dumps({"format": 1, **old_meta}))  # a cache from before top-k logits
+    FeatureCache(str(old_dir), {**meta, "top_k_logits": 0})  # still readable by a run that asks for none
+    with pytest.raises(ValueError, match="top_k_logits is 0"):
+        FeatureCache(str(old_dir), meta)
     with pytest.raises(ValueError, match="layer ids \\[2\\] were not stored"):
         FeatureCache(str(tmp_path / "c"), {**meta, "layer_ids": [1, 2, 3]})
     shard = tmp_path / "c" / "rank0-00000.safetensors"

@@ -62,6 +62,7 @@ class FeatureCache:
             write_json_atomic(path, meta)
         with open(path) as f:
             stored = json.load(f)
+        stored.setdefault("top_k_logits", 0)  # caches written before top-k logits existed store none
         for key in ("format", "target", "hidden_size", "num_layers", "dtype", "num_samples", "top_k_logits"):
             if stored.get(key) != meta.get(key):
                 raise ValueError(f"feature cache {self.directory}: {key} is {stored.get(key)!r} but this run needs "
