@@ -142,7 +142,8 @@ class DraftOutput:
 
     logits:         [N, K, V_d] draft logits (V_d = the draft vocabulary; `draft_ids` maps it to target ids).
     batch_index:    [N] the sequence row of the batch each prediction row belongs to.
-    label_position: [N, K] the position in that sequence of the token each cell predicts (anchor + 1 + k).
+    label_position: [N, K] the position in that sequence of the token each cell predicts (anchor + 1 + k), always
+                    in 1..T-1: a cell whose label would fall past the end is clamped to T-1 and marked invalid.
     depth_valid:    [N, K] bool, the cells the loss and the metrics use.
     draft_ids:      [V_d] target id of each draft-vocabulary index, or None when V_d is the target vocabulary.
     hidden:         [N, K, D] the drafter's final hidden state per cell, for heads that read it (or None).

@@ -102,8 +102,7 @@ def output_metrics(output, batch: Mapping[str, Any], cell_loss: torch.Tensor) ->
     valid = output.depth_valid
     with torch.no_grad():
         rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
-        last = batch["target_argmax"].shape[1] - 1
-        agreed = batch["target_argmax"][rows, (output.label_position - 1).clamp(min=0, max=last)]
+        agreed = batch["target_argmax"][rows, output.label_position - 1]  # label_position lies in 1..T-1
         predicted = output.target_ids(output.logits.detach().argmax(dim=-1))
         accuracy, _ = masked_depth_means((predicted == agreed).float(), valid)
     per_depth, counts = masked_depth_means(cell_loss, valid)

@@ -13,7 +13,8 @@ Costs are in units of one plain autoregressive (AR) target step of the same engi
 k = 0 run: d(k) = draft time per round / AR step (measured at each k: a chain drafter pays about k c, a block drafter
 one forward for all k drafts, so k c would have the wrong shape), c = d(k) / k, v(k) = verify forward time / AR step,
 and the theoretical speedup is tau / (d(k) + v(k)) (D.2, batched form: a batched round costs d(k) + v(k) AR steps
-and each of its rows gains tau tokens on average). Prefill time is reported on its own (`time_s.prefill`) and is not part of `time_s.other`.
+and each of its rows gains tau tokens on average). Prefill time is reported on its own (`time_s.prefill`) and is not
+part of `time_s.other`.
 """
 
 from __future__ import annotations

@@ -156,6 +156,8 @@ def test_loss_is_finite_and_gradients_reach_only_the_drafter(kind):
     valid = output.depth_valid
     assert output.logits.shape[:2] == valid.shape == output.label_position.shape
     assert output.batch_index.shape == (valid.shape[0],)
+    # every cell, valid or not, names a position inside the sequence (losses.output_metrics indexes with it)
+    assert int(output.label_position.min()) >= 1 and int(output.label_position.max()) < batch["input_ids"].shape[1]
     assert bool((output.label_position[valid] < batch["attention_mask"].sum(1)[output.batch_index[:, None]
                                                                                 .expand_as(valid)][valid]).all())
 
@@ -276,7 +278,7 @@ def test_sampling_law_is_the_targets(kind):
     assert sum(map(sum, out.accept_lengths)) > 0 or kind == "ngram"  # the drafter took part
 
 
-# ---- persistence -------------------------------------------------------------------------------------------------------
+# ---- persistence -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_save_load_gives_identical_proposals_and_logits(kind, tmp_path):
     target = tiny_target(dtype=torch.float32)  # the dtype a loaded drafter has, so logits compare exactly

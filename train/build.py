@@ -44,7 +44,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_target(recipe: Recipe, device) -> TargetModel:
     """The frozen target on `device` in target.dtype (a debug:NAME target is built on first use)."""
-    return TargetModel.from_pretrained(recipe.target.name_or_path, dtype=resolve_dtype(recipe.target.dtype, device), device=device)
+    dtype = resolve_dtype(recipe.target.dtype, device)
+    return TargetModel.from_pretrained(recipe.target.name_or_path, dtype=dtype, device=device)
 
 
 def load_data(recipe: Recipe, target: TargetModel, state: PartialState):

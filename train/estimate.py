@@ -2,8 +2,8 @@
 
 Disk: per token, (number of hidden ids + 1) x D values in the cache dtype (the requested hidden states plus the
 final-norm hidden state) plus 8 bytes (the target argmax and the token id, int32), plus k values and k int32 ids
-when the drafter asks for top-k logits, summed over the train and eval splits. Time: the target's feature throughput measured on a few real batches of the recipe's data, on this machine,
-after one warm-up batch.
+when the drafter asks for top-k logits, summed over the train and eval splits. Time: the target's feature throughput
+measured on a few real batches of the recipe's data, on this machine, after one warm-up batch.
 
     draftsmith estimate recipes/smollm2/eagle3_full.yaml
 """

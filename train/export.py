@@ -1,9 +1,9 @@
 """`draftsmith export CKPT --format FORMAT --out DIR`: a trained drafter in a serving format.
 
-Formats by drafter kind (each drafter's `save` refuses, naming the reader and the alternative, what its layout
-cannot carry): EAGLE-3 speculators | eagle3 (plain, vLLM) | sglang (SGLang / SpecForge); DFlash dflash (z-lab,
-read by the dflash package, transformers and vLLM) | speculators; MTP its native layout | speculators; every
-drafter native.
+Formats by drafter kind (`--help` lists them from the registry; each drafter's `save` refuses, naming the reader
+and the alternative, what its layout cannot carry): EAGLE-3 speculators | eagle3 (plain, vLLM) | sglang (SGLang /
+SpecForge); DFlash dflash (z-lab, read by the dflash package, transformers and vLLM) | speculators; DSpark
+speculators | deepspec; MTP deepseek_v3 | qwen3_next | mimo | speculators; every drafter native.
 
     draftsmith export runs/smollm2_eagle3/final --format speculators --out runs/smollm2_eagle3/speculators \
         --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
@@ -24,11 +24,15 @@ import sys
 
 import torch
 
-from drafters import load_drafter
+from drafters import DRAFTERS, load_drafter
 from drafters.files import replace_directory
 from inference.target import TargetModel
 
-FORMATS = ("speculators", "eagle3", "sglang", "dflash", "native")
+
+
+def formats_by_kind() -> str:
+    """"kind: format, ..." for every registered drafter that writes more than its native format."""
+    return "; ".join(f"{kind}: {', '.join(cls.formats())}" for kind, cls in DRAFTERS.items() if len(cls.formats()) > 1)
 
 
 def checkpoint_target(directory: str) -> str | None:
@@ -46,8 +50,8 @@ def checkpoint_target(directory: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="draftsmith export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint")
-    parser.add_argument("--format", required=True,
-                        help="a format the checkpoint's drafter writes (its error lists them), e.g. " + ", ".join(FORMATS))
+    parser.add_argument("--format", required=True, help=f"a format the checkpoint's drafter writes ({formats_by_kind()};"
+                                                        " every drafter: native)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--target", default=None, help="target name or directory (default: the checkpoint's)")
     parser.add_argument("--verifier-name", default=None, help="verifier id written into the speculators config")
