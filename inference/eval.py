@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         prompt_sets = load_prompt_sets(args)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else "cpu"
         target = TargetModel.from_pretrained(args.target, dtype=torch.float32, device=device)
         check_chat_template(target.tokenizer, not args.no_chat_template, args.target)
         methods = load_methods(args.drafter, target, args.num_draft_tokens)

@@ -208,7 +208,23 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     drafter_config = from_dict(DRAFTERS[kind].Config, section, "drafter")
     recipe = from_dict(Recipe, {**raw, "drafter_kind": kind, "drafter": drafter_config})
     check_phases(recipe)
+    check_literal_paths(recipe)
     return recipe
+
+
+PATH_FIELDS = ("target.name_or_path", "data.path", "data.regenerated_path", "data.cache_dir", "features.cache_dir",
+               "output.dir", "eval.prompts", "train.resume_from")
+
+
+def check_literal_paths(recipe: Recipe) -> None:
+    """Recipe paths are used as written: a recipe is not a shell script, so `~` and `$VAR` are refused (naming the
+    field) rather than expanded from whatever environment runs the job, or taken as a directory called `~`."""
+    for dotted in PATH_FIELDS:
+        section, name = dotted.split(".")
+        value = getattr(getattr(recipe, section), name)
+        if isinstance(value, str) and (value.startswith("~") or "$" in value):
+            raise ValueError(f"{dotted}: {value!r} is not shell-expanded in a recipe; write the full path, or on "
+                             f"the command line let the shell expand it ({dotted}=$HOME/...)")
 
 
 def check_phases(recipe: Recipe) -> None:
