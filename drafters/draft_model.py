@@ -42,6 +42,7 @@ class DraftModelDrafter(Drafter):
         self.runner = RaggedLM(self.lm)
         self.pending: list[list[int]] = []
         self._mark = 0
+        self._num_tokens: int | None = None
 
     @classmethod
     def load(cls, directory: str, target_info: TargetInfo) -> "DraftModelDrafter":
@@ -57,6 +58,7 @@ class DraftModelDrafter(Drafter):
         self.runner.extend(context.input_ids, context.valid, logits_to_keep=1)
         self.pending = [[int(t)] for t in context.next_tokens.tolist()]
         self.generator = context.generator
+        self._num_tokens = None  # drafts of the outstanding proposal; None = nothing proposed since the last commit
 
     @torch.no_grad()
     def propose(self, num_tokens: int) -> Proposal:
@@ -87,17 +89,23 @@ class DraftModelDrafter(Drafter):
         return logits.argmax(-1), None
 
     def commit(self, num_accepted: torch.Tensor, context: DraftContext) -> None:
+        block = context.input_ids.tolist()
+        if self._num_tokens is None:  # a catch-up (no proposal since the last commit): every valid token is pending
+            for row, accepted in enumerate(num_accepted.tolist()):
+                if bool(context.valid[row].any()):
+                    self.pending[row] += block[row][1: accepted + 1] + [int(context.next_tokens[row])]
+            return
         # Kept: the pending tokens and the first min(a, k-1) drafts (the last draft was never fed).
         kept_drafts = num_accepted.clamp(max=self._num_tokens - 1).to(self.runner.device)
         pending_len = torch.tensor([len(p) for p in self.pending], device=self.runner.device)
         active = context.valid.any(-1).to(self.runner.device)
         self.runner.keep_after(self._mark, torch.where(active, pending_len + kept_drafts, torch.zeros_like(kept_drafts)))
-        block = context.input_ids.tolist()
         pending = []
         for row, accepted in enumerate(num_accepted.tolist()):
             last = [block[row][accepted]] if accepted == self._num_tokens else []
             pending.append(last + [int(context.next_tokens[row])])
         self.pending = pending
+        self._num_tokens = None
 
 
 def is_draft_model_dir(directory: str) -> bool:

@@ -6,7 +6,9 @@ Batch size >= 1 with per-row acceptance (ragged KV cache, see drafters/ragged_lm
 greedy and lossless sampling (inference/verify.py). `drafter=None` or `num_draft_tokens=0` is plain autoregression
 through the same code: one target forward per token, the fair baseline for speedup. `schedule` (inference/schedule.py)
 cuts each row's proposal by the drafter's confidences (a static threshold or the prefix scheduler); drafters without
-confidences propose as usual.
+confidences propose as usual. `adaptive` (inference/adaptive.py) chooses each round's width in 0..num_draft_tokens
+before the round's drafts exist; while rounds propose nothing the drafter's catch-up is deferred and handed over in
+one `commit` before its next proposal (`_Deferred`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ class GenerateOutput:
     proposed:        per row, per round: drafts actually proposed (k, or fewer on an n-gram miss or when scheduled).
     confidence_logits: per row, per round: the drafter's confidence logits of the drafts it proposed (empty lists
                      when the drafter returns none); `draftsmith calibrate` fits its temperatures on them.
-    num_draft_tokens: k.
+    num_draft_tokens: k (with `adaptive`: the largest width it may choose).
+    chosen:          per row, per round that row took part in: the width the round was run with (k, or the adaptive
+                     choice; 0 = a plain AR round).
+    adaptive:        True when the widths were chosen at run time.
     target_forwards: batched target forwards, prefill included.
     verify_forwards: batched target forwards after prefill (one per round; for k = 0 one per AR step).
     time_draft / time_verify / time_prefill / time_other / time_total: seconds (wall clock, this call).
@@ -51,6 +56,8 @@ class GenerateOutput:
     time_other: float = 0.0
     time_total: float = 0.0
     confidence_logits: list[list[list[float]]] = field(default_factory=list)
+    chosen: list[list[int]] = field(default_factory=list)
+    adaptive: bool = False
 
 
 class _Clock:
@@ -96,12 +103,17 @@ def speculative_generate(
     seed: int = 0,
     eos_token_ids=None,
     schedule=None,
+    adaptive=None,
 ) -> GenerateOutput:
-    """Generate up to max_new_tokens per prompt. See the module docstring; target is an inference.target.TargetModel."""
+    """Generate up to max_new_tokens per prompt. See the module docstring; target is an inference.target.TargetModel,
+    adaptive an inference.adaptive.AdaptiveK whose widths go up to num_draft_tokens (None = k every round)."""
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if adaptive is not None and adaptive.max_width < num_draft_tokens:
+        raise ValueError(f"adaptive k: its cost curves stop at width {adaptive.max_width}, num_draft_tokens is "
+                         f"{num_draft_tokens}")
     num_draft = num_draft_tokens if drafter is not None else 0
     device = target.device
     info_eos = eos_token_ids if eos_token_ids is not None else target.target_info().eos_token_ids
@@ -121,9 +133,11 @@ def speculative_generate(
     logits, served = clock.run("prefill", target.prefill, input_ids, attention_mask, request)
     next_tokens = _sample(pick(logits[:, -1]), temperature, generator)
     batch = len(prompts)
-    out = GenerateOutput([[] for _ in range(batch)], [[] for _ in range(batch)], [[] for _ in range(batch)], num_draft)
+    out = GenerateOutput([[] for _ in range(batch)], [[] for _ in range(batch)], [[] for _ in range(batch)], num_draft,
+                         adaptive=adaptive is not None and num_draft > 0)
     out.target_forwards = 1
     out.confidence_logits = [[] for _ in range(batch)]
+    out.chosen = [[] for _ in range(batch)]
     active = torch.ones(batch, dtype=torch.bool, device=device)
     no_drafts = next_tokens.new_zeros((batch, 0))
     active = _emit(out, active, no_drafts, torch.zeros_like(next_tokens), next_tokens, eos, max_new_tokens)
@@ -131,11 +145,18 @@ def speculative_generate(
         context = DraftContext(input_ids, attention_mask.bool(), _positions(attention_mask),
                                next_tokens=next_tokens, generator=draft_generator, temperature=temperature, **served)
         clock.run("prefill", drafter.begin, context)
+        if out.adaptive:
+            adaptive.start(batch)
+    deferred = _Deferred()
 
     while bool(active.any()):
-        if num_draft > 0:
-            proposal = clock.run("draft", drafter.propose, num_draft)
-            num_valid = _num_valid(proposal, active, num_draft)
+        round_k = adaptive.choose(active) if out.adaptive else num_draft
+        proposal = None
+        if round_k > 0:
+            if deferred:  # rounds that proposed nothing: the drafter catches up on them in one commit
+                clock.run("draft", drafter.commit, *deferred.merged())
+            proposal = clock.run("draft", drafter.propose, round_k)
+            num_valid = _num_valid(proposal, active, round_k)
             if schedule is not None:
                 draft_seconds = clock.totals["draft"] / max(out.verify_forwards, 1)
                 num_valid = clock.run("draft", scheduled_num_valid, schedule, proposal, num_valid, active,
@@ -153,12 +174,8 @@ def speculative_generate(
         )
         out.target_forwards += 1
         out.verify_forwards += 1
-        for row in active.nonzero().flatten().tolist():
-            if num_draft > 0:
-                out.accept_lengths[row].append(int(num_accepted[row]))
-                out.proposed[row].append(int(num_valid[row]))
-                if proposal.confidence_logits is not None:
-                    out.confidence_logits[row].append(proposal.confidence_logits[row, : int(num_valid[row])].tolist())
+        if num_draft > 0:
+            _record_round(out, active, round_k, num_valid, num_accepted, proposal, adaptive)
         was_active = active.clone()
         active = _emit(out, active, drafts, num_accepted, new_tokens, eos, max_new_tokens)
         next_tokens = new_tokens
@@ -167,13 +184,70 @@ def speculative_generate(
             positions = target.runner.lengths[:, None] - valid.long().sum(-1, keepdim=True) + torch.arange(width + 1, device=device)
             context = DraftContext(block, valid, positions, next_tokens=next_tokens, generator=draft_generator,
                                    temperature=temperature, **served)
-            clock.run("draft", drafter.commit, num_accepted, context)
+            if round_k > 0:
+                clock.run("draft", drafter.commit, num_accepted, context)
+            else:
+                deferred.add(context)
 
     out.time_total = time.perf_counter() - start
     out.time_draft, out.time_verify = clock.totals["draft"], clock.totals["verify"]
     out.time_prefill = clock.totals["prefill"]
     out.time_other = max(out.time_total - out.time_draft - out.time_verify - out.time_prefill, 0.0)
     return out
+
+
+def _record_round(out: GenerateOutput, active, round_k: int, num_valid, num_accepted, proposal, adaptive) -> None:
+    """Per active row: accepted and proposed drafts, the round's width and the confidences; feed `adaptive`."""
+    rows = active.nonzero().flatten().tolist()
+    accepted, proposed = num_accepted.tolist(), num_valid.tolist()
+    for row in rows:
+        out.accept_lengths[row].append(accepted[row])
+        out.proposed[row].append(proposed[row])
+        out.chosen[row].append(round_k)
+        if proposal is not None and proposal.confidence_logits is not None:
+            out.confidence_logits[row].append(proposal.confidence_logits[row, : proposed[row]].tolist())
+    if out.adaptive:
+        adaptive.observe([p if row in rows else 0 for row, p in enumerate(proposed)], accepted)
+
+
+class _Deferred:
+    """The verify contexts of rounds that proposed nothing, merged into one catch-up `commit`.
+
+    A run of n such rounds verified the tokens t_0, t_1, ..., t_{n-1} one by one ([previous token] each time) and
+    emitted t_n: exactly what a verify of [t_0, t_1..t_{n-1}] accepting all n - 1 drafts would have produced. So the
+    drafter receives one block of n positions, `valid` a prefix per row (a row that finished during the run stops
+    being valid there), num_accepted = valid positions - 1, the features of every position concatenated, the KV
+    view of the last forward (its last n slots are this block's) and next_tokens t_n.
+    """
+
+    def __init__(self):
+        self.contexts: list[DraftContext] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.contexts)
+
+    def add(self, context: DraftContext) -> None:
+        self.contexts.append(context)
+
+    def merged(self) -> tuple[torch.Tensor, DraftContext]:
+        """(num_accepted [B], context [B, n]) of the deferred rounds; empties the queue."""
+        contexts, self.contexts = self.contexts, []
+        last = contexts[-1]
+
+        def cat(name):
+            values = [getattr(c, name) for c in contexts]
+            return None if values[0] is None else torch.cat(values, dim=1)
+
+        valid = cat("valid")
+        top_k = None if last.top_k is None else tuple(torch.cat([c.top_k[i] for c in contexts], dim=1)
+                                                      for i in range(2))
+        merged = DraftContext(
+            cat("input_ids"), valid, cat("position_ids"),
+            hidden={i: torch.cat([c.hidden[i] for c in contexts], dim=1) for i in last.hidden},
+            next_tokens=last.next_tokens, generator=last.generator, final_hidden=cat("final_hidden"), top_k=top_k,
+            target_kv=last.target_kv, target_kv_valid=last.target_kv_valid, temperature=last.temperature,
+        )
+        return (valid.long().sum(-1) - 1).clamp(min=0), merged
 
 
 def _verify_block(target, block, drafts, draft_probs, num_valid, request, pick, temperature, generator, active):

@@ -1,0 +1,183 @@
+"""Adaptive proposal length: the engine chooses how many drafts each round proposes, k = 0 included (issue 10 item 1).
+
+    costs = profile_costs(target, drafter, prompts, max_draft_tokens=7)       # once, at start-up
+    out = speculative_generate(target, drafter, prompts, num_draft_tokens=7, max_new_tokens=128,
+                               adaptive=AdaptiveK(costs))
+
+Every round, before any draft of that round exists, `AdaptiveK.choose` picks the width W in 0..K maximising the
+expected tokens per second sum_r E_r(W) / (d(W) + v(W)) (theory_and_metrics.md D.2): E_r(W) = 1 + sum_{j<=W}
+prod_{i<=j} alpha_{r,i} is row r's expected gain, alpha_{r,j} its running estimate of the conditional acceptance at
+position j, d(W) the drafter's seconds per round and v(W) the verify forward's, both measured on this machine at
+each W (`profile_costs`: a chain drafter pays about W steps, a block drafter one forward whatever W). W = 0 is plain
+autoregression, gain 1 per row at cost v(0). The choice reads only drafts of earlier rounds, so it is lossless:
+conditioned on the history, a round is an ordinary fixed-k round.
+
+Batch > 1: our engine pads every row to the round's width, so the verify of a round costs v(W) whatever each row
+would have liked, and a draft inside a paid-for column costs nothing more; hence one W per round, chosen from the sum
+of the rows' expected gains (rows that finished gain nothing and are left out).
+
+What a k = 0 round still costs: nothing of the drafter. The engine defers the drafter's catch-up while rounds propose
+nothing and hands the verified tokens over in one `commit` before the next proposal (drafters/base.py), so a drafter
+whose drafts are always rejected costs a share of AR time bounded by the exploration below, not one drafter forward
+per token.
+
+Exploration: after `explore_after` rounds of W = 0 in a row, one round proposes W = 1 so a drafter that recovers is
+found again; each exploration that does not end the streak doubles the interval up to `max_explore_after`, so over
+N tokens a useless drafter costs about log2(max / min) + N / max explorations of d(1) + v(1) - v(0) each.
+
+Estimator: per row and position, discounted counts (each observation multiplies the old ones by `decay`, a window of
+about 1 / (1 - decay) rounds) with `prior_weight` pseudo-observations of a prior: `prior` at position 1, the estimate
+of position j - 1 at position j (a position never proposed is assumed as good as the one before it, so a drafter
+that keeps being accepted is tried one step deeper).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CostCurves:
+    """Seconds per engine round at each width W = 0..K, measured on this machine for one drafter and batch size.
+
+    draft_seconds[W]: the drafter's propose + commit per round (0 at W = 0: its catch-up is deferred).
+    verify_seconds[W]: the target verify forward over W + 1 tokens per row, with accept/reject and rollback.
+    """
+
+    draft_seconds: tuple[float, ...]
+    verify_seconds: tuple[float, ...]
+
+    def __post_init__(self):
+        if len(self.draft_seconds) != len(self.verify_seconds) or len(self.verify_seconds) < 2:
+            raise ValueError(f"cost curves: draft_seconds ({len(self.draft_seconds)}) and verify_seconds "
+                             f"({len(self.verify_seconds)}) must have one entry per width 0..K with K >= 1")
+        if any(not s > 0 for s in self.verify_seconds) or any(s < 0 for s in self.draft_seconds):
+            raise ValueError("cost curves: verify seconds must be > 0 and draft seconds >= 0")
+
+    @property
+    def max_width(self) -> int:
+        return len(self.verify_seconds) - 1
+
+    def round_seconds(self) -> torch.Tensor:
+        """[K + 1] d(W) + v(W)."""
+        return torch.tensor(self.draft_seconds, dtype=torch.float64) + torch.tensor(self.verify_seconds,
+                                                                                    dtype=torch.float64)
+
+    def in_ar_steps(self) -> dict:
+        """d(W) and v(W) in AR steps (v(0) = 1), the units of the report (inference/metrics.py)."""
+        step = self.verify_seconds[0]
+        return {"d": [s / step for s in self.draft_seconds], "v": [s / step for s in self.verify_seconds]}
+
+    def to_dict(self) -> dict:
+        return {"draft_seconds": list(self.draft_seconds), "verify_seconds": list(self.verify_seconds),
+                **self.in_ar_steps()}
+
+
+def expected_gain(alpha: torch.Tensor) -> torch.Tensor:
+    """alpha [R, K] conditional acceptance per position -> [R, K + 1] expected tokens per round at width 0..K:
+    E(W) = 1 + sum_{j<=W} prod_{i<=j} alpha_i (the bonus token included, theory D.2)."""
+    survival = alpha.cumprod(dim=-1)
+    return torch.cat([torch.ones_like(alpha[:, :1]), 1.0 + survival.cumsum(dim=-1)], dim=-1)
+
+
+def best_width(gain: torch.Tensor, round_seconds: torch.Tensor) -> int:
+    """argmax_W gain[W] / round_seconds[W] over W = 0..K, ties to the smaller W. gain, round_seconds [K + 1]."""
+    throughput = gain.double() / round_seconds.double()
+    return int(torch.nonzero(throughput >= throughput.max() * (1 - 1e-12))[0])
+
+
+class AdaptiveK:
+    """Chooses the width of each round from running acceptance estimates and measured cost curves (module doc).
+
+    The engine calls `start(batch)` once per generation, `choose(active)` before each round and `observe(...)` after
+    it; one object serves successive generations (each starts from the prior again).
+    """
+
+    def __init__(self, costs: CostCurves, *, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.95,
+                 explore_after: int = 8, max_explore_after: int = 256):
+        if not 0.0 <= prior <= 1.0 or prior_weight <= 0 or not 0.0 < decay <= 1.0:
+            raise ValueError(f"adaptive k: need prior in [0, 1], prior_weight > 0, decay in (0, 1]; got {prior}, "
+                             f"{prior_weight}, {decay}")
+        if not 1 <= explore_after <= max_explore_after:
+            raise ValueError(f"adaptive k: need 1 <= explore_after <= max_explore_after, got {explore_after}, "
+                             f"{max_explore_after}")
+        self.costs = costs
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.explore_after, self.max_explore_after = explore_after, max_explore_after
+        self._seconds = costs.round_seconds()
+        self.start(1)
+
+    @property
+    def max_width(self) -> int:
+        return self.costs.max_width
+
+    def start(self, batch: int) -> None:
+        """Forget every estimate: a new generation of `batch` rows."""
+        self.survived = torch.zeros(batch, self.max_width, dtype=torch.float64)
+        self.offered = torch.zeros_like(self.survived)
+        self._zero_streak, self._interval = 0, self.explore_after
+
+    def acceptance(self) -> torch.Tensor:
+        """[B, K] the current estimate of each row's conditional acceptance per position."""
+        alpha = torch.empty_like(self.survived)
+        prior = torch.full_like(self.survived[:, 0], self.prior)
+        for j in range(self.max_width):
+            alpha[:, j] = (self.survived[:, j] + self.prior_weight * prior) / (self.offered[:, j] + self.prior_weight)
+            prior = alpha[:, j]
+        return alpha
+
+    def choose(self, active: torch.Tensor) -> int:
+        """The width of the next round. active [B] bool (host or device; read once per round)."""
+        rows = active.detach().cpu().bool()
+        gain = expected_gain(self.acceptance()[rows]).sum(dim=0)
+        width = best_width(gain, self._seconds)
+        if width > 0:
+            self._zero_streak, self._interval = 0, self.explore_after
+            return width
+        self._zero_streak += 1
+        if self._zero_streak < self._interval:
+            return 0
+        self._zero_streak, self._interval = 0, min(2 * self._interval, self.max_explore_after)
+        return 1  # explore: one cheap round so a recovering drafter is seen again
+
+    def observe(self, proposed: list[int], accepted: list[int]) -> None:
+        """One round's outcome per row (host ints; rows that proposed nothing are left as they are)."""
+        for row, (num_proposed, num_accepted) in enumerate(zip(proposed, accepted)):
+            if num_proposed <= 0:
+                continue
+            offered = min(num_accepted + 1, num_proposed)  # positions tested: the accepted ones and the first reject
+            self.survived[row, :offered] *= self.decay
+            self.offered[row, :offered] *= self.decay
+            self.survived[row, :num_accepted] += 1.0
+            self.offered[row, :offered] += 1.0
+
+
+def profile_costs(target, drafter, prompts: list[list[int]], max_draft_tokens: int, *, max_new_tokens: int = 12,
+                  repeats: int = 2) -> CostCurves:
+    """Measure d(W) and v(W) for W = 0..max_draft_tokens with the engine itself (fixed k runs over `prompts`, one
+    batch), taking per W the median over `repeats` runs of the seconds per round (after one untimed warm-up).
+
+    Running the real engine measures what a round really costs: the drafter's propose and catch-up commit (a chain
+    drafter's k steps, a block drafter's one forward) and the verify forward with its rollback, at this batch size.
+    """
+    from inference.generate import speculative_generate  # generate.py runs AdaptiveK; this helper runs generate.py
+
+    if max_draft_tokens < 1 or repeats < 1 or not prompts:
+        raise ValueError(f"profile_costs: need max_draft_tokens >= 1, repeats >= 1 and prompts; got "
+                         f"{max_draft_tokens}, {repeats}, {len(prompts)} prompts")
+    draft, verify = [], []
+    for width in range(max_draft_tokens + 1):
+        per_round = []
+        for attempt in range(repeats + 1):
+            out = speculative_generate(target, drafter if width else None, prompts, num_draft_tokens=width,
+                                       max_new_tokens=max_new_tokens, eos_token_ids=[])
+            if attempt:
+                rounds = max(out.verify_forwards, 1)
+                per_round.append((out.time_draft / rounds, out.time_verify / rounds))
+        per_round.sort(key=lambda pair: pair[0] + pair[1])
+        d, v = per_round[len(per_round) // 2]
+        draft.append(d if width else 0.0)
+        verify.append(max(v, 1e-9))
+    return CostCurves(tuple(draft), tuple(verify))
