@@ -211,7 +211,11 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
     def commit(self, num_accepted: torch.Tensor, context: DraftContext) -> None:
-        """num_accepted [B]: drafts accepted per row in the last round; context covers the verify forward."""
+        """num_accepted [B]: drafts accepted per row in the last round; context covers the verify forward.
+
+        A commit may also follow another commit (or `begin`) with no `propose` in between: a catch-up, when the
+        engine ran rounds without drafts (adaptive k = 0) and hands their verified tokens over at once, as a block
+        [t_0, t_1..t_n-1] whose n - 1 "drafts" were all accepted (inference/generate.py `_Deferred`)."""
         raise NotImplementedError
 
     # ---- persistence: native (config.json + model.safetensors) here, serving layouts in the kind's export module ----
