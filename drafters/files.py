@@ -5,16 +5,48 @@ drafter of a run, built debug targets) goes through these two helpers: write und
 destination, then rename into place (atomic on one filesystem). The model caches that several processes may build at
 once (inference/assets.py, inference/debug_target.py) keep their own first-writer-wins rename instead: replacing a
 directory another process may be reading is what they must not do.
+
+A full disk (ENOSPC, or a quota: EDQUOT) is a user's problem, not a bug: `disk_full_reported` turns it into a
+`DiskFullError` whose one-line message names the path and what to do, after the temporary file or directory is gone
+(so the space it held is free again and the destination keeps its previous content).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import uuid
 from typing import Any, Iterator
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(OSError):
+    """No space left while writing `path`. `str()` is the one line a user reads (no errno prefix)."""
+
+    def __init__(self, path: str, remedy: str):
+        self.message = f"no space left on device writing {path}: free space there or {remedy}"
+        super().__init__(errno.ENOSPC, self.message, path)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@contextlib.contextmanager
+def disk_full_reported(path: str, remedy: str = "choose another output directory") -> Iterator[None]:
+    """Inside the block, ENOSPC/EDQUOT raised by any write becomes a DiskFullError naming `path` (the destination,
+    not the temporary name the OS saw) and `remedy`. An inner DiskFullError keeps its path and takes this block's
+    remedy: the outer caller knows which setting to change. Other errors pass through unchanged."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in DISK_FULL_ERRNOS:
+            raise
+        raise DiskFullError(err.filename if isinstance(err, DiskFullError) else path, remedy) from None
 
 
 def _temporary_name(path: str) -> str:
@@ -28,7 +60,7 @@ def write_atomic(path: str, data: bytes | str) -> None:
     partial one."""
     tmp = _temporary_name(path)
     try:
-        with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+        with disk_full_reported(path), open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
             f.write(data)
         os.replace(tmp, path)
     finally:
@@ -43,13 +75,15 @@ def write_json_atomic(path: str, data: Any, indent: int | None = None) -> None:
 @contextlib.contextmanager
 def replace_directory(final_dir: str) -> Iterator[str]:
     """Yield a fresh temporary directory next to `final_dir`; when the block succeeds it replaces `final_dir`, when it
-    raises the temporary directory is removed and `final_dir` is left exactly as it was."""
+    raises the temporary directory is removed and `final_dir` is left exactly as it was (a full disk is reported
+    as a DiskFullError naming `final_dir`)."""
     parent = os.path.dirname(os.path.abspath(final_dir))
     os.makedirs(parent, exist_ok=True)
     tmp_dir = _temporary_name(final_dir)
     os.makedirs(tmp_dir)  # not tempfile.mkdtemp: its 0700 mode would stick to the renamed directory
     try:
-        yield tmp_dir
+        with disk_full_reported(final_dir):
+            yield tmp_dir
         old = None
         if os.path.isdir(final_dir):
             old = _temporary_name(final_dir)

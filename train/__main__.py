@@ -1,6 +1,8 @@
 """`draftsmith train RECIPE [key=value ...]` and `accelerate launch [--config_file X.yaml] -m train RECIPE [k=v ...]`.
 
-Load the recipe, build the run, fit. For example:
+Load the recipe, build the run, fit. Exit status: 0 done, 2 bad input or a run that diverged (one line says which
+field or step), 143 preempted by SIGTERM after writing a checkpoint (rerun with train.resume_from=latest;
+docs/reliability.md). For example:
 
     draftsmith train recipes/debug/tiny_eagle3.yaml output.dir=runs/debug
     accelerate launch --config_file recipes/accelerate/8gpu_ddp.yaml -m train recipes/llama3.1-8b/eagle3.yaml \\
@@ -18,10 +20,16 @@ from train.config import recipe_from_argv
 def main(argv: list[str] | None = None) -> int:
     recipe = recipe_from_argv("draftsmith train", "Train a drafter from a recipe.", argv)
     from train.build import build_trainer  # after the recipe is known to be valid: torch/accelerate import is slow
+    from train.loop import PREEMPTED_EXIT_CODE, Preempted
 
     started = time.perf_counter()
     trainer = build_trainer(recipe)
-    final_dir = trainer.fit()
+    try:
+        final_dir = trainer.fit()
+    except Preempted as stop:
+        trainer.accelerator.print(f"draftsmith train: {stop}")
+        trainer.accelerator.end_training()
+        return PREEMPTED_EXIT_CODE
     trainer.accelerator.print(f"wrote {final_dir} ({time.perf_counter() - started:.1f} s, step {trainer.step})")
     trainer.accelerator.end_training()
     return 0

@@ -3,7 +3,12 @@
 Layout: <output.dir>/checkpoints/step_<N>/ holds what accelerate writes (drafter weights, optimizer, scheduler, one
 RNG file per process) and ours: recipe.yaml (the resolved recipe), trainer_state.json (step, tokens seen, wall time,
 the data-order parameters) and target.json (the target it was trained against). The directory is written as
-.tmp_step_<N> and renamed into place once complete, so a crash mid-save leaves the previous checkpoint as the latest.
+.tmp_step_<N> and renamed into place once complete, so a crash mid-save leaves the previous checkpoint as the latest;
+a checkpoint that must go (an older one beyond train.keep_last, or step N saved again after a resume) is first
+renamed to .old_step_<N> and only then deleted, so a kill during the deletion never leaves a half-deleted step_<N>.
+Only names step_<N> count as checkpoints: a half-written or half-deleted directory is never picked as "latest".
+A full disk stops the save with a DiskFullError naming the checkpoint and output.dir, the temporary directory
+removed and every earlier checkpoint untouched.
 The data order is a pure function of (seed, epoch, step) (train/loop.py), so the step fixes the data position.
 All processes must share the output directory (one filesystem), as accelerate itself assumes.
 """
@@ -17,10 +22,12 @@ import shutil
 import sys
 from typing import Any
 
+from drafters.files import disk_full_reported
 from train.config import Recipe, save_recipe
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_UNFINISHED_DIR = re.compile(r"^\.(tmp|old)_step_\d+$")
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
@@ -72,29 +79,57 @@ def check_target(checkpoint_dir: str, target_info) -> None:
               f"target is {current['name']!r} (same shapes, so resuming)", file=sys.stderr)
 
 
+def _retire(directory: str) -> None:
+    """Delete a checkpoint directory without ever leaving a partial step_<N>: rename it away, then remove it."""
+    parent, name = os.path.split(directory)
+    doomed = os.path.join(parent, f".old_{name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(directory, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _write_trainer_files(directory: str, recipe: Recipe, trainer_state: dict[str, Any], target_info) -> None:
+    save_recipe(recipe, os.path.join(directory, "recipe.yaml"))
+    with open(os.path.join(directory, "trainer_state.json"), "w") as f:
+        json.dump(trainer_state, f, indent=2)
+    with open(os.path.join(directory, "target.json"), "w") as f:
+        json.dump(target_record(target_info), f, indent=2)
+
+
 def save_checkpoint(accelerator, output_dir: str, step: int, *, recipe: Recipe, trainer_state: dict[str, Any],
                     target_info, keep_last: int | None = None) -> str:
-    """Write checkpoints/step_<step> atomically on every process (collective); return its path."""
+    """Write checkpoints/step_<step> atomically on every process (collective); return its path.
+
+    Raises DiskFullError (drafters/files.py) when the disk fills up, after removing the partial directory."""
     root = os.path.join(output_dir, CHECKPOINTS)
     final_dir = os.path.join(root, f"step_{step}")
     tmp_dir = os.path.join(root, f".tmp_step_{step}")
+    previous = list_checkpoints(output_dir)
+    remedy = (f"choose another output.dir (the last checkpoint, {previous[-1][1] if previous else 'none yet'}, "
+              "is intact)")
     if accelerator.is_main_process:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # left by a process killed while saving or deleting
+            if _UNFINISHED_DIR.match(name):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         os.makedirs(tmp_dir)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp_dir)
-    accelerator.wait_for_everyone()
+    try:
+        with disk_full_reported(final_dir, remedy):
+            accelerator.save_state(tmp_dir)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                _write_trainer_files(tmp_dir, recipe, trainer_state, target_info)
+    except OSError:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
     if accelerator.is_main_process:
-        save_recipe(recipe, os.path.join(tmp_dir, "recipe.yaml"))
-        with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
-            json.dump(trainer_state, f, indent=2)
-        with open(os.path.join(tmp_dir, "target.json"), "w") as f:
-            json.dump(target_record(target_info), f, indent=2)
-        shutil.rmtree(final_dir, ignore_errors=True)  # only when re-saving a step after a resume
+        if os.path.isdir(final_dir):  # step <step> saved again after a resume
+            _retire(final_dir)
         os.rename(tmp_dir, final_dir)
         if keep_last is not None:
             for _, old in list_checkpoints(output_dir)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                _retire(old)
     accelerator.wait_for_everyone()
     return final_dir
 

@@ -8,11 +8,16 @@
     draftsmith export    CKPT --format F --out DIR       write a checkpoint in a serving format
     draftsmith doctor    DRAFTER --target T [--prompts P]  check an export the way each server reads it
     draftsmith calibrate DRAFTER --target T --prompts P --out DIR   fit and store confidence temperatures (STS)
+
+Bad input gets one line naming the field or file and what to do, exit status 2; add --debug anywhere on the
+command line (or set DRAFTSMITH_DEBUG=1) to see the traceback instead.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
+import os
 import sys
 
 SUBCOMMANDS = {
@@ -27,23 +32,55 @@ SUBCOMMANDS = {
 }
 
 
-USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError)  # bad input, missing files, a run that diverged
+# bad input, missing or unwritable files, a run that diverged; and any OSError of a full disk (is_user_error)
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+               FloatingPointError)
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # drafters.files.DiskFullError and raw ones alike
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "DRAFTSMITH_DEBUG"
+
+
+def is_user_error(err: BaseException) -> bool:
+    return isinstance(err, USER_ERRORS) or (isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS)
+
+
+def describe(err: BaseException) -> str:
+    """The one line for a user error. Errors raised by the OS itself ("[Errno 2] No such file or directory: 'x'")
+    are reworded to lead with the file; our own (drafters.files.DiskFullError included) already name the field
+    or file and what to do."""
+    if type(err).__module__ == "builtins" and isinstance(err, OSError) and err.filename and err.strerror:
+        remedy = ("free space there or choose another output directory" if err.errno in DISK_FULL_ERRNOS
+                  else "check the path (and its permissions)")
+        return f"{err.filename}: {err.strerror.lower()}; {remedy}"
+    return str(err)
 
 
 def run_reporting_errors(prog: str, entry, argv: list[str] | None) -> int:
     """Run a subcommand's main; a user error becomes one line on stderr naming what to fix, and exit status 2.
 
-    Every draftsmith error for bad input is a ValueError (or FileNotFoundError) whose message names the field and
-    what to do, so the traceback adds nothing for the user."""
+    Every draftsmith error for bad input is a ValueError (or a file error) whose message names the field and what
+    to do, so the traceback adds nothing for the user; `--debug` or DRAFTSMITH_DEBUG=1 lets it through."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [arg for arg in argv if arg != DEBUG_FLAG]
     try:
         return int(entry(argv) or 0)
-    except USER_ERRORS as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - only user errors are caught, the rest is re-raised
+        if debug or not is_user_error(err):
+            raise
+        print(f"{prog}: error: {describe(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if DEBUG_FLAG in argv[:1]:  # `draftsmith --debug train ...` as well as `draftsmith train ... --debug`
+        argv = argv[1:] + [DEBUG_FLAG]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):

@@ -10,27 +10,73 @@ Data order is a pure function of (seed, epoch, step): each epoch is a seeded per
 batch_size x processes x grad_accum sequences; micro-batch m of process r takes slice m * processes + r. So the
 checkpointed step fixes the data position, and N processes with accumulation A see the same global batches as one
 process with accumulation N x A.
+
+Faults: after every step one all-reduce agrees on why to stop (StepFlags). A non-finite loss or gradient norm raises
+FloatingPointError naming the step and the last good checkpoint, before any checkpoint holds that step. SIGTERM
+(preemption) is caught on every process and turned into a checkpoint at the next step boundary, then `Preempted`,
+which the entry point turns into exit status PREEMPTED_EXIT_CODE; `train.resume_from=latest` continues bitwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from accelerate import Accelerator, DistributedType
 from tqdm.auto import tqdm
 
-from drafters.files import replace_directory
+from drafters.files import disk_full_reported, replace_directory
 from train.checkpoint import list_checkpoints, save_checkpoint
 from train.config import Derived, Recipe, save_recipe
 from train.features import FeatureProvider, make_batch
 from train.optim import Progress
 from train.metrics import MeanMeter, RunLog, reduce_mean, speculative_probe
+
+
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: what schedulers already read as "terminated", see docs/reliability.md
+
+
+class Preempted(Exception):
+    """SIGTERM arrived; the run saved `checkpoint` at `step` and stopped. Entry points exit PREEMPTED_EXIT_CODE."""
+
+    def __init__(self, step: int, checkpoint: str):
+        super().__init__(f"preempted (SIGTERM): saved {checkpoint} at step {step}; rerun with "
+                         "train.resume_from=latest to continue")
+        self.step, self.checkpoint = step, checkpoint
+
+
+@dataclass(frozen=True)
+class StepFlags:
+    """Why the run must stop after a step, agreed by all processes (Trainer.agree)."""
+
+    nonfinite_loss: bool
+    nonfinite_grad: bool
+    out_of_time: bool
+    preempted: bool
+
+
+@contextlib.contextmanager
+def sigterm_flag() -> Iterator[threading.Event]:
+    """While the block runs, SIGTERM (what SLURM and Kubernetes send on preemption) sets the yielded event instead
+    of killing the process; the loop checks it at each step boundary. Outside the main thread (where Python cannot
+    install handlers) the event simply never fires. The previous handler is restored on exit."""
+    received = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.set())
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
@@ -71,6 +117,7 @@ class Trainer:
     elapsed_now: float = 0.0
     run_started: float = 0.0
     last_eval_step: int = -1
+    saved_step: int = -1
     base_config: dict[str, Any] = field(default_factory=dict)
     _orders: dict[int, list[int]] = field(default_factory=dict)
 
@@ -134,9 +181,13 @@ class Trainer:
                 batch.update(self.train_features(batch))
                 loss, metrics = self.model.loss(self.drafter(batch), batch)
                 self.accelerator.backward(loss)
-                if self.accelerator.sync_gradients and grad_clip is not None:
-                    grad_norm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), grad_clip)
-                    metrics = {**metrics, "grad_norm": float(grad_norm)}
+                if self.accelerator.sync_gradients:
+                    # the norm is always taken so a non-finite gradient stops the run before any checkpoint holds
+                    # its update; without clipping, max_norm=inf scales the gradients by exactly 1.0
+                    grad_norm = self.accelerator.clip_grad_norm_(
+                        self.drafter.parameters(), grad_clip if grad_clip is not None else math.inf)
+                    if grad_norm is not None:  # DeepSpeed clips inside its engine and returns no norm
+                        metrics = {**metrics, "grad_norm": float(grad_norm)}
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             meter.add({"loss": loss.item(), **metrics, "tokens": float(batch["attention_mask"].sum())})
@@ -182,13 +233,16 @@ class Trainer:
 
     # ---- checkpoints and export ----------------------------------------------------------------------------------
     def save(self) -> str:
+        """A checkpoint at self.step (collective; DiskFullError when the disk fills up, earlier ones intact)."""
         self.train_features.flush()
         state = {"step": self.step, "elapsed_seconds": self.elapsed_now,
                  "steps_per_epoch": self.derived.steps_per_epoch, "global_batch_size": self.derived.global_batch_size,
                  "seed": self.recipe.train.seed}
-        return save_checkpoint(self.accelerator, self.recipe.output.dir, self.step, recipe=self.recipe,
+        path = save_checkpoint(self.accelerator, self.recipe.output.dir, self.step, recipe=self.recipe,
                                trainer_state=state, target_info=self.model.target_info,
                                keep_last=self.recipe.train.keep_last)
+        self.saved_step = self.step
+        return path
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's trainer state (after accelerator.load_state)."""
@@ -207,22 +261,36 @@ class Trainer:
         if self.accelerator.is_main_process:
             fresh = type(self.model)(copy.deepcopy(self.recipe.drafter), self.model.target_info)
             fresh.load_state_dict(state, strict=True)
-            with replace_directory(final_dir) as tmp_dir:
+            with disk_full_reported(final_dir, "choose another output.dir"), replace_directory(final_dir) as tmp_dir:
                 fresh.save(tmp_dir, "native")
                 save_recipe(self.recipe, os.path.join(tmp_dir, "recipe.yaml"))
         self.accelerator.wait_for_everyone()
         return final_dir
 
     # ---- the run ---------------------------------------------------------------------------------------------------
-    def agree(self, loss: float, started: float) -> tuple[bool, bool]:
-        """(some process saw a non-finite loss, the wall budget is spent), the same answer on every process."""
+    def agree(self, metrics: dict[str, float], started: float, preempted: bool) -> StepFlags:
+        """This step's stop reasons, the same answer on every process (one all-reduce): a process that saw a
+        non-finite value, or received SIGTERM, stops all of them at the same step, so none waits forever in a
+        collective the others never reach."""
         budget = self.recipe.train.max_time_minutes
         self.elapsed_now = self.elapsed + time.perf_counter() - started
         out_of_time = budget is not None and self.elapsed_now >= 60.0 * budget
-        flags = torch.tensor([float(not math.isfinite(loss)), float(out_of_time)], device=self.accelerator.device)
+        values = (not math.isfinite(metrics["loss"]), not math.isfinite(metrics.get("grad_norm", 0.0)), out_of_time,
+                  preempted)
+        flags = torch.tensor([float(value) for value in values], device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
             flags = self.accelerator.reduce(flags, reduction="sum")
-        return bool(flags[0] > 0), bool(flags[1] > 0)
+        return StepFlags(*(bool(flag > 0) for flag in flags))
+
+    def diverged(self, flags: StepFlags) -> FloatingPointError:
+        """The error a non-finite loss or gradient norm stops the run with: the step and the last good checkpoint."""
+        what = "training loss" if flags.nonfinite_loss else "gradient norm (the loss was finite)"
+        last = self.last_checkpoint()
+        remedy = (f"resume from it with a lower optim.lr or with optim.grad_clip set (train.resume_from={last})"
+                  if last else "no checkpoint was written before it (train.save_every); lower optim.lr or set "
+                  "optim.grad_clip")
+        return FloatingPointError(f"non-finite {what} at step {self.step}; stopping. The last good checkpoint is "
+                                  f"{last or 'none'}: {remedy}")
 
     def log_interval(self, meter: MeanMeter, interval: dict[str, float]) -> None:
         """Mean train metrics since the last log line, the learning rate, and tokens/s over all processes (time spent
@@ -256,30 +324,34 @@ class Trainer:
         return checkpoints[-1][1] if checkpoints else None
 
     def fit(self) -> str:
-        """Train to max_steps (or the wall budget), evaluate, save, export OUTPUT_DIR/final; return its path."""
+        """Train to max_steps (or the wall budget), evaluate, save, export OUTPUT_DIR/final; return its path.
+
+        Raises Preempted after saving a checkpoint at the step boundary that followed a SIGTERM."""
         max_steps, started = self.derived.max_steps, time.perf_counter()
         self.run_started = started
         self.elapsed_now = self.elapsed
         bar = tqdm(total=max_steps, initial=self.step, disable=not self.accelerator.is_main_process, unit="step")
         meter, interval = MeanMeter(), {"seconds": 0.0, "steps": 0}
-        while self.step < max_steps:
-            self.elapsed_now = self.elapsed + time.perf_counter() - started
-            self.set_drafter_config(self.phase_overrides(self.step))
-            step_started = time.perf_counter()
-            metrics = self.train_step(self.micro_batches(self.step))
-            interval["seconds"] += time.perf_counter() - step_started
-            self.step += 1
-            nonfinite, out_of_time = self.agree(metrics["loss"], started)
-            if nonfinite:
-                raise FloatingPointError(
-                    f"non-finite training loss at step {self.step}; stopping. The last good checkpoint is "
-                    f"{self.last_checkpoint() or 'none (train.save_every is unset)'}")
-            self.after_step(metrics, meter, interval)
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-            if out_of_time:
-                self.accelerator.print(f"wall budget train.max_time_minutes reached at step {self.step}; stopping")
-                break
+        with sigterm_flag() as sigterm:
+            while self.step < max_steps:
+                self.elapsed_now = self.elapsed + time.perf_counter() - started
+                self.set_drafter_config(self.phase_overrides(self.step))
+                step_started = time.perf_counter()
+                metrics = self.train_step(self.micro_batches(self.step))
+                interval["seconds"] += time.perf_counter() - step_started
+                self.step += 1
+                flags = self.agree(metrics, started, sigterm.is_set())
+                if flags.nonfinite_loss or flags.nonfinite_grad:
+                    raise self.diverged(flags)
+                self.after_step(metrics, meter, interval)
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+                if flags.preempted:
+                    bar.close()
+                    raise Preempted(self.step, self.last_checkpoint() if self.saved_step == self.step else self.save())
+                if flags.out_of_time:
+                    self.accelerator.print(f"wall budget train.max_time_minutes reached at step {self.step}; stopping")
+                    break
         bar.close()
         if interval["steps"]:
             self.log_interval(meter, interval)
