@@ -10,11 +10,15 @@ Offline cache layout, one directory per split (`<features.cache_dir>/train`, `..
     rank{r}-{n:05d}.safetensors     shards written by rank r; per sample `s{i}.input_ids` [T] int32,
                                     `s{i}.h{id}` [T, D], `s{i}.last` [T, D], `s{i}.argmax` [T] int32,
                                     with top-k logits `s{i}.topv` [T, k] and `s{i}.topi` [T, k] int32
-    index-rank{r}.json              per shard: file name, sha256 and the sample indices it holds
+    index-rank{r}.json              per shard: file name, size in bytes, sha256 and the sample indices it holds
 Each rank writes only its own shards and index, shard files and indexes are written under temporary names and
-renamed into place, so an interrupted `draftsmith prepare` resumes where its index ends. A shard's sha256 is checked
-the first time a process opens it; a sample's stored input_ids must equal the batch's, so a cache built from other
-data is refused instead of silently misaligned.
+renamed into place, so an interrupted `draftsmith prepare` resumes where its index ends. The first time a process
+opens a shard it checks the size (a truncated file is named as such without reading it) and then the sha256 (one
+sequential read, which also warms the page cache the memory map reads from next); every error names the shard file.
+Caches written before the index held sizes and checksums stay readable, unverified, with a warning. A sample's stored
+input_ids must equal the batch's, so a cache built from other data is refused instead of silently misaligned.
+A full disk while flushing raises DiskFullError naming the shard and features.cache_dir; the index then still lists
+only complete shards.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import glob
 import hashlib
 import json
 import os
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -30,11 +35,12 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from drafters.base import FeatureRequest
-from drafters.files import write_atomic, write_json_atomic
+from drafters.files import disk_full_reported, write_atomic, write_json_atomic
 from train.data import collate
 
 CACHE_FORMAT = 1
 DEFAULT_SHARD_BYTES = 256 << 20
+_REBUILD = "delete this split's cache directory (or choose a new features.cache_dir) and rerun draftsmith prepare"
 
 
 class FeatureCache:
@@ -48,11 +54,12 @@ class FeatureCache:
         os.makedirs(directory, exist_ok=True)
         self.meta = self._check_meta({"format": CACHE_FORMAT, **meta})
         self.location: dict[int, str] = {}  # sample index -> shard file name
-        self.checksums: dict[str, str] = {}
+        self.checksums: dict[str, dict[str, Any]] = {}  # shard file name -> its index entry (sha256, bytes)
         self.own_shards: list[dict[str, Any]] = []
         self.buffer: dict[int, dict[str, torch.Tensor]] = {}
         self.buffer_bytes = 0
         self.handles: dict[str, Any] = {}
+        self.warned_unverified = False
         self.refresh()
 
     def _check_meta(self, meta: dict[str, Any]) -> dict[str, Any]:
@@ -76,12 +83,16 @@ class FeatureCache:
     def refresh(self) -> None:
         """Re-read every rank's index (after other ranks flushed)."""
         for path in sorted(glob.glob(os.path.join(self.directory, "index-rank*.json"))):
-            with open(path) as f:
-                shards = json.load(f)["shards"]
+            try:
+                with open(path) as f:
+                    shards = json.load(f)["shards"]
+            except (json.JSONDecodeError, KeyError) as err:
+                raise ValueError(f"feature cache index {path} is unreadable ({err}); delete it and the shards it "
+                                 "listed, then rerun draftsmith prepare (it recomputes only what is missing)") from None
             if os.path.basename(path) == f"index-rank{self.rank}.json":
                 self.own_shards = shards
             for shard in shards:
-                self.checksums[shard["file"]] = shard["sha256"]
+                self.checksums[shard["file"]] = shard
                 self.location.update({index: shard["file"] for index in shard["samples"]})
 
     def __contains__(self, index: int) -> bool:
@@ -111,27 +122,50 @@ class FeatureCache:
         name = f"rank{self.rank}-{len(self.own_shards):05d}.safetensors"
         tensors = {f"s{index}.{key}": t for index, record in self.buffer.items() for key, t in record.items()}
         payload = safetensors_bytes(tensors)
-        write_atomic(os.path.join(self.directory, name), payload)
-        shard = {"file": name, "sha256": hashlib.sha256(payload).hexdigest(), "samples": sorted(self.buffer)}
+        path = os.path.join(self.directory, name)
+        shard = {"file": name, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+                 "samples": sorted(self.buffer)}
+        with disk_full_reported(path, "choose another features.cache_dir"):
+            write_atomic(path, payload)
+            write_json_atomic(os.path.join(self.directory, f"index-rank{self.rank}.json"),
+                              {"shards": self.own_shards + [shard]})
         self.own_shards = self.own_shards + [shard]
-        write_json_atomic(os.path.join(self.directory, f"index-rank{self.rank}.json"), {"shards": self.own_shards})
-        self.checksums[name] = shard["sha256"]
+        self.checksums[name] = shard
         self.location.update({index: name for index in self.buffer})
         self.handles.pop(name, None)
         self.buffer, self.buffer_bytes = {}, 0
 
     def _open(self, name: str):
+        """The shard's safetensors handle, verified (size, then sha256) the first time this process opens it."""
         if name not in self.handles:
             path = os.path.join(self.directory, name)
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 24), b""):
-                    digest.update(block)
-            if digest.hexdigest() != self.checksums[name]:
-                raise ValueError(f"feature cache shard {path} fails its sha256 check (corrupt or replaced); "
-                                 "delete it and its index entry, or rerun draftsmith prepare into a fresh cache_dir")
-            self.handles[name] = safe_open(path, framework="pt")
+            self._verify(path, self.checksums[name])
+            try:
+                self.handles[name] = safe_open(path, framework="pt")
+            except Exception as err:  # safetensors raises its own error types for a malformed header
+                raise ValueError(f"feature cache shard {path} is not a readable safetensors file ({err}); "
+                                 f"{_REBUILD}") from None
         return self.handles[name]
+
+    def _verify(self, path: str, shard: dict[str, Any]) -> None:
+        if not os.path.isfile(path):
+            raise ValueError(f"feature cache shard {path} is missing but listed in its index; {_REBUILD}")
+        size = os.path.getsize(path)
+        if "bytes" in shard and size != shard["bytes"]:
+            raise ValueError(f"feature cache shard {path} is truncated or overwritten: {size:,} bytes, the index says "
+                             f"{shard['bytes']:,}; {_REBUILD}")
+        if "sha256" not in shard:
+            if not self.warned_unverified:
+                warnings.warn(f"feature cache {self.directory} was written without shard checksums, so it is read "
+                              "unverified; rerun draftsmith prepare into a new features.cache_dir to get them")
+                self.warned_unverified = True
+            return
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+        if digest.hexdigest() != shard["sha256"]:
+            raise ValueError(f"feature cache shard {path} fails its sha256 check (corrupt or replaced); {_REBUILD}")
 
     def read(self, index: int) -> dict[str, torch.Tensor]:
         """One sample: input_ids [T], argmax [T], last [T, D], h{id} [T, D] (the stored dtype)."""
