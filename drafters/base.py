@@ -121,7 +121,10 @@ class Proposal:
     confidence_logits [B, K]: the drafter's logit that draft j is accepted given that drafts < j were (DSpark's
     confidence head), computed before draft j is drawn; confidence_temperature [K]: the calibration that makes
     sigmoid(logit / temperature) honest, None = uncalibrated. The engine schedules verification from them
-    (inference/schedule.py)."""
+    (inference/schedule.py).
+    log_probs [B, K, V]: the log-distribution each draft was chosen from, in target vocab (-inf outside a reduced
+    draft vocabulary), or None; tree verification builds its trees from these per-depth marginals (DDTree,
+    inference/tree.py)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
@@ -129,6 +132,18 @@ class Proposal:
     parents: torch.Tensor | None = None
     confidence_logits: torch.Tensor | None = None
     confidence_temperature: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+
+
+def full_vocab_log_probs(logits: torch.Tensor, draft_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Draft logits [..., V_d] -> float32 log-probabilities [..., V] in target ids (-inf outside the draft vocab;
+    draft_ids None means V_d is the target vocab). Proposal.log_probs is built with it."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    if draft_ids is None:
+        return log_probs
+    full = log_probs.new_full((*log_probs.shape[:-1], vocab_size), float("-inf"))
+    full[..., draft_ids] = log_probs
+    return full
 
 
 @dataclass
@@ -217,6 +232,22 @@ class Drafter(nn.Module):
         engine ran rounds without drafts (adaptive k = 0) and hands their verified tokens over at once, as a block
         [t_0, t_1..t_n-1] whose n - 1 "drafts" were all accepted (inference/generate.py `_Deferred`)."""
         raise NotImplementedError
+
+    # ---- inference: draft trees (optional; inference/tree.py) -----------------------------------------------------
+    # A sequential drafter that can score several branches sets `expands_trees` and implements `expand_tree`, the
+    # engine then grows EAGLE-2 dynamic trees with it; other drafters get DDTree trees over Proposal.log_probs.
+    expands_trees: ClassVar[bool] = False
+
+    def expand_tree(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """Feed M tree nodes per row and return the log-distribution of each node's next token.
+
+        Within one round, nodes are numbered in the order they are fed: node 0 is the root (the token the target
+        just emitted), fed alone by the round's first call (tokens = next tokens [B, 1], parents = -1), which also
+        drops the previous round's speculative state. Later calls feed nodes 1, 2, ...; parents [B, M] index nodes
+        fed by earlier calls of the round. Each node sees the committed context and its own ancestors only.
+        Args: tokens [B, M] target ids; parents [B, M] long. Returns: log-probabilities [B, M, V] (target vocab).
+        """
+        raise NotImplementedError(f"drafter {self.kind!r} does not expand trees")
 
     # ---- persistence: native (config.json + model.safetensors) here, serving layouts in the kind's export module ----
     # `export_module` is a kind's export.py, or None for a native-only kind. It provides EXPORT_FORMATS (the layouts

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
 from drafters.dflash import export, readers
 from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.layers import (
@@ -256,9 +256,11 @@ class DFlashDrafter(Drafter):
         h = self._block_embeds(bonus)  # [B, S, D]
         rope = self.rotary(position.unsqueeze(1) + torch.arange(block_size, device=position.device), h.dtype)
         h = cached_block_forward(self.layers, self._caches, h, rope)  # block keys/values are never kept
-        drafts = self._logits(h[:, 1 : num_tokens + 1]).argmax(dim=-1)  # [B, k]
+        logits = self._logits(h[:, 1 : num_tokens + 1])  # [B, k, V_d]
+        drafts = logits.argmax(dim=-1)  # [B, k]
         draft_ids = self.draft_ids()
-        return Proposal(tokens=drafts if draft_ids is None else draft_ids[drafts])
+        return Proposal(tokens=drafts if draft_ids is None else draft_ids[drafts],
+                        log_probs=full_vocab_log_probs(logits, draft_ids, self.target_info.vocab_size))
 
     # ---- persistence (save / load / detect_format: drafters/base.py, through export_module) ----------------------
     @staticmethod

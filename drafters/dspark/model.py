@@ -37,7 +37,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
 from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.layers import (
     absorb_context,
@@ -254,12 +254,13 @@ class DSparkDrafter(Drafter):
         base = F.linear(hidden, self._target_tensor("lm_head_weight"))  # [B, K, V]
         state = None if self.markov_head is None else self.markov_head.initial_state(hidden[:, 0])
         previous = anchor
-        tokens, probs, confidences = [], [], []
+        tokens, probs, confidences, slot_logits = [], [], [], []
         for k in range(hidden.shape[1]):
             logits = base[:, k]
             if self.markov_head is not None:
                 bias, state = self.markov_head.step(self.markov_head.embed(previous), hidden[:, k], state)
                 logits = logits + bias
+            slot_logits.append(logits / temperature if temperature > 0 else logits)
             confidence = self.confidence_logits(hidden[:, k], previous)
             if confidence is not None:
                 confidences.append(confidence)
@@ -273,6 +274,7 @@ class DSparkDrafter(Drafter):
         temperatures = self.config.confidence_temperatures
         return Proposal(
             tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1) if probs else None,
+            log_probs=full_vocab_log_probs(torch.stack(slot_logits, dim=1), None, base.shape[-1]),
             confidence_logits=torch.stack(confidences, dim=1) if confidences else None,
             confidence_temperature=(torch.tensor(temperatures[: len(tokens)], device=hidden.device)
                                     if temperatures and confidences else None))

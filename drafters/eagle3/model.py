@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
 from drafters.eagle3 import export as export_eagle3
 from drafters.eagle3 import readers as eagle3_readers
 from drafters.eagle3.layers import (
@@ -291,16 +291,69 @@ class Eagle3Drafter(Drafter):
             keep = active.view(-1, *([1] * (value.dim() - 1)))
             self._state[name] = torch.where(keep, value, self._state[name]) if name in self._state else value
 
-    def _cached_layers(self, embeds, hidden, position_ids, valid) -> torch.Tensor:
-        """embeds, hidden [B, n, D], position_ids [B, n], valid [B, n] -> pre-norm output [B, n, D]; appends K/V."""
+    def _cached_layers(self, embeds, hidden, position_ids, valid, mask=None) -> torch.Tensor:
+        """embeds, hidden [B, n, D], position_ids [B, n], valid [B, n] -> pre-norm output [B, n, D]; appends K/V.
+        mask [B, 1, n, C] replaces the cache's causal block mask (a tree's ancestor mask, `expand_tree`)."""
         cos, sin = self.rotary(position_ids, hidden.dtype)
         x = hidden
         for layer, cache in zip(self.layers, self._caches):
             attention_in, residual = layer.attention_input(embeds, x)
             q, k, v = layer.self_attn.project(attention_in, cos, sin)
-            keys, values, mask = cache.append(k, v, valid)
-            x = layer.finish(attention(q, keys, values, mask), residual)
+            keys, values, block_mask = cache.append(k, v, valid)
+            x = layer.finish(attention(q, keys, values, block_mask if mask is None else mask), residual)
         return x
+
+    # ---- inference: EAGLE-2 dynamic trees (reference A.6; the engine's loop is inference/tree.py) ----------------
+    expands_trees = True
+
+    @torch.no_grad()
+    def expand_tree(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """Feed tree nodes (drafters/base.Drafter.expand_tree): node m reads (its token, the pre-norm output of its
+        parent) at position root + depth, and attends to the committed cache, its fed ancestors and itself.
+
+        The root's output is the committed state, so the round's first call runs nothing. Fed node i >= 1 sits
+        in cache column base + i - 1 (base = each row's committed length), so an ancestor set over node ids maps
+        to columns by an offset. Args: tokens, parents [B, M]. Returns: log-probabilities [B, M, V].
+        """
+        if not self._state:
+            raise ValueError("expand_tree() called before begin()")
+        vocab_size = self.t2d.numel()
+        if bool((parents < 0).all()):  # the root
+            for cache in self._caches:
+                cache.rewind()
+            batch = tokens.shape[0]
+            self._tree = {"hidden": self._state["hidden"][:, None], "base": self._caches[0].lengths.clone(),
+                          "depth": torch.zeros(batch, 1, dtype=torch.long, device=tokens.device),
+                          "ancestors": torch.ones(batch, 1, 1, dtype=torch.bool, device=tokens.device)}
+            return full_vocab_log_probs(self._state["logits"][:, None], self.draft_ids(), vocab_size)
+        tree, (batch, num_new) = self._tree, tokens.shape
+        rows = torch.arange(batch, device=tokens.device)[:, None]
+        num_fed = tree["hidden"].shape[1]
+        own = torch.eye(num_new, dtype=torch.bool, device=tokens.device).expand(batch, num_new, num_new)
+        ancestors = torch.cat([tree["ancestors"][rows, parents], own], dim=-1)  # [B, M, num_fed + M] over node ids
+        tree["ancestors"] = torch.cat([F.pad(tree["ancestors"], (0, num_new)), ancestors], dim=1)
+        depth = tree["depth"][rows, parents] + 1  # [B, M]
+        tree["depth"] = torch.cat([tree["depth"], depth], dim=1)
+        embeds = F.embedding(tokens, self._target_tensor("embed_weight"))
+        positions = self._state["position"][:, None] + depth
+        mask = self._tree_mask(ancestors, tree["base"], num_fed)
+        valid = torch.ones_like(tokens, dtype=torch.bool)
+        hidden = self._cached_layers(embeds, tree["hidden"][rows, parents], positions, valid, mask)
+        tree["hidden"] = torch.cat([tree["hidden"], hidden], dim=1)
+        return full_vocab_log_probs(self.lm_head(self.norm(hidden)), self.draft_ids(), vocab_size)
+
+    def _tree_mask(self, ancestors: torch.Tensor, base: torch.Tensor, num_fed: int) -> torch.Tensor:
+        """ancestors [B, M, num_fed + M] over node ids -> mask [B, 1, M, C] over cache columns: the row's committed
+        valid columns (< base) plus the columns of its ancestors (node i >= 1 at column base + i - 1)."""
+        num_new = ancestors.shape[1]
+        used = int(base.max()) + num_fed - 1 + num_new
+        columns = torch.arange(used, device=base.device)[None, :]
+        committed = F.pad(self._caches[0].valid[:, : int(base.max())], (0, used - int(base.max())))
+        committed = committed & (columns < base[:, None])  # [B, C]
+        node = columns - base[:, None] + 1  # [B, C] node id held by each column (>= 1 for tree columns)
+        in_tree = (node >= 1) & (node < num_fed + num_new)
+        index = node.clamp(0, num_fed + num_new - 1)[:, None, :].expand(-1, num_new, -1)
+        return (committed[:, None, :] | (ancestors.gather(-1, index) & in_tree[:, None, :]))[:, None]
 
     @torch.no_grad()
     def propose(self, num_tokens: int) -> Proposal:
@@ -313,11 +366,12 @@ class Eagle3Drafter(Drafter):
         hidden, logits = self._state["hidden"], self._state["logits"]
         batch = hidden.shape[0]
         draft_ids = self.draft_ids()
-        tokens, probs = [], []
+        tokens, probs, depth_logits = [], [], []
         for j in range(num_tokens):
             draft, q = draw_drafts(logits, self.config.sample_drafts, self._generator)
             tokens.append(draft_ids[draft])
             probs.append(q)
+            depth_logits.append(logits)
             if j + 1 == num_tokens:
                 break
             embeds = F.embedding(tokens[-1].view(-1, 1), self._target_tensor("embed_weight"))
@@ -327,12 +381,13 @@ class Eagle3Drafter(Drafter):
             logits = self.lm_head(self.norm(hidden))
         if num_tokens == 0:
             return Proposal(tokens=torch.zeros(batch, 0, dtype=torch.long, device=hidden.device))
+        log_probs = full_vocab_log_probs(torch.stack(depth_logits, dim=1), draft_ids, self.t2d.numel())
         if not self.config.sample_drafts:
-            return Proposal(tokens=torch.stack(tokens, dim=1))
+            return Proposal(tokens=torch.stack(tokens, dim=1), log_probs=log_probs)
         q = torch.stack(probs, dim=1).float()  # [B, K, V_d]; float32 like the engine's target probabilities
         full = q.new_zeros(batch, num_tokens, self.t2d.numel())
         full[:, :, draft_ids] = q
-        return Proposal(tokens=torch.stack(tokens, dim=1), probs=full)
+        return Proposal(tokens=torch.stack(tokens, dim=1), probs=full, log_probs=log_probs)
 
     # ---- persistence (save / load / detect_format: drafters/base.py, through export_module) ----------------------
     @staticmethod

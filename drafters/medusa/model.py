@@ -29,7 +29,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from drafters.base import DraftContext, Drafter, DraftOutput, FeatureRequest, Proposal, TargetInfo
+from drafters.base import (DraftContext, Drafter, DraftOutput, FeatureRequest, Proposal, TargetInfo,
+                           full_vocab_log_probs)
 from drafters.layers import FrozenTargetTensors, draw_drafts
 from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss
 from drafters.medusa.layers import MedusaConfig, MedusaHead
@@ -131,5 +132,7 @@ class MedusaDrafter(Drafter):
         hidden = self._state["hidden"]
         if num_tokens <= 0:
             return Proposal(tokens=torch.zeros(hidden.shape[0], 0, dtype=torch.long, device=hidden.device))
-        drafts, q = draw_drafts(self.head_logits(hidden, num_tokens), self.config.sample_drafts, self._generator)
-        return Proposal(tokens=drafts, probs=None if q is None else q.float())  # drafts [B, k], q [B, k, V]
+        logits = self.head_logits(hidden, num_tokens)  # [B, k, V]
+        drafts, q = draw_drafts(logits, self.config.sample_drafts, self._generator)
+        return Proposal(tokens=drafts, probs=None if q is None else q.float(),  # drafts [B, k], q [B, k, V]
+                        log_probs=full_vocab_log_probs(logits, None, logits.shape[-1]))

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import DraftContext, Drafter, DraftOutput, FeatureRequest, Proposal, TargetInfo
+from drafters.base import (DraftContext, Drafter, DraftOutput, FeatureRequest, Proposal, TargetInfo,
+                           full_vocab_log_probs)
 from drafters.layers import FrozenTargetTensors, draw_drafts
 from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss
 from drafters.mtp import export as mtp_export
@@ -311,8 +312,9 @@ class MTPDrafter(Drafter):
         rows = torch.arange(batch, device=anchor.device)
         fed = self._depths[0].out[rows, anchor - 1]
         normed = fed if self.convention.feed_back_normed else self.layers[self._module_index(0)].final_norm(fed)
-        draft, q = draw_drafts(self._logits(normed), self.config.sample_drafts, self._generator)
-        tokens, probs, speculative = [draft], [q], None
+        logits = self._logits(normed)
+        draft, q = draw_drafts(logits, self.config.sample_drafts, self._generator)
+        tokens, probs, depth_logits, speculative = [draft], [q], [logits], None
         for depth in range(1, num_tokens):
             # depth runs over positions anchor-depth .. anchor-1: the first has depth-1's committed output, the rest
             # depth-1's speculative outputs; their tokens are the drafts d_1..d_depth.
@@ -322,12 +324,16 @@ class MTPDrafter(Drafter):
             cache = self._depths[depth].cache
             speculative, normed = self._step(depth, torch.stack(tokens, dim=1), hidden, positions.clamp(min=0),
                                              cache.plan(positions >= 0), cache)
-            draft, q = draw_drafts(self._logits(normed[:, -1]), self.config.sample_drafts, self._generator)
+            logits = self._logits(normed[:, -1])
+            draft, q = draw_drafts(logits, self.config.sample_drafts, self._generator)
             tokens.append(draft)
             probs.append(q)
+            depth_logits.append(logits)
+        log_probs = full_vocab_log_probs(torch.stack(depth_logits, dim=1), None, logits.shape[-1])
         if not self.config.sample_drafts:
-            return Proposal(tokens=torch.stack(tokens, dim=1))
-        return Proposal(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1).float())
+            return Proposal(tokens=torch.stack(tokens, dim=1), log_probs=log_probs)
+        return Proposal(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1).float(),
+                        log_probs=log_probs)
 
     # ---- persistence (drafters/base.py dispatches to drafters/mtp/export.py) --------------------------------------
     @staticmethod
