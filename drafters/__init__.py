@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from drafters.assistant import AssistantDrafter
 from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
 from drafters.dflash import DFlashDrafter
 from drafters.draft_model import DraftModelDrafter, is_draft_model_dir
@@ -15,6 +16,7 @@ from drafters.mtp import MTPDrafter
 from drafters.ngram import NgramDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {
+    "assistant": AssistantDrafter,
     "dflash": DFlashDrafter,
     "draft_model": DraftModelDrafter,
     "dspark": DSparkDrafter,

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from drafters.base import FeatureRequest, TargetInfo
 from drafters.ragged_lm import RaggedLM
@@ -26,12 +26,14 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass
 class TargetFeatures:
-    """hidden {id: [B, T, D]}; last_hidden [B, T, D] after the final norm; argmax [B, T]; logits [B, T, V] or None."""
+    """hidden {id: [B, T, D]}; last_hidden [B, T, D] after the final norm; argmax [B, T]; logits [B, T, V] or None;
+    kv: the K/V the requested layers computed (RoPE applied, as a cache holds them), or None."""
 
     hidden: dict[int, torch.Tensor]
     last_hidden: torch.Tensor
     argmax: torch.Tensor
     logits: torch.Tensor | None = None
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # {layer: (keys, values) [B, H_kv, T, d]}
 
 
 def unused_token_ids(tokenizer, vocab_size: int) -> tuple[int, ...] | None:
@@ -139,12 +141,22 @@ class TargetModel:
                 handle.remove()
 
     @torch.no_grad()
-    def features(self, input_ids, attention_mask, layer_ids, return_logits: bool = False) -> TargetFeatures:
-        """One cache-free forward for training. input_ids, attention_mask [B, T] (right padding)."""
+    def features(self, input_ids, attention_mask, layer_ids, return_logits: bool = False,
+                 kv_layers=()) -> TargetFeatures:
+        """One forward for training. input_ids, attention_mask [B, T] (right padding). With kv_layers, the forward
+        fills a fresh full-length DynamicCache (no sliding-window trimming) and the K/V of those decoder layers are
+        returned from it: the same forward gives the features and the K/V, as the engine's cache holds them."""
+        self.check_request(FeatureRequest(layer_ids=tuple(layer_ids), kv_layers=tuple(kv_layers)))
+        cache = {self.runner.cache_arg: DynamicCache()} if kv_layers else {}
         with self.capture(layer_ids, want_last_hidden=True) as captured:
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=bool(kv_layers),
+                                **cache).logits
         hidden = {layer_id: captured[layer_id] for layer_id in layer_ids}
-        return TargetFeatures(hidden, captured["last"], logits.argmax(-1), logits if return_logits else None)
+        kv = None
+        if kv_layers:
+            layers = cache[self.runner.cache_arg].layers
+            kv = {int(i): (layers[i].keys, layers[i].values) for i in kv_layers}
+        return TargetFeatures(hidden, captured["last"], logits.argmax(-1), logits if return_logits else None, kv)
 
     # ---- engine: KV-cached forwards ------------------------------------------------------------------------
     def prefill(self, input_ids, attention_mask, request: FeatureRequest | None = None) -> tuple[torch.Tensor, dict]:

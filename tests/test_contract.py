@@ -21,6 +21,7 @@ import torch
 from conftest import make_tiny_model
 
 from drafters import DRAFTERS, load_drafter
+from drafters.assistant import AssistantConfig, AssistantDrafter
 from drafters.base import DraftContext, Drafter, TargetInfo
 from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.draft_model import DraftModelConfig, DraftModelDrafter
@@ -45,6 +46,9 @@ def _draft_lm(info: TargetInfo, seed: int = 1):
 
 # kind -> factory(target_info) building a small, untrained drafter for the tiny targets below (hidden 64, 4 layers).
 FACTORIES: dict[str, Callable[[TargetInfo], Drafter]] = {
+    # two query-only layers over the K/V of target layers 1 and 3, trained for NUM_DRAFTS steps
+    "assistant": lambda info: AssistantDrafter(AssistantConfig(num_layers=2, kv_layers=(1, 3), num_steps=NUM_DRAFTS),
+                                               info),
     "eagle3": lambda info: Eagle3Drafter(Eagle3Config(layer_ids=(1, 2, 4), num_layers=2,
                                                       draft_vocab_size=info.vocab_size, ttt_steps=NUM_DRAFTS,
                                                       init_head_from_target=False), info),
@@ -62,6 +66,7 @@ FACTORIES: dict[str, Callable[[TargetInfo], Drafter]] = {
                                                       mask_token_id=info.vocab_size - 1), info),
 }
 SAMPLING = {  # the factory variant that samples its drafts, for kinds that can
+    "assistant": lambda info: AssistantDrafter(AssistantConfig(num_layers=1, sample_drafts=True), info),
     # DSpark samples at the engine's temperature (DraftContext.temperature) with its exact Markov-corrected q
     "dspark": lambda info: DSparkDrafter(DSparkConfig(layer_ids=(1, 2, 3), num_layers=1, block_size=NUM_DRAFTS,
                                                       markov_rank=16, mask_token_id=info.vocab_size - 1), info),
@@ -188,6 +193,8 @@ def decode_with_forced_accepts(target, drafter, prompts, schedules, seed=0):
         mark = target.mark()
         _, served = target.extend(block, request)
         target.keep_after(mark, torch.where(active, accepted + 1, torch.zeros_like(accepted)))
+        if request.kv_layers:  # as the engine does: the rollback changed the cache the drafter reads
+            served.update(target.kv_view(request.kv_layers))
         valid = (torch.arange(NUM_DRAFTS + 1)[None] <= accepted[:, None]) & active[:, None]
         positions = target.runner.lengths[:, None] - valid.long().sum(-1, keepdim=True) + torch.arange(NUM_DRAFTS + 1)
         new_bonus = torch.randint(3, 250, (len(prompts),), generator=gen)

@@ -74,7 +74,7 @@ def feature_provider(recipe: Recipe, split: str, target: TargetModel, request, n
     if not recipe.features.cache_dir:
         raise ValueError(f"features.cache_dir must be set for features.mode={mode}")
     dtype = target.model.dtype if recipe.features.dtype == "auto" else getattr(torch, recipe.features.dtype)
-    meta = cache_meta(target.target_info(), training_request(request), dtype, num_samples)
+    meta = cache_meta(target.target_info(), training_request(request, mode), dtype, num_samples)
     cache = FeatureCache(os.path.join(recipe.features.cache_dir, split), meta, rank=rank)
     return FeatureProvider(mode, target, request, cache)
 

@@ -3,7 +3,8 @@
 The drafter batch always carries the same keys, wherever they came from (drafters/base.py), serving the drafter's
 FeatureRequest:
     target_hidden {layer_id: [B, T, D]} float32, target_last_hidden [B, T, D] float32, target_argmax [B, T] long,
-    and with request.top_k_logits = k > 0: target_top_k_values [B, T, k] float32, target_top_k_ids [B, T, k] long.
+    and with request.top_k_logits = k > 0: target_top_k_values [B, T, k] float32, target_top_k_ids [B, T, k] long,
+    and with request.kv_layers (online only): target_kv {layer: (keys, values) [B, H_kv, T, d]} float32.
 
 Offline cache layout, one directory per split (`<features.cache_dir>/train`, `.../eval`):
     meta.json                       target name, hidden size, number of layers, layer ids, dtype, number of samples
@@ -188,13 +189,19 @@ def cache_meta(target_info, request: FeatureRequest, dtype: torch.dtype, num_sam
             "num_samples": num_samples, "top_k_logits": int(request.top_k_logits)}
 
 
-def training_request(request: FeatureRequest) -> FeatureRequest:
-    """The part of a drafter's request that training serves; raise ValueError for what it cannot serve yet."""
-    if request.kv_layers:
-        raise ValueError(f"drafter asks for the target's KV cache of layers {list(request.kv_layers)}: the engine "
-                         "serves it (DraftContext.target_kv), training features do not yet; train such a drafter "
-                         "once the Gemma-4-style assistant lands (it captures the target's K/V per layer)")
-    return FeatureRequest(layer_ids=tuple(int(i) for i in request.layer_ids), top_k_logits=request.top_k_logits)
+def training_request(request: FeatureRequest, mode: str = "online") -> FeatureRequest:
+    """The part of a drafter's request that training serves in features.mode `mode`; ValueError for what it cannot.
+
+    The target's KV cache (kv_layers, a KV-sharing assistant) is served online only: stored, it would be
+    2 x layers x KV heads x head dim values per token (a Llama-3.1-8B layer: 2,048 bytes per token in bf16, i.e.
+    gigabytes per layer for a 1M-token data set and terabytes for all layers), far more than the hidden states.
+    """
+    if request.kv_layers and mode != "online":
+        raise ValueError(f"features.mode={mode}: the drafter reads the target's KV cache of layers "
+                         f"{list(request.kv_layers)}, which is served online only (stored it would take gigabytes "
+                         "per layer); set features.mode: online")
+    return FeatureRequest(layer_ids=tuple(int(i) for i in request.layer_ids), top_k_logits=request.top_k_logits,
+                          kv_layers=tuple(int(i) for i in request.kv_layers))
 
 
 class FeatureProvider:
@@ -211,7 +218,7 @@ class FeatureProvider:
         if mode != "online" and cache is None:
             raise ValueError(f"features.mode={mode} needs features.cache_dir")
         self.mode, self.target, self.cache = mode, target, cache
-        self.request = training_request(request)
+        self.request = training_request(request, mode)
         self.layer_ids = self.request.layer_ids
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -230,10 +237,14 @@ class FeatureProvider:
         device = self.target.device
         mask = batch["attention_mask"].to(device)
         top_k = self.request.top_k_logits
-        out = self.target.features(batch["input_ids"].to(device), mask, self.layer_ids, return_logits=top_k > 0)
+        out = self.target.features(batch["input_ids"].to(device), mask, self.layer_ids, return_logits=top_k > 0,
+                                   kv_layers=self.request.kv_layers)
         keep = mask.unsqueeze(-1).float()  # [B, T, 1]
         features = {"target_hidden": {i: out.hidden[i].float() * keep for i in self.layer_ids},
                     "target_last_hidden": out.last_hidden.float() * keep, "target_argmax": out.argmax.long() * mask}
+        if self.request.kv_layers:  # {layer: (keys, values) [B, H_kv, T, d]}, padding slots zeroed
+            slot = keep.unsqueeze(1)  # [B, 1, T, 1]
+            features["target_kv"] = {i: (k.float() * slot, v.float() * slot) for i, (k, v) in out.kv.items()}
         if top_k:
             values, ids = out.logits.float().topk(top_k, dim=-1)
             features.update(target_top_k_values=values * keep, target_top_k_ids=ids * mask.unsqueeze(-1))

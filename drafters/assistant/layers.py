@@ -1,0 +1,179 @@
+"""KV-sharing assistant building blocks: the recipe config, the target's attention shape, and the query-only layer.
+
+Reference: algorithms_eagle3_mtp.md section B.6 (Gemma 4 "assistant" drafters). An assistant layer has no K/V
+projections: its queries attend over the K/V the TARGET cached for one of its own layers (already normed and rotated
+at their positions by the target), so the query heads, KV heads and head dim are the target's, and the queries are
+rotated with the target's RoPE at the assistant's own (constant) query position. The rest is a pre-norm Llama layer
+of the assistant's own width: input_layernorm, attention, residual, post_attention_layernorm, SwiGLU MLP, residual.
+Parameter names follow HF Llama/Qwen (self_attn.q_proj, self_attn.o_proj, self_attn.q_norm, mlp.gate_proj ...), so a
+warm start copies a target layer's tensors by name.
+
+Shapes: B batch, n query positions, C key columns (cached target tokens), H query heads, H_kv KV heads, d head dim,
+W assistant width, D target hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+import torch
+from torch import nn
+
+from drafters.base import TargetInfo
+from drafters.layers import RMSNorm, SwiGLU, apply_rope, attention
+
+
+@dataclass(kw_only=True)
+class AssistantConfig:
+    """The `drafter:` section of a recipe for kind "assistant".
+
+    num_layers: assistant decoder layers (Gemma 4's assistants have 4).
+    hidden_size: the assistant's own width W; None = the target's hidden size (then `init_from_target` can copy).
+    intermediate_size: its MLP width; None = the target's intermediate size.
+    kv_layers: target decoder layer read by each assistant layer (one entry per layer); () = every assistant layer
+      reads the target's last layer (Gemma 4 maps each layer to the last target layer of its attention type; a
+      Llama/Qwen target has one type).
+    num_steps: K, the draft steps trained per position (step k >= 1 reads step k-1's post-projected state and the
+      ground-truth token, at the same query position and over the same target K/V as step 0).
+    loss_weights: per-step weights of the per-step mean losses; () = 1/K each.
+    loss: "soft" = cross-entropy against the target's distribution at the label; "hard" = against the data token.
+    embed_scale: factor on the target's token embedding before the pre-projection; None = the scale the target itself
+      applies to its embeddings (sqrt(D) for Gemma families, 1 otherwise), i.e. the "scaled target embedding".
+    init_from_target: start each layer as a copy of its mapped target layer's query, output, norm and MLP tensors,
+      the final norm and lm_head as the target's, the pre-projection as "take the hidden half" and the
+      post-projection as the identity. Needs hidden_size and intermediate_size equal to the target's.
+    sample_drafts: propose by sampling each step's distribution (returned as probs); else argmax drafts.
+    """
+
+    num_layers: int = 2
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    kv_layers: tuple[int, ...] = ()
+    num_steps: int = 3
+    loss_weights: tuple[float, ...] = ()
+    loss: Literal["soft", "hard"] = "soft"
+    embed_scale: float | None = None
+    init_from_target: bool = False
+    sample_drafts: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The target's attention geometry, which the assistant's queries must share."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qk_norm: bool  # the target norms its queries per head (Qwen3, Gemma): the assistant's queries get their own
+
+
+def text_config(target_info: TargetInfo) -> Mapping[str, Any]:
+    """The target's (text) HF config dict."""
+    config = target_info.config
+    if "hidden_size" not in config and isinstance(config.get("text_config"), Mapping):
+        config = config["text_config"]
+    return config
+
+
+def target_layer_weight(target_info: TargetInfo, layer: int, suffix: str) -> torch.Tensor | None:
+    """The target tensor named `...layers.{layer}.{suffix}` (any prefix), or None."""
+    ending = f"layers.{layer}.{suffix}"
+    for name, tensor in target_info.weights.items():
+        if name.endswith(ending) and (name == ending or name[: -len(ending)].endswith(".")):
+            return tensor
+    return None
+
+
+def resolve_kv_layers(config: AssistantConfig, target_info: TargetInfo) -> tuple[int, ...]:
+    """One target layer per assistant layer; ValueError naming drafter.kv_layers / drafter.num_layers."""
+    if config.num_layers < 1:
+        raise ValueError(f"drafter.num_layers must be >= 1, got {config.num_layers}")
+    if not config.kv_layers:
+        return (target_info.num_layers - 1,) * config.num_layers
+    layers = tuple(int(i) for i in config.kv_layers)
+    if len(layers) != config.num_layers:
+        raise ValueError(f"drafter.kv_layers has {len(layers)} entries for drafter.num_layers {config.num_layers}; "
+                         "give the target layer each assistant layer reads")
+    bad = [i for i in layers if not 0 <= i < target_info.num_layers]
+    if bad:
+        raise ValueError(f"drafter.kv_layers {bad} do not exist: the target has layers 0..{target_info.num_layers - 1}")
+    return layers
+
+
+def attention_shape(target_info: TargetInfo, kv_layers: tuple[int, ...]) -> AttentionShape:
+    """The target's head counts and head dim, checked against every mapped layer's K projection (a layer whose
+    cached keys have another head dim, such as Gemma's global layers, cannot be read by the same queries)."""
+    config = text_config(target_info)
+    heads = int(config.get("num_attention_heads") or 0)
+    if heads < 1:
+        raise ValueError("drafter: the target config has no num_attention_heads; the assistant mirrors its heads")
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or target_info.hidden_size // heads)
+    for layer in kv_layers:
+        keys = target_layer_weight(target_info, layer, "self_attn.k_proj.weight")  # [H_kv * d, D]
+        if keys is not None and keys.shape[0] != kv_heads * head_dim:
+            raise ValueError(f"drafter.kv_layers: target layer {layer} caches keys of width {keys.shape[0]}, not "
+                             f"{kv_heads} heads x head dim {head_dim} as the assistant's queries; map it to a layer "
+                             "with the target's head dim")
+    qk_norm = target_layer_weight(target_info, kv_layers[0], "self_attn.q_norm.weight") is not None
+    return AttentionShape(heads, kv_heads, head_dim, qk_norm)
+
+
+def embedding_scale(config: AssistantConfig, target_info: TargetInfo) -> float:
+    """See AssistantConfig.embed_scale."""
+    if config.embed_scale is not None:
+        return float(config.embed_scale)
+    model_type = str(text_config(target_info).get("model_type") or "")
+    return float(target_info.hidden_size) ** 0.5 if model_type.startswith("gemma") else 1.0
+
+
+class QueryOnlyAttention(nn.Module):
+    """Queries of the assistant's width over the target's cached K/V: q_proj (W -> H*d), optional per-head q_norm,
+    RoPE at the query position, attention, o_proj (H*d -> W). No K/V projections and nothing written anywhere."""
+
+    def __init__(self, width: int, shape: AttentionShape, eps: float):
+        super().__init__()
+        self.shape = shape
+        self.q_proj = nn.Linear(width, shape.num_heads * shape.head_dim, bias=False)
+        self.o_proj = nn.Linear(shape.num_heads * shape.head_dim, width, bias=False)
+        self.q_norm = RMSNorm(shape.head_dim, eps) if shape.qk_norm else None
+
+    def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, n, W]; keys, values [B, H_kv, C, d] (read only); mask [B, 1, n, C] bool; cos, sin [B, 1, n, d]
+        -> [B, n, W]."""
+        batch, n, _ = x.shape
+        q = self.q_proj(x).view(batch, n, self.shape.num_heads, self.shape.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, n, d]
+        out = attention(q, keys.to(q.dtype), values.to(q.dtype), mask)  # .to makes a copy when dtypes differ
+        return self.o_proj(out.transpose(1, 2).reshape(batch, n, -1))
+
+
+class AssistantLayer(nn.Module):
+    """One pre-norm decoder layer whose attention is query-only over one target layer's K/V."""
+
+    def __init__(self, width: int, intermediate: int, shape: AttentionShape, eps: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(width, eps)
+        self.self_attn = QueryOnlyAttention(width, shape, eps)
+        self.post_attention_layernorm = RMSNorm(width, eps)
+        self.mlp = SwiGLU(width, intermediate)
+
+    def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, n, W] -> [B, n, W]; see QueryOnlyAttention for the others."""
+        x = x + self.self_attn(self.input_layernorm(x), keys, values, mask, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def copy_target_layer_(layer: AssistantLayer, target_info: TargetInfo, target_layer: int) -> None:
+    """Copy the mapped target layer's tensors of the same names into `layer` (init_from_target)."""
+    for name, parameter in layer.named_parameters():
+        source = target_layer_weight(target_info, target_layer, name)
+        if source is None or source.shape != parameter.shape:
+            raise ValueError(f"drafter.init_from_target: target layer {target_layer} has no tensor {name} of shape "
+                             f"{tuple(parameter.shape)}; set hidden_size / intermediate_size to the target's")
+        parameter.copy_(source)

@@ -1,0 +1,249 @@
+"""The KV-sharing assistant: a Gemma-4-style drafter generalised to any Llama/Qwen-like target (reference B.6).
+
+A small decoder of its own width W whose attention is query-only over the target's cached K/V of chosen target layers
+(drafters/assistant/layers.py) and which writes no KV of its own. One draft step:
+
+    x      = pre_projection([embed_scale * TargetEmbed(token) ; h])         2D -> W
+    x      = layers(x) over K/V_target[kv_layers[i]], queries rotated at the query position p
+    d      = norm(x);  logits = lm_head(d)  (its own head [V, W]);  h_next = post_projection(d)   W -> D
+
+Step 1 reads the token the target just emitted (the anchor, at position p = the number of tokens the target has
+cached) and the target's final hidden state (after its final norm) at p - 1; step j + 1 reads step j's draft and
+h_next. Nothing is cached by the assistant, so every step queries from the same position p over the same target K/V
+(Gemma 4's constant draft positions): the autoregressive dependence is carried only by h_next and the token.
+
+Depth convention (drafters/base.py): the anchor a = p is the last token the drafter knows; step k predicts the token
+at a + 1 + k. A training row is one position i = a - 1 (hidden h_i, tokens x_{i+1+k} teacher-forced, keys 0..i, query
+position i + 1), label position i + k + 2, exactly as MTP and Medusa rows (losses.position_cells).
+
+- Training (`forward`): the target's K/V of `kv_layers` come from the same no-grad forward that gives the features
+  (batch["target_kv"], train/features.py; online only); every position at once with a causal mask over the keys.
+- Inference: `begin` / `commit` keep references to the engine's live target cache (DraftContext.target_kv, read
+  only; `target_kv_valid` hides the holes of rejected drafts) with each row's last hidden state and next token;
+  `propose(k)` runs k steps. There is no draft-length limit.
+- Persistence: native (config + state dict), and Gemma 4's assistant layout (drafters/assistant/export.py).
+
+Shapes: B batch, T sequence, N rows, K steps, L cache slots, W assistant width, D target hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters.assistant.layers import (
+    AssistantConfig,
+    AssistantLayer,
+    attention_shape,
+    copy_target_layer_,
+    embedding_scale,
+    resolve_kv_layers,
+    text_config,
+)
+from drafters.base import DraftContext, Drafter, DraftOutput, FeatureRequest, Proposal, TargetInfo
+from drafters.layers import FrozenTargetTensors, RMSNorm, RotaryEmbedding, draw_drafts, rope_inverse_frequencies
+from drafters.layers import rope_parameters
+from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss
+
+
+class AssistantDrafter(Drafter):
+    """KV-sharing assistant. See the module docstring for the training, inference and persistence contracts."""
+
+    kind = "assistant"
+    Config = AssistantConfig
+
+    def __init__(self, config: AssistantConfig, target_info: TargetInfo):
+        super().__init__(config, target_info)
+        if config.num_steps < 1:
+            raise ValueError(f"drafter.num_steps must be >= 1, got {config.num_steps}")
+        self.kv_layers = resolve_kv_layers(config, target_info)
+        self.shape = attention_shape(target_info, self.kv_layers)
+        target = text_config(target_info)
+        width = int(config.hidden_size or target_info.hidden_size)
+        intermediate = int(config.intermediate_size or target.get("intermediate_size") or 4 * width)
+        eps = target_info.rms_norm_eps
+        self.embed_scale = embedding_scale(config, target_info)
+        self.pre_projection = nn.Linear(2 * target_info.hidden_size, width, bias=False)
+        self.layers = nn.ModuleList(AssistantLayer(width, intermediate, self.shape, eps)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(width, eps)
+        self.lm_head = nn.Linear(width, target_info.vocab_size, bias=False)
+        self.post_projection = nn.Linear(width, target_info.hidden_size, bias=False)
+        rope_config = {**target, "hidden_size": target_info.hidden_size, "head_dim": self.shape.head_dim,
+                       "num_attention_heads": self.shape.num_heads, "rope_parameters": rope_parameters(target)}
+        self.rotary = RotaryEmbedding(*rope_inverse_frequencies(rope_config))
+        self._frozen = FrozenTargetTensors(target_info)
+        self._state: dict[str, Any] = {}
+        if not self.lm_head.weight.is_meta:
+            self._init_weights()
+
+    def feature_request(self) -> FeatureRequest:
+        return FeatureRequest(layer_ids=tuple(self.target_layer_ids()), final_hidden=True,
+                              kv_layers=tuple(sorted(set(self.kv_layers))))
+
+    # ---- initialisation -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """Fresh: normal(0, 0.02) linears (the target's initializer_range when it has one), unit norms. With
+        init_from_target: see AssistantConfig.init_from_target."""
+        std = float(text_config(self.target_info).get("initializer_range") or 0.02)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+        if not self.config.init_from_target:
+            return
+        info = self.target_info
+        if self.lm_head.weight.shape[1] != info.hidden_size:
+            raise ValueError(f"drafter.init_from_target needs drafter.hidden_size = the target's {info.hidden_size}")
+        for layer, target_layer in zip(self.layers, self.kv_layers):
+            copy_target_layer_(layer, info, target_layer)
+        self.lm_head.weight.copy_(info.lm_head_weight)
+        if info.final_norm_weight is not None:
+            self.norm.weight.copy_(info.final_norm_weight)
+        hidden = info.hidden_size
+        self.pre_projection.weight.zero_()
+        self.pre_projection.weight[:, hidden:] = torch.eye(hidden)
+        self.post_projection.weight.copy_(torch.eye(hidden))
+
+    def _target_tensor(self, name: str) -> torch.Tensor:
+        """A frozen TargetInfo tensor on this drafter's device/dtype (drafters/layers.FrozenTargetTensors)."""
+        return self._frozen.get(name, self.lm_head.weight)
+
+    # ---- one draft step over a block of query positions --------------------------------------------------------
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, query_positions: torch.Tensor,
+             kv: Mapping[int, tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One step for n queries per row.
+
+        Args:
+            tokens: [B, n] the token each query reads; hidden: [B, n, D] the target's (or fed-back) hidden state.
+            query_positions: [B, n] the positions the queries are rotated at.
+            kv: {target layer: (keys, values) [B, H_kv, C, d]}, read only; mask: [B, 1, n, C] bool.
+        Returns:
+            normed output d [B, n, W] (the lm_head's input) and h_next = post_projection(d) [B, n, D].
+        """
+        weight = self.lm_head.weight
+        embeds = F.embedding(tokens, self._target_tensor("embed_weight")) * self.embed_scale
+        x = self.pre_projection(torch.cat([embeds, hidden.to(weight.dtype)], dim=-1))
+        cos, sin = self.rotary(query_positions, weight.dtype)
+        for layer, target_layer in zip(self.layers, self.kv_layers):
+            keys, values = kv[target_layer]
+            x = layer(x, keys, values, mask, cos, sin)
+        normed = self.norm(x)
+        return normed, self.post_projection(normed)
+
+    # ---- training ---------------------------------------------------------------------------------------------------
+    def forward(self, batch: Mapping[str, Any]) -> DraftOutput:
+        """K teacher-forced steps at every position (right padding).
+
+        batch["target_kv"]: {target layer: (keys, values) [B, H_kv, T, d]} from the target's forward on input_ids.
+
+        Returns:
+            DraftOutput: row n = (batch_index, position i = anchor - 1) for every i with a loss at some step; logits
+            [N, K, V] of step k at i; label_position [N, K] = i + k + 2 (clamped to T - 1 past the end);
+            depth_valid [N, K] = label inside the sequence and in loss_mask.
+        """
+        if "target_kv" not in batch:
+            raise ValueError("assistant: the batch carries no target_kv (FeatureRequest.kv_layers); train it with "
+                             "features.mode=online")
+        input_ids = batch["input_ids"]
+        batch_size, seq_len = input_ids.shape
+        steps, device = self.config.num_steps, input_ids.device
+        batch_index, position, label_position, depth_valid = position_cells(batch, steps)
+        query_positions = torch.arange(1, seq_len + 1, device=device).expand(batch_size, seq_len)
+        columns = torch.arange(seq_len, device=device)
+        # row i (query position i + 1) sees the target's keys 0..i of its own sequence
+        mask = (columns[None, :] <= columns[:, None])[None] & batch["attention_mask"].bool()[:, None, :]
+        mask = mask.unsqueeze(1)  # [B, 1, T, T]
+        tokens = F.pad(input_ids, (0, steps + 1))  # step k at position i reads tokens[i + 1 + k]
+        hidden = batch["target_last_hidden"]
+        rows = []
+        for k in range(steps):
+            normed, hidden = self.step(tokens[:, k + 1 : k + 1 + seq_len], hidden, query_positions,
+                                       batch["target_kv"], mask)
+            rows.append(normed[batch_index, position])
+        logits = self.lm_head(torch.stack(rows, dim=1))  # [N, K, V]: only rows with a loss
+        return DraftOutput(logits=logits, batch_index=batch_index, label_position=label_position,
+                           depth_valid=depth_valid)
+
+    def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """sum_k w_k * mean CE of step k over its valid cells of all processes (AssistantConfig.loss_weights)."""
+        cell_loss = full_vocab_cross_entropy(output, batch, self._target_tensor("lm_head_weight"),
+                                             soft=self.config.loss == "soft")
+        steps = cell_loss.shape[1]
+        weights = list(self.config.loss_weights[:steps]) or [1.0 / steps] * steps
+        if len(weights) < steps:
+            raise ValueError(f"drafter.loss_weights has {len(weights)} entries for {steps} steps (drafter.num_steps)")
+        return weighted_depth_loss(output, batch, cell_loss,
+                                   torch.tensor(weights, dtype=cell_loss.dtype, device=cell_loss.device))
+
+    # ---- inference: steps over the engine's live target cache ---------------------------------------------------
+    @torch.no_grad()
+    def begin(self, context: DraftContext) -> None:
+        self._state = {"generator": context.generator}
+        self._absorb(context, torch.ones(context.input_ids.shape[0], dtype=torch.bool, device=context.valid.device))
+
+    @torch.no_grad()
+    def commit(self, num_accepted: torch.Tensor, context: DraftContext) -> None:
+        """Rows with a valid position in the verified block take its last hidden state and the new next token;
+        every row takes the rolled-back cache (finished rows are never proposed for)."""
+        if not self._state:
+            raise ValueError("commit() called before begin()")
+        self._absorb(context, context.valid.any(dim=1))
+
+    def _absorb(self, context: DraftContext, active: torch.Tensor) -> None:
+        if context.final_hidden is None or context.target_kv is None or context.target_kv_valid is None:
+            raise ValueError("assistant: the engine served no final_hidden / target_kv (FeatureRequest)")
+        for layer in self.kv_layers:
+            keys = context.target_kv[layer][0]
+            if keys.shape[1] != self.shape.num_kv_heads or keys.shape[3] != self.shape.head_dim:
+                raise ValueError(f"assistant: target layer {layer} caches {keys.shape[1]} KV heads of dim "
+                                 f"{keys.shape[3]}; the assistant was built for {self.shape.num_kv_heads} of dim "
+                                 f"{self.shape.head_dim}")
+        columns = torch.arange(context.valid.shape[1], device=context.valid.device)
+        last = torch.where(context.valid, columns, -1).amax(dim=1).clamp(min=0)  # [B] last valid position
+        rows = torch.arange(last.shape[0], device=last.device)
+        hidden = context.final_hidden[rows, last]  # [B, D]
+        state = self._state
+        if "hidden" in state:
+            hidden = torch.where(active[:, None], hidden, state["hidden"])
+            tokens = torch.where(active, context.next_tokens, state["tokens"])
+        else:
+            tokens = context.next_tokens
+        state.update(hidden=hidden, tokens=tokens, kv={i: context.target_kv[i] for i in self.kv_layers},
+                     kv_valid=context.target_kv_valid.bool())
+
+    @torch.no_grad()
+    def draft_logits(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """num_tokens steps from the current state: drafts [B, K], their logits [B, K, V], and q [B, K, V] when
+        sample_drafts (else None). All steps query from position p = the row's cached length."""
+        if not self._state:
+            raise ValueError("propose() called before begin()")
+        state = self._state
+        kv_valid = state["kv_valid"]  # [B, L]
+        query_positions = kv_valid.long().sum(dim=1, keepdim=True)  # [B, 1]
+        mask = kv_valid[:, None, None, :]  # [B, 1, 1, L]
+        tokens, hidden = state["tokens"][:, None], state["hidden"][:, None]
+        drafts, logits, probs = [], [], []
+        for _ in range(num_tokens):
+            normed, hidden = self.step(tokens, hidden, query_positions, state["kv"], mask)
+            step_logits = self.lm_head(normed[:, 0])  # [B, V]
+            draft, q = draw_drafts(step_logits, self.config.sample_drafts, state["generator"])
+            tokens = draft[:, None]
+            drafts.append(draft)
+            logits.append(step_logits)
+            probs.append(q)
+        batch = kv_valid.shape[0]
+        if num_tokens <= 0:
+            empty = torch.zeros(batch, 0, dtype=torch.long, device=kv_valid.device)
+            return empty, self.lm_head.weight.new_zeros(batch, 0, self.target_info.vocab_size), None
+        q = torch.stack(probs, dim=1).float() if self.config.sample_drafts else None
+        return torch.stack(drafts, dim=1), torch.stack(logits, dim=1), q
+
+    @torch.no_grad()
+    def propose(self, num_tokens: int) -> Proposal:
+        """A chain of num_tokens drafts per row; probs [B, K, V] when sample_drafts."""
+        drafts, _, q = self.draft_logits(num_tokens)
+        return Proposal(tokens=drafts, probs=q)
