@@ -1,11 +1,14 @@
 """`draftsmith eval`: speculative decoding against the real target over prompt sets, with a report.
 
     draftsmith eval --target smollm2-135m-instruct --drafter ngram,runs/eagle3/final \\
-        --prompts mt_bench,gsm8k --num-prompts 20 --max-new-tokens 128 --num-draft-tokens 1,3,5,7 \\
-        --out runs/eval/report.json --outputs runs/eval/outputs.jsonl
+        --prompts mt_bench,gsm8k --num-prompts 20 --max-new-tokens 128 --num-draft-tokens auto,1,3,7 \\
+        --batch-size 1,4 --out runs/eval/report.json --outputs runs/eval/outputs.jsonl
 
-For each prompt set and temperature, the plain autoregressive baseline (k = 0, the same engine and batch size) runs
-once; then every drafter x k runs over the same prompts. Questions are FastChat records; turn t+1 is asked after the
+For each prompt set, temperature and batch size, the plain autoregressive baseline (k = 0, the same engine and batch
+size) runs once; then every drafter x k runs over the same prompts. `auto` (the default) chooses k per round at run
+time (inference/adaptive.py) up to the drafter's longest proposal (AUTO_MAX_DRAFT_TOKENS for unbounded drafters),
+from cost curves profiled at start-up for every drafter and batch size; the same profile calibrates the predicted
+speedup of every k in the records. Questions are FastChat records; turn t+1 is asked after the
 model's own answer to turn t, so turns run index by index, batched within a category. Records (inference/metrics.py)
 cover every dataset x category (plus "all") x method, the baseline included as drafter "none", k = 0. The report
 (inference/report.py) is the JSON at --out, a Markdown table beside it (also printed) and PNG plots. Every input is
@@ -27,6 +30,7 @@ import transformers
 from tqdm import tqdm
 
 from drafters import Drafter, load_drafter
+from inference.adaptive import AdaptiveK, profile_costs
 from inference.generate import GenerateOutput, speculative_generate
 from inference.metrics import annotate_recommendations, build_record, merge_outputs
 from inference.prompts import load_questions, select_spread
@@ -35,6 +39,7 @@ from inference.schedule import build_schedules, parse_schedule_specs
 from inference.target import TargetModel
 
 WARMUP_TOKENS = 4
+AUTO_MAX_DRAFT_TOKENS = 8  # the widest round `auto` may choose for a drafter without a limit of its own
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,10 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", default="0", help="comma-separated temperatures; 0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--num-draft-tokens", default="5", help="comma-separated k values, e.g. 1,3,5,7")
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--num-draft-tokens", default="auto",
+                        help="comma-separated k values and/or auto (k chosen per round at run time), e.g. auto,3,7")
+    parser.add_argument("--batch-size", default="1", help="comma-separated batch sizes, e.g. 1,4,8,16 (a load sweep)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="eval_report.json", help="JSON report; <stem>.md and PNG plots go beside it")
+    parser.add_argument("--append", action="store_true",
+                        help="add the records to the report at --out (refused unless it has this run's configuration)")
     parser.add_argument("--outputs", default=None, help="jsonl of generated answers, one line per prompt and turn")
     parser.add_argument("--no-chat-template", action="store_true", help="feed turns as plain text")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -80,15 +88,23 @@ def _numbers(text: str, flag: str, kind: type) -> list:
     return values
 
 
+def _draft_lengths(text: str) -> list:
+    """"auto,3,7" -> ["auto", 3, 7]: k values >= 0 and the word auto."""
+    auto = ["auto"] if "auto" in _split(text) else []
+    rest = ",".join(part for part in _split(text) if part != "auto")
+    return auto + (_numbers(rest, "--num-draft-tokens", int) if rest or not auto else [])
+
+
 def validate(args: argparse.Namespace) -> None:
     """Parse the list flags in place and reject impossible values (ValueError naming the flag)."""
-    args.num_draft_tokens = _numbers(args.num_draft_tokens, "--num-draft-tokens", int)
+    args.num_draft_tokens = _draft_lengths(args.num_draft_tokens)
     args.temperature = _numbers(args.temperature, "--temperature", float)
+    args.batch_size = _numbers(args.batch_size, "--batch-size", int)
     args.drafter = _split(args.drafter) or ["none"]
     args.prompts = _split(args.prompts)
     args.categories = _split(args.categories) if args.categories else None
     args.schedule = parse_schedule_specs(args.schedule)
-    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1),
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", min(args.batch_size), 1),
                              ("--top-k", args.top_k, 0), ("--threads", args.threads, 1),
                              ("--num-prompts", args.num_prompts, 1)):
         if value is not None and value < low:
@@ -119,16 +135,23 @@ def environment(device: torch.device) -> dict:
 
 @dataclass
 class Method:
-    """One thing to evaluate: a drafter (None = plain AR) at one k."""
+    """One thing to evaluate: a drafter (None = plain AR) at one k, or at run-time k up to num_draft_tokens."""
 
     name: str
     drafter: Drafter | None
     num_draft_tokens: int
     schedule: object = None  # inference/schedule.py; None = every proposal verified in full
+    auto: bool = False  # k chosen per round (inference/adaptive.py); `adaptive` is set per batch size
+    adaptive: AdaptiveK | None = None
+
+    @property
+    def label(self):
+        """The record's num_draft_tokens: k, or "auto"."""
+        return "auto" if self.auto else self.num_draft_tokens
 
 
-def load_methods(names: list[str], target: TargetModel, ks: list[int]) -> list[Method]:
-    """Load every drafter (errors name the drafter) and pair it with every k > 0; k = 0 is the baseline run."""
+def load_methods(names: list[str], target: TargetModel, ks: list) -> list[Method]:
+    """Load every drafter (errors name the drafter) and pair it with every k > 0 and auto; k = 0 is the baseline."""
     info = target.target_info()
     methods = []
     for name in names:
@@ -138,13 +161,19 @@ def load_methods(names: list[str], target: TargetModel, ks: list[int]) -> list[M
             raise ValueError(f"--drafter {name!r}: {err}") from None
         if drafter is None:
             continue
+        try:  # what the drafter reads (layer ids, KV layers, top-k) must exist in this target
+            target.check_request(drafter.feature_request())
+        except ValueError as err:
+            raise ValueError(f"--drafter {name!r}: {err}") from None
         limit = drafter.max_draft_tokens()
-        too_long = [k for k in ks if limit is not None and k > limit]
+        too_long = [k for k in ks if k != "auto" and limit is not None and k > limit]
         if too_long:
             raise ValueError(f"--num-draft-tokens {','.join(map(str, too_long))}: drafter {name!r} ({drafter.kind}) "
                              f"proposes at most {limit} tokens per round; allowed values: 0..{limit}")
         label = name if name == "ngram" else f"{drafter.kind}:{os.path.basename(os.path.normpath(name))}"
-        methods += [Method(label, drafter, k) for k in ks if k > 0]
+        auto = limit if limit is not None else AUTO_MAX_DRAFT_TOKENS
+        methods += [Method(label, drafter, auto, auto=True) if k == "auto" else Method(label, drafter, k)
+                    for k in ks if k != 0]
     return methods
 
 
@@ -176,8 +205,8 @@ class RunResult:
     tokens: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
 
-def run_methods(target, methods: list[Method], questions: list, args, temperature: float, progress,
-                sinks: list) -> list[RunResult]:
+def run_methods(target, methods: list[Method], questions: list, args, temperature: float, batch_size: int,
+                progress, sinks: list) -> list[RunResult]:
     """Generate every turn of every question with every method, turn index by turn index, batched within each
     category. The methods take turns on each batch, so a change of machine load during the run hits the baseline and
     every drafter alike (a shared machine otherwise skews speedups measured minutes apart). Each method's second
@@ -190,15 +219,16 @@ def run_methods(target, methods: list[Method], questions: list, args, temperatur
     for turn in range(max(len(question.turns) for question in questions)):
         for category in categories:
             active = [i for i, q in enumerate(questions) if q.category == category and len(q.turns) > turn]
-            for start in range(0, len(active), args.batch_size):
-                batch = active[start: start + args.batch_size]
+            for start in range(0, len(active), batch_size):
+                batch = active[start: start + batch_size]
                 for method, result, history, sink in zip(methods, results, answers, sinks):
                     prompts = [render_prompt(target.tokenizer, questions[i].turns[: turn + 1], history[i],
                                              not args.no_chat_template) for i in batch]
                     out = speculative_generate(
                         target, method.drafter, prompts, num_draft_tokens=method.num_draft_tokens,
                         max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed + calls, eos_token_ids=eos, schedule=method.schedule)
+                        top_k=args.top_k, seed=args.seed + calls, eos_token_ids=eos, schedule=method.schedule,
+                        adaptive=method.adaptive)
                     result.by_category.setdefault(category, []).append(out)
                     for index, tokens in zip(batch, out.tokens):
                         text = target.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -216,7 +246,7 @@ def exact_match(run: RunResult, reference: RunResult, keys: list[tuple[int, int]
 
 
 def dataset_records(dataset: str, questions: list, runs: list[tuple[Method, RunResult]], ar: RunResult,
-                    temperature: float, args, env: dict) -> list[dict]:
+                    temperature: float, batch_size: int, env: dict, profiles: dict) -> list[dict]:
     """Records for one dataset and temperature: category "all" first, then each category; baseline first."""
     categories = list(ar.by_category)
     records = []
@@ -225,7 +255,7 @@ def dataset_records(dataset: str, questions: list, runs: list[tuple[Method, RunR
         indices = {i for i, q in enumerate(questions) if q.category in chosen}
         keys = [key for key in ar.tokens if key[0] in indices]
         ar_out = merge_outputs([out for name in chosen for out in ar.by_category[name]])
-        common = dict(dataset=dataset, category=category, temperature=temperature, batch_size=args.batch_size,
+        common = dict(dataset=dataset, category=category, temperature=temperature, batch_size=batch_size,
                       num_prompts=len(indices), env=env)
         records.append(build_record(ar_out, ar=ar_out, drafter_name="none", greedy_exact_match=None, **common))
         for method, run in runs:
@@ -233,6 +263,7 @@ def dataset_records(dataset: str, questions: list, runs: list[tuple[Method, RunR
             match = exact_match(run, ar, keys) if temperature == 0 else None
             records.append(build_record(out, ar=ar_out, drafter_name=method.name, greedy_exact_match=match,
                                         max_draft_tokens=method.drafter.max_draft_tokens(), **common))
+            records[-1]["cost_profile"] = profiles.get(id(method.drafter))
     return records
 
 
@@ -266,29 +297,78 @@ def warm_up(target, methods: list[Method], questions: list, args) -> None:
                                  max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens), eos_token_ids=eos)
 
 
+def profile_drafters(target, methods: list[Method], questions: list, args, batch_size: int) -> dict:
+    """Cost curves of every drafter at this batch size (inference/adaptive.profile_costs, on the first question
+    repeated batch_size times) up to its widest method; sets each auto method's AdaptiveK. Returns {id(drafter):
+    the curves in AR steps and seconds} for the records."""
+    prompt = render_prompt(target.tokenizer, questions[0].turns[:1], [], not args.no_chat_template)
+    widest: dict[int, tuple] = {}
+    for method in methods:
+        previous = widest.get(id(method.drafter), (method.drafter, 0))[1]
+        widest[id(method.drafter)] = (method.drafter, max(previous, method.num_draft_tokens))
+    curves = {key: profile_costs(target, drafter, [prompt] * batch_size, width)
+              for key, (drafter, width) in widest.items()}
+    for method in methods:
+        if method.auto:
+            method.adaptive = AdaptiveK(curves[id(method.drafter)])
+    return {key: curve.to_dict() for key, curve in curves.items()}
+
+
 def evaluate(args, target, methods: list[Method], prompt_sets: list, sink) -> list[dict]:
-    """Run the baseline and every method over every prompt set and temperature; return all records."""
+    """Run the baseline and every method over every prompt set, temperature and batch size; return all records."""
     env = environment(target.device)
     total = sum(len(q.turns) for _, questions in prompt_sets for q in questions)
-    total *= len(args.temperature) * (1 + len(methods))
+    total *= len(args.temperature) * len(args.batch_size) * (1 + len(methods))
     warm_up(target, methods, prompt_sets[0][1], args)
     records = []
     with tqdm(total=total, desc="draftsmith eval", unit="turn", file=sys.stderr) as progress:
-        for dataset, questions in prompt_sets:
-            for temperature in args.temperature:
-                every = [Method("none", None, 0)] + methods
-                results = run_methods(target, every, questions, args, temperature, progress,
-                                      [partial(sink, dataset, method, temperature) for method in every])
-                runs = list(zip(methods, results[1:]))
-                records += dataset_records(dataset, questions, runs, results[0], temperature, args, env)
+        for batch_size in args.batch_size:
+            profiles = profile_drafters(target, methods, prompt_sets[0][1], args, batch_size) if methods else {}
+            for dataset, questions in prompt_sets:
+                for temperature in args.temperature:
+                    every = [Method("none", None, 0)] + methods
+                    results = run_methods(target, every, questions, args, temperature, batch_size, progress,
+                                          [partial(sink, dataset, method, temperature) for method in every])
+                    runs = list(zip(methods, results[1:]))
+                    records += dataset_records(dataset, questions, runs, results[0], temperature, batch_size, env,
+                                               profiles)
     annotate_recommendations(records)
     return records
+
+
+def run_config(args, device) -> dict:
+    """What must be equal for records to sit in one report: the target and everything that changes what it emits or
+    how fast (the records themselves say dataset, drafter, k, temperature and batch size)."""
+    return {"target": args.target, "max_new_tokens": args.max_new_tokens, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed, "chat_template": not args.no_chat_template,
+            "num_prompts": args.num_prompts, "categories": args.categories,
+            "environment": environment(torch.device(device))}
+
+
+def read_appendable(path: str, config: dict) -> list[dict]:
+    """The records of the report at `path` when it was written with `config` (--append); ValueError naming the first
+    field that differs (or saying the file is not a report) otherwise. A missing file is an empty report."""
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--append: {path} is not a JSON report ({err})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("records"), list) or "config" not in report:
+        raise ValueError(f"--append: {path} is not a draftsmith eval report with a recorded configuration; write a "
+                         "new --out instead")
+    for key, value in config.items():
+        if report["config"].get(key) != value:
+            raise ValueError(f"--append: {path} was written with {key} = {report['config'].get(key)!r}, this run has "
+                             f"{value!r}; write a new --out or run with the same configuration")
+    return report["records"]
 
 
 def _outputs_sink(handle):
     def sink(dataset, method, temperature, question_id, turn, tokens, text):
         if handle is not None:
-            line = {"dataset": dataset, "drafter": method.name, "num_draft_tokens": method.num_draft_tokens,
+            line = {"dataset": dataset, "drafter": method.name, "num_draft_tokens": method.label,
                     "temperature": temperature, "question_id": question_id, "turn": turn, "token_ids": tokens,
                     "text": text}
             handle.write(json.dumps(line) + "\n")
@@ -304,12 +384,15 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         prompt_sets = load_prompt_sets(args)
         device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else "cpu"
+        config = run_config(args, device)
+        previous = read_appendable(args.out, config) if args.append else []  # checked before anything loads
         target = TargetModel.from_pretrained(args.target, dtype=torch.float32, device=device)
         check_chat_template(target.tokenizer, not args.no_chat_template, args.target)
         methods = load_methods(args.drafter, target, args.num_draft_tokens)
-        if args.schedule != ["fixed"]:
-            schedules = build_schedules(args.schedule, target, args.batch_size, max(args.num_draft_tokens))
-            methods = [Method(m.name if s is None else f"{m.name}@{name}", m.drafter, m.num_draft_tokens, s)
+        if args.schedule != ["fixed"] and methods:
+            schedules = build_schedules(args.schedule, target, max(args.batch_size),
+                                        max(m.num_draft_tokens for m in methods))
+            methods = [Method(m.name if s is None else f"{m.name}@{name}", m.drafter, m.num_draft_tokens, s, m.auto)
                        for m in methods for name, s in schedules]
     except (ValueError, OSError) as err:
         print(f"draftsmith eval: error: {err}", file=sys.stderr)
@@ -320,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if handle is not None:
             handle.close()
-    written = write_report(records, args.out)
+    written = write_report(previous + records, args.out, config)
     print(format_table(records))
     print("wrote " + ", ".join(written))
     return 0

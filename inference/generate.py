@@ -37,6 +37,7 @@ class GenerateOutput:
     chosen:          per row, per round that row took part in: the width the round was run with (k, or the adaptive
                      choice; 0 = a plain AR round).
     adaptive:        True when the widths were chosen at run time.
+    row_seconds:     per row, wall seconds from the call's start to the row's last token (its request latency).
     target_forwards: batched target forwards, prefill included.
     verify_forwards: batched target forwards after prefill (one per round; for k = 0 one per AR step).
     time_draft / time_verify / time_prefill / time_other / time_total: seconds (wall clock, this call).
@@ -58,6 +59,7 @@ class GenerateOutput:
     confidence_logits: list[list[list[float]]] = field(default_factory=list)
     chosen: list[list[int]] = field(default_factory=list)
     adaptive: bool = False
+    row_seconds: list[float] = field(default_factory=list)
 
 
 class _Clock:
@@ -141,6 +143,8 @@ def speculative_generate(
     active = torch.ones(batch, dtype=torch.bool, device=device)
     no_drafts = next_tokens.new_zeros((batch, 0))
     active = _emit(out, active, no_drafts, torch.zeros_like(next_tokens), next_tokens, eos, max_new_tokens)
+    out.row_seconds = [0.0] * batch
+    _stamp_finished(out, torch.ones_like(active), active, start)
     if num_draft > 0:
         context = DraftContext(input_ids, attention_mask.bool(), _positions(attention_mask),
                                next_tokens=next_tokens, generator=draft_generator, temperature=temperature, **served)
@@ -178,6 +182,7 @@ def speculative_generate(
             _record_round(out, active, round_k, num_valid, num_accepted, proposal, adaptive)
         was_active = active.clone()
         active = _emit(out, active, drafts, num_accepted, new_tokens, eos, max_new_tokens)
+        _stamp_finished(out, was_active, active, start)
         next_tokens = new_tokens
         if num_draft > 0:
             valid = (torch.arange(width + 1, device=device)[None, :] <= num_accepted[:, None]) & was_active[:, None]
@@ -208,6 +213,13 @@ def _record_round(out: GenerateOutput, active, round_k: int, num_valid, num_acce
             out.confidence_logits[row].append(proposal.confidence_logits[row, : proposed[row]].tolist())
     if out.adaptive:
         adaptive.observe([p if row in rows else 0 for row, p in enumerate(proposed)], accepted)
+
+
+def _stamp_finished(out: GenerateOutput, was_active, active, start: float) -> None:
+    """Record the latency of the rows that finished in this round."""
+    now = time.perf_counter() - start
+    for row in (was_active & ~active).nonzero().flatten().tolist():
+        out.row_seconds[row] = now
 
 
 class _Deferred:

@@ -29,11 +29,16 @@ def merge_outputs(outputs: list[GenerateOutput]) -> GenerateOutput:
     ks = {out.num_draft_tokens for out in outputs}
     if len(ks) != 1:
         raise ValueError(f"cannot merge outputs with different num_draft_tokens {sorted(ks)}")
-    merged = GenerateOutput(tokens=[], accept_lengths=[], proposed=[], num_draft_tokens=ks.pop())
+    if len({out.adaptive for out in outputs}) != 1:
+        raise ValueError("cannot merge adaptive-k outputs with fixed-k outputs")
+    merged = GenerateOutput(tokens=[], accept_lengths=[], proposed=[], num_draft_tokens=ks.pop(),
+                            adaptive=outputs[0].adaptive)
     for out in outputs:
         merged.tokens += out.tokens
         merged.accept_lengths += out.accept_lengths
         merged.proposed += out.proposed
+        merged.chosen += out.chosen
+        merged.row_seconds += out.row_seconds
         for name in ("target_forwards", "verify_forwards", "time_draft", "time_verify", "time_prefill",
                      "time_other", "time_total"):
             setattr(merged, name, getattr(merged, name) + getattr(out, name))
@@ -84,6 +89,22 @@ def tokens_per_second(out: GenerateOutput) -> float | None:
     return new_tokens / out.time_total if out.time_total > 0 else None
 
 
+def per_request_tokens_per_second(out: GenerateOutput) -> float | None:
+    """Mean over requests (rows) of the row's tokens / the seconds from its call's start to its last token: what one
+    user of a batched server sees, where `tokens_per_second` is the server's throughput."""
+    rates = [len(row) / seconds for row, seconds in zip(out.tokens, out.row_seconds) if seconds > 0]
+    return sum(rates) / len(rates) if rates and len(rates) == len(out.tokens) else None
+
+
+def chosen_histogram(out: GenerateOutput) -> list[int]:
+    """Row-rounds by the width they ran with, index 0..k (adaptive k: how often each proposal length was chosen)."""
+    histogram = [0] * (out.num_draft_tokens + 1)
+    for row in out.chosen:
+        for width in row:
+            histogram[width] += 1
+    return histogram
+
+
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or not denominator:
         return None
@@ -119,7 +140,7 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
         max_draft_tokens: the drafter's longest proposal (Drafter.max_draft_tokens), None when unbounded; the
             recommended k never exceeds it.
     """
-    k = out.num_draft_tokens
+    k = out.num_draft_tokens  # with adaptive k: the largest width it could choose
     counts = acceptance_counts(out)
     rounds = counts["rounds"]
     tau = 1.0 if k == 0 else accept_length_mean(rounds, counts["accepted"])
@@ -129,9 +150,13 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
         theoretical = tau / ((d if k else 0.0) + v)
     tokens_per_s = tokens_per_second(out)
     tokens_per_s_ar = tokens_per_second(ar) if ar is not None else None
+    per_request = per_request_tokens_per_second(out)
+    per_request_ar = per_request_tokens_per_second(ar) if ar is not None else None
     return {
         "dataset": dataset, "category": category, "drafter": drafter_name, "temperature": temperature,
-        "num_draft_tokens": k, "batch_size": batch_size, "num_prompts": num_prompts,
+        "num_draft_tokens": "auto" if out.adaptive else k, "batch_size": batch_size, "num_prompts": num_prompts,
+        "adaptive_max_draft_tokens": k if out.adaptive else None,
+        "num_draft_tokens_histogram": chosen_histogram(out) if out.adaptive else None,
         "num_sequences": len(out.tokens), "new_tokens": sum(len(row) for row in out.tokens),
         "rounds": rounds, "accepted": counts["accepted"], "proposed": counts["proposed"],
         "tau": tau, "acceptance_rate": _ratio(counts["accepted"], counts["proposed"]),
@@ -143,8 +168,11 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
                    "other": out.time_other, "total": out.time_total},
         "tokens_per_s": tokens_per_s, "tokens_per_s_ar": tokens_per_s_ar,
         "speedup": _ratio(tokens_per_s, tokens_per_s_ar),
-        "draft_cost_per_round": d, "draft_cost_ratio": _ratio(d, k) if k else None, "verify_cost_ratio": v,
-        "theoretical_speedup": theoretical, "max_draft_tokens": max_draft_tokens,
+        "per_request_tokens_per_s": per_request, "per_request_tokens_per_s_ar": per_request_ar,
+        "per_request_speedup": _ratio(per_request, per_request_ar),
+        "draft_cost_per_round": d, "draft_cost_ratio": _ratio(d, k) if k and not out.adaptive else None,
+        "verify_cost_ratio": v, "theoretical_speedup": theoretical, "predicted_speedup": None,
+        "cost_profile": None, "max_draft_tokens": max_draft_tokens,
         "greedy_exact_match": greedy_exact_match,
         "recommended_num_draft_tokens": None, "recommendation_basis": None,
         "env": env,
@@ -192,34 +220,58 @@ def _interpolate(v_of_k: dict[int, float], k: int) -> float | None:
     return v_of_k[lower] * (1 - weight) + v_of_k[upper] * weight
 
 
-def annotate_recommendations(records: list[dict]) -> None:
-    """Set recommended_num_draft_tokens / recommendation_basis on every speculative record, in place.
+def predicted_speedup(per_position_unconditional: list[float], d_of_k: dict[int, float], v_of_k: dict[int, float],
+                      k: int) -> float | None:
+    """(1 + sum_{j<=k} p_j) / (d(k) + v(k)) (theory D.2), None when p or the costs do not reach k."""
+    d, v = _interpolate(d_of_k, k), _interpolate(v_of_k, k)
+    if k > len(per_position_unconditional) or d is None or v is None:
+        return None
+    return (1.0 + sum(per_position_unconditional[:k])) / (d + v)
 
-    Records are grouped by (dataset, category, drafter, temperature, batch size); each group uses p from its record
-    with the largest k and d(k), v(k) from all of its records.
+
+def annotate_recommendations(records: list[dict]) -> None:
+    """Set recommended_num_draft_tokens / recommendation_basis / predicted_speedup on speculative records, in place.
+
+    Records are grouped by (dataset, category, drafter, temperature, batch size); each group uses p from its fixed-k
+    record with the largest k, and d(k), v(k) from the drafter's cost profile (measured on this machine at every
+    width at this batch size, `cost_profile`, inference/adaptive.profile_costs) when the records carry one, else from
+    the group's own records. predicted_speedup is the calibration's prediction for the record's k, to set beside the
+    measured speedup; an adaptive record gets the prediction of the recommended k (the best fixed k, 1.0 for k = 0).
     """
     groups: dict[tuple, list[dict]] = {}
     for record in records:
-        if record["num_draft_tokens"] > 0:
+        if record["num_draft_tokens"] != 0:
             key = tuple(record[name] for name in ("dataset", "category", "drafter", "temperature", "batch_size"))
             groups.setdefault(key, []).append(record)
     for group in groups.values():
-        largest = max(group, key=lambda record: record["num_draft_tokens"])
+        fixed = [r for r in group if isinstance(r["num_draft_tokens"], int)]
+        if not fixed:
+            continue
+        largest = max(fixed, key=lambda record: record["num_draft_tokens"])
         p = largest["per_position_acceptance_unconditional"]
-        measured_records = [r for r in group if r["verify_cost_ratio"] is not None
-                            and r["draft_cost_per_round"] is not None]
-        d_of_k = {r["num_draft_tokens"]: r["draft_cost_per_round"] for r in measured_records}
-        v_of_k = {r["num_draft_tokens"]: r["verify_cost_ratio"] for r in measured_records}
+        d_of_k, v_of_k, basis = _costs_of(largest, fixed)
         if not v_of_k or any(value is None for value in p):
             continue
         recommended = recommend_num_draft_tokens(p, d_of_k, v_of_k, largest.get("max_draft_tokens"))
-        measured = sorted(v_of_k)
-        if len(measured) == 1:
-            basis = (f"p_j from k={largest['num_draft_tokens']}; d(k) and v(k) measured only at k={measured[0]} and "
-                     f"used for every smaller k (approximation: both grow with k)")
-        else:
-            basis = (f"p_j from k={largest['num_draft_tokens']}; d(k) and v(k) measured at k={measured}, "
-                     f"linearly interpolated between them")
         for record in group:
             record["recommended_num_draft_tokens"] = recommended
-            record["recommendation_basis"] = basis
+            record["recommendation_basis"] = f"p_j from k={largest['num_draft_tokens']}; {basis}"
+            k = recommended if record["num_draft_tokens"] == "auto" else record["num_draft_tokens"]
+            record["predicted_speedup"] = 1.0 if k == 0 else predicted_speedup(p, d_of_k, v_of_k, k)
+
+
+def _costs_of(largest: dict, fixed: list[dict]) -> tuple[dict, dict, str]:
+    """d(k), v(k) in AR steps and a sentence saying where they come from."""
+    profile = largest.get("cost_profile")
+    if profile:
+        widths = range(1, len(profile["v"]))
+        return ({k: profile["d"][k] for k in widths}, {k: profile["v"][k] for k in widths},
+                f"d(k) and v(k) profiled on this machine at k=1..{len(profile['v']) - 1} (cost_profile)")
+    measured_records = [r for r in fixed if r["verify_cost_ratio"] is not None and r["draft_cost_per_round"] is not None]
+    d_of_k = {r["num_draft_tokens"]: r["draft_cost_per_round"] for r in measured_records}
+    v_of_k = {r["num_draft_tokens"]: r["verify_cost_ratio"] for r in measured_records}
+    measured = sorted(v_of_k)
+    if len(measured) == 1:
+        return d_of_k, v_of_k, (f"d(k) and v(k) measured only at k={measured[0]} and used for every smaller k "
+                                f"(approximation: both grow with k)")
+    return d_of_k, v_of_k, f"d(k) and v(k) measured at k={measured}, linearly interpolated between them"

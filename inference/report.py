@@ -1,9 +1,11 @@
 """Write evaluation records as JSON, a Markdown table and PNG plots (ARCHITECTURE.md section 5).
 
-For `--out runs/report.json` the files are: runs/report.json (`{"records": [...]}`), runs/report.md (the table),
-runs/report_acceptance_<dataset>.png (per-position acceptance, unconditional and conditional, one line per
-speculative record of the "all" category) and runs/report_speedup_<dataset>.png (measured and theoretical speedup
-vs. k, one line per drafter and temperature; only when the dataset has records for two or more k > 0).
+For `--out runs/report.json` the files are: runs/report.json (`{"config": {...}, "records": [...]}`), runs/report.md
+(the table), runs/report_acceptance_<dataset>.png (per-position acceptance, unconditional and conditional, one line per
+speculative record of the "all" category), runs/report_speedup_<dataset>.png (measured and predicted speedup vs. k,
+one line per drafter, temperature and batch size, adaptive k as a star at its mean chosen k; only when the dataset
+has records for two or more k) and runs/report_load_<dataset>.png (throughput and per-request speedup vs. batch
+size, one line per drafter and k; only when the dataset has two or more batch sizes).
 """
 
 from __future__ import annotations
@@ -24,17 +26,26 @@ TABLE_COLUMNS = (
     ("drafter", "drafter", "{}"),
     ("T", "temperature", "{:g}"),
     ("k", "num_draft_tokens", "{}"),
+    ("B", "batch_size", "{}"),
     ("tau", "tau", "{:.2f}"),
     ("accept rate", "acceptance_rate", "{:.3f}"),
     ("tok/s", "tokens_per_s", "{:.1f}"),
     ("AR tok/s", "tokens_per_s_ar", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}"),
     ("theoretical speedup", "theoretical_speedup", "{:.2f}"),
+    ("predicted speedup", "predicted_speedup", "{:.2f}"),
+    ("per-request speedup", "per_request_speedup", "{:.2f}"),
     ("d(k)", "draft_cost_per_round", "{:.3f}"),
     ("v(k)", "verify_cost_ratio", "{:.2f}"),
     ("exact-match", "greedy_exact_match", "{:.2f}"),
     ("best k", "recommended_num_draft_tokens", "{}"),
+    ("k chosen (rounds)", "num_draft_tokens_histogram", None),
 )
+
+
+def _histogram_cell(histogram: list[int]) -> str:
+    """[5, 0, 2] -> "0:5 2:2" (adaptive k: rounds per chosen width)."""
+    return " ".join(f"{k}:{count}" for k, count in enumerate(histogram) if count)
 
 
 def format_table(records: list[dict]) -> str:
@@ -42,7 +53,8 @@ def format_table(records: list[dict]) -> str:
     lines = ["| " + " | ".join(title for title, _, _ in TABLE_COLUMNS) + " |",
              "|" + "|".join(" --- " for _ in TABLE_COLUMNS) + "|"]
     for record in records:
-        cells = [fmt.format(record[key]) if record.get(key) is not None else "-" for _, key, fmt in TABLE_COLUMNS]
+        cells = ["-" if record.get(key) is None else _histogram_cell(record[key]) if fmt is None
+                 else fmt.format(record[key]) for _, key, fmt in TABLE_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -56,7 +68,17 @@ def _slug(name: str) -> str:
 
 
 def _label(record: dict) -> str:
-    return f"{record['drafter']} k={record['num_draft_tokens']} T={record['temperature']:g}"
+    return f"{record['drafter']} k={record['num_draft_tokens']} T={record['temperature']:g} B={record['batch_size']}"
+
+
+def _is_speculative(record: dict) -> bool:
+    return record["num_draft_tokens"] != 0
+
+
+def mean_chosen_k(record: dict) -> float:
+    """Mean width of an adaptive record's rounds (the x of its point on the speedup plot)."""
+    histogram = record["num_draft_tokens_histogram"]
+    return sum(k * count for k, count in enumerate(histogram)) / max(sum(histogram), 1)
 
 
 def plot_acceptance(records: list[dict], path: str) -> None:
@@ -83,59 +105,96 @@ def plot_acceptance(records: list[dict], path: str) -> None:
 
 
 def plot_speedup(records: list[dict], path: str) -> None:
-    """Measured (solid) and theoretical (dashed) speedup vs. k, one colour per drafter and temperature."""
-    fig, axis = plt.subplots(figsize=(6, 4))
+    """Measured (solid) and predicted (dashed) speedup vs. k, one colour per drafter, temperature and batch size;
+    an adaptive-k record is a star at its mean chosen k."""
+    fig, axis = plt.subplots(figsize=(6.5, 4.2))
     series: dict[tuple, list[dict]] = {}
     for record in records:
-        series.setdefault((record["drafter"], record["temperature"]), []).append(record)
-    for (drafter, temperature), group in sorted(series.items()):
-        group = sorted(group, key=lambda record: record["num_draft_tokens"])
-        ks = [record["num_draft_tokens"] for record in group]
-        line = axis.plot(ks, [record["speedup"] for record in group], marker="o",
-                         label=f"{drafter} T={temperature:g} measured")[0]
-        axis.plot(ks, [record["theoretical_speedup"] for record in group], linestyle="--", marker="x",
-                  color=line.get_color(), label=f"{drafter} T={temperature:g} theoretical")
+        series.setdefault((record["drafter"], record["temperature"], record["batch_size"]), []).append(record)
+    for (drafter, temperature, batch_size), group in sorted(series.items()):
+        name = f"{drafter} T={temperature:g} B={batch_size}"
+        fixed = sorted((r for r in group if r["num_draft_tokens"] != "auto"), key=lambda r: r["num_draft_tokens"])
+        ks = [record["num_draft_tokens"] for record in fixed]
+        line = axis.plot(ks, [record["speedup"] for record in fixed], marker="o", label=f"{name} measured")[0]
+        predicted = [(k, r["predicted_speedup"]) for k, r in zip(ks, fixed) if r["predicted_speedup"] is not None]
+        if predicted:
+            axis.plot(*zip(*predicted), linestyle="--", marker="x", color=line.get_color(),
+                      label=f"{name} predicted")
+        for record in group:
+            if record["num_draft_tokens"] == "auto":
+                axis.plot([mean_chosen_k(record)], [record["speedup"]], marker="*", markersize=12,
+                          color=line.get_color(), linestyle="none", label=f"{name} auto (at mean k)")
     axis.axhline(1.0, color="gray", linewidth=0.8)
     axis.set_xlabel("num_draft_tokens k")
     axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.set_ylabel("speedup vs. AR")
     axis.set_title(f"{records[0]['dataset']}: speedup vs. k")
     axis.grid(alpha=0.3)
-    axis.legend(fontsize=7)
+    axis.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def write_report(records: list[dict], out_path: str) -> list[str]:
+def plot_load(records: list[dict], path: str) -> None:
+    """Throughput speedup (solid) and per-request speedup (dashed) vs. batch size, one colour per drafter, k and
+    temperature: how the gain holds up under load."""
+    fig, axis = plt.subplots(figsize=(6.5, 4.2))
+    series: dict[tuple, list[dict]] = {}
+    for record in records:
+        series.setdefault((record["drafter"], str(record["num_draft_tokens"]), record["temperature"]), []).append(record)
+    for (drafter, k, temperature), group in sorted(series.items()):
+        group = sorted(group, key=lambda record: record["batch_size"])
+        sizes = [record["batch_size"] for record in group]
+        line = axis.plot(sizes, [r["speedup"] for r in group], marker="o",
+                         label=f"{drafter} k={k} T={temperature:g} throughput")[0]
+        axis.plot(sizes, [r["per_request_speedup"] for r in group], marker="x", linestyle="--",
+                  color=line.get_color(), label=f"{drafter} k={k} T={temperature:g} per request")
+    axis.axhline(1.0, color="gray", linewidth=0.8)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("batch size")
+    axis.set_ylabel("speedup vs. AR at the same batch size")
+    axis.set_title(f"{records[0]['dataset']}: speedup under load")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(records: list[dict], out_path: str, config: dict | None = None) -> list[str]:
     """Write the JSON report, the Markdown table and the plots beside it.
 
     Args:
         records: from inference.metrics.build_record.
         out_path: the JSON path; the other files share its stem.
+        config: the run's configuration (inference/eval.run_config), kept so `--append` can refuse another one.
     Returns:
         The paths written.
     """
     directory = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(directory, exist_ok=True)
     with open(out_path, "w") as f:
-        json.dump({"records": records}, f, indent=2)
+        json.dump({"config": config, "records": records}, f, indent=2)
     stem = _stem(out_path)
     written = [out_path, stem + ".md"]
     with open(stem + ".md", "w") as f:
         f.write(format_table(records))
     for dataset in dict.fromkeys(record["dataset"] for record in records):
-        speculative = [r for r in records if r["dataset"] == dataset and r["category"] == "all"
-                       and r["num_draft_tokens"] > 0 and r["rounds"] > 0]
+        overall = [r for r in records if r["dataset"] == dataset and r["category"] == "all"]
+        speculative = [r for r in overall if _is_speculative(r) and r["rounds"] > 0]
         if speculative:
             path = f"{stem}_acceptance_{_slug(dataset)}.png"
             plot_acceptance(speculative, path)
             written.append(path)
         if len({r["num_draft_tokens"] for r in speculative}) >= 2:
-            baseline = [r for r in records if r["dataset"] == dataset and r["category"] == "all"
-                        and r["num_draft_tokens"] == 0]
+            baseline = [r for r in overall if r["num_draft_tokens"] == 0]
             path = f"{stem}_speedup_{_slug(dataset)}.png"
             plot_speedup(speculative + _baseline_points(baseline, speculative), path)
+            written.append(path)
+        if len({r["batch_size"] for r in speculative}) >= 2:
+            path = f"{stem}_load_{_slug(dataset)}.png"
+            plot_load(speculative, path)
             written.append(path)
     return written
 
@@ -143,8 +202,9 @@ def write_report(records: list[dict], out_path: str) -> list[str]:
 def _baseline_points(baseline: list[dict], speculative: list[dict]) -> list[dict]:
     """The AR record (speedup 1 at k = 0) copied under each drafter name so every line starts from k = 0."""
     points = []
-    for drafter, temperature in dict.fromkeys((r["drafter"], r["temperature"]) for r in speculative):
+    for drafter, temperature, batch_size in dict.fromkeys((r["drafter"], r["temperature"], r["batch_size"])
+                                                          for r in speculative):
         for record in baseline:
-            if record["temperature"] == temperature:
-                points.append({**record, "drafter": drafter})
+            if record["temperature"] == temperature and record["batch_size"] == batch_size:
+                points.append({**record, "drafter": drafter, "predicted_speedup": 1.0})
     return points

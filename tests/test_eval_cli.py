@@ -153,3 +153,35 @@ def test_k_beyond_a_block_drafter_is_refused_naming_the_limit(dirs, tmp_path, ca
     assert rc == 2 and "--num-draft-tokens 5" in err and "at most 3" in err and "0..3" in err, err
     assert run_eval(dirs, tmp_path, "--num-prompts", "2", "--num-draft-tokens", "3",
                     drafter=str(tmp_path / "dflash")) == 0
+
+
+def test_auto_and_fixed_k_in_one_run_with_a_load_sweep(dirs, tmp_path):
+    """`auto` beside fixed k and two batch sizes: greedy output unchanged, the auto record says "auto" with the
+    histogram of the widths it chose, every record carries the profiled costs and a predicted speedup, and the load
+    plot is written."""
+    rc = run_eval(dirs, tmp_path, "--num-prompts", "3", "--num-draft-tokens", "auto,2", "--batch-size", "1,2",
+                  drafter=str(dirs / "draft"))
+    assert rc == 0
+    records = json.loads((tmp_path / "report.json").read_text())["records"]
+    auto = [r for r in records if r["num_draft_tokens"] == "auto"]
+    assert {r["batch_size"] for r in auto} == {1, 2}
+    for record in auto:
+        assert record["greedy_exact_match"] == 1.0
+        histogram = record["num_draft_tokens_histogram"]
+        assert len(histogram) == record["adaptive_max_draft_tokens"] + 1 and sum(histogram) == record["rounds"]
+    for record in records:
+        if record["num_draft_tokens"] != 0:
+            assert len(record["cost_profile"]["v"]) == record["cost_profile"]["d"].__len__() >= 3
+            assert record["predicted_speedup"] is not None
+    assert (tmp_path / "report_load_questions_small.png").is_file()
+
+
+def test_append_refuses_a_report_of_another_configuration(dirs, tmp_path, capsys):
+    assert run_eval(dirs, tmp_path, "--num-prompts", "1", "--num-draft-tokens", "2") == 0
+    assert run_eval(dirs, tmp_path, "--num-prompts", "1", "--num-draft-tokens", "3", "--append") == 0
+    records = json.loads((tmp_path / "report.json").read_text())["records"]
+    assert {r["num_draft_tokens"] for r in records} == {0, 2, 3}
+    capsys.readouterr()
+    rc = run_eval(dirs, tmp_path, "--num-prompts", "1", "--num-draft-tokens", "2", "--append", "--seed", "5")
+    err = capsys.readouterr().err
+    assert rc == 2 and "--append" in err and "seed" in err and len(err.strip().splitlines()) == 1, err
