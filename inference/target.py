@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from drafters.base import FeatureRequest, TargetInfo
 from drafters.ragged_lm import RaggedLM
 
+LOGIT_CHUNK_VALUES = 1 << 26  # logits `features` holds at once without return_logits: 256 MiB in fp32
+
 
 def synchronize(device: torch.device) -> None:
     """Wait for queued accelerator work (CUDA or ROCm alike) so that wall-clock timings are honest; no-op on CPU."""
@@ -145,18 +147,35 @@ class TargetModel:
                  kv_layers=()) -> TargetFeatures:
         """One forward for training. input_ids, attention_mask [B, T] (right padding). With kv_layers, the forward
         fills a fresh full-length DynamicCache (no sliding-window trimming) and the K/V of those decoder layers are
-        returned from it: the same forward gives the features and the K/V, as the engine's cache holds them."""
+        returned from it: the same forward gives the features and the K/V, as the engine's cache holds them.
+
+        Without return_logits the [B, T, V] logits are never materialised: the model computes the last position's
+        only, and the argmax comes from the lm_head applied to LOGIT_CHUNK_VALUES / V positions at a time (a
+        Llama-3 8B batch of 8 x 4k tokens would otherwise hold 8 GB of bf16 logits). Softcapping and logit scales
+        are monotonic, so this is the model's own argmax. The forward always runs to the end: training serves the
+        final hidden state (the teacher) and the argmax with every batch."""
         self.check_request(FeatureRequest(layer_ids=tuple(layer_ids), kv_layers=tuple(kv_layers)))
         cache = {self.runner.cache_arg: DynamicCache()} if kv_layers else {}
+        keep = {} if return_logits else {"logits_to_keep": 1}
         with self.capture(layer_ids, want_last_hidden=True) as captured:
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=bool(kv_layers),
-                                **cache).logits
+                                **cache, **keep).logits
         hidden = {layer_id: captured[layer_id] for layer_id in layer_ids}
         kv = None
         if kv_layers:
             layers = cache[self.runner.cache_arg].layers
             kv = {int(i): (layers[i].keys, layers[i].values) for i in kv_layers}
-        return TargetFeatures(hidden, captured["last"], logits.argmax(-1), logits if return_logits else None, kv)
+        if not return_logits:
+            return TargetFeatures(hidden, captured["last"], self.chunked_argmax(captured["last"]), None, kv)
+        return TargetFeatures(hidden, captured["last"], logits.argmax(-1), logits, kv)
+
+    def chunked_argmax(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """argmax of lm_head(last_hidden [B, T, D]) -> [B, T], holding at most LOGIT_CHUNK_VALUES logits at once."""
+        head = self.model.get_output_embeddings()
+        flat = last_hidden.reshape(-1, last_hidden.shape[-1])  # [B*T, D]
+        rows = max(1, LOGIT_CHUNK_VALUES // head.weight.shape[0])
+        argmax = torch.cat([head(flat[i:i + rows]).argmax(-1) for i in range(0, flat.shape[0], rows)])
+        return argmax.view(last_hidden.shape[:-1])
 
     # ---- engine: KV-cached forwards ------------------------------------------------------------------------
     def prefill(self, input_ids, attention_mask, request: FeatureRequest | None = None) -> tuple[torch.Tensor, dict]:
