@@ -330,9 +330,9 @@ class Trainer:
         max_steps, started = self.derived.max_steps, time.perf_counter()
         self.run_started = started
         self.elapsed_now = self.elapsed
-        bar = tqdm(total=max_steps, initial=self.step, disable=not self.accelerator.is_main_process, unit="step")
         meter, interval = MeanMeter(), {"seconds": 0.0, "steps": 0}
-        with sigterm_flag() as sigterm:
+        bar = tqdm(total=max_steps, initial=self.step, disable=not self.accelerator.is_main_process, unit="step")
+        with bar, sigterm_flag() as sigterm:  # the bar ends its line even when an error follows
             while self.step < max_steps:
                 self.elapsed_now = self.elapsed + time.perf_counter() - started
                 self.set_drafter_config(self.phase_overrides(self.step))
@@ -347,12 +347,10 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
                 if flags.preempted:
-                    bar.close()
                     raise Preempted(self.step, self.last_checkpoint() if self.saved_step == self.step else self.save())
                 if flags.out_of_time:
                     self.accelerator.print(f"wall budget train.max_time_minutes reached at step {self.step}; stopping")
                     break
-        bar.close()
         if interval["steps"]:
             self.log_interval(meter, interval)
         self.set_drafter_config(self.base_config)
