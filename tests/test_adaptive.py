@@ -1,0 +1,213 @@
+"""Adaptive proposal length (inference/adaptive.py) through the real engine, for every registered drafter.
+
+- lossless: greedy output equals plain greedy output; at T = 1 the emitted law is the target's (chi-square);
+- a k = 0 round defers the drafter's catch-up: proposals made after a catch-up commit equal the proposals made at the
+  same position by a run that committed every round (the contract's catch-up clause, drafters/base.py);
+- the controller falls to k = 0 with a useless drafter and rises to the largest k with one that copies the target;
+- the width chosen is the argmax of the predicted throughput (brute force over synthetic acceptance and costs).
+Costs are synthetic here (never wall-clock): the logic is tested, the measurement lives in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_tiny_model, random_prompts
+from test_contract import KINDS, NUM_DRAFTS, SAMPLING, build, exact_joint, tiny_target
+
+from drafters.draft_model import DraftModelConfig, DraftModelDrafter
+from inference.adaptive import AdaptiveK, CostCurves, best_width, expected_gain
+from inference.generate import speculative_generate
+from inference.target import TargetModel
+
+
+def chain_costs(max_width: int, draft_step: float = 0.1, verify_slope: float = 0.05) -> CostCurves:
+    """A chain drafter's shape in AR steps: d(W) = W * draft_step, v(W) = 1 + W * verify_slope."""
+    widths = range(max_width + 1)
+    return CostCurves(tuple(draft_step * w for w in widths), tuple(1.0 + verify_slope * w for w in widths))
+
+
+class Recorder:
+    """Passes the engine's calls through to a drafter and records each proposal by the position of its anchor
+    (batch 1: the number of tokens of the sequence when it was made)."""
+
+    def __init__(self, drafter):
+        self.drafter, self.by_position, self.position = drafter, {}, 0
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def begin(self, context):
+        self.position = int(context.valid.sum()) + 1
+        self.drafter.begin(context)
+
+    def propose(self, num_tokens):
+        proposal = self.drafter.propose(num_tokens)
+        self.by_position[self.position] = proposal.tokens[0, :num_tokens].tolist()
+        return proposal
+
+    def commit(self, num_accepted, context):
+        self.position += int(context.valid.sum())
+        self.drafter.commit(num_accepted, context)
+
+
+class Scripted:
+    """A fixed sequence of widths (then `rest` forever): exercises catch-up commits at chosen places."""
+
+    def __init__(self, widths: list[int], rest: int, max_width: int):
+        self.widths, self.rest, self.max_width = widths, rest, max_width
+
+    def start(self, batch):
+        self._round = 0
+
+    def choose(self, active):
+        self._round += 1
+        return self.widths[self._round - 1] if self._round <= len(self.widths) else self.rest
+
+    def observe(self, proposed, accepted):
+        pass
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_proposals_after_a_catch_up_equal_those_of_a_run_that_never_skipped(kind):
+    target = tiny_target()
+    prompt = [[5, 6, 7, 8, 9, 10]]
+    every_round, skipping = Recorder(build(kind, target)), Recorder(build(kind, target))
+    plain = speculative_generate(target, every_round, prompt, num_draft_tokens=2, max_new_tokens=24,
+                                 adaptive=Scripted([], 2, 2))
+    skipped = speculative_generate(target, skipping, prompt, num_draft_tokens=2, max_new_tokens=24,
+                                   adaptive=Scripted([0, 0, 0, 2, 0, 2, 0, 0], 2, 2))
+    assert skipped.tokens == plain.tokens
+    assert skipped.chosen[0][:8] == [0, 0, 0, 2, 0, 2, 0, 0]
+    common = sorted(set(every_round.by_position) & set(skipping.by_position))
+    assert len(common) >= 3, "the two runs must propose at some common positions"
+    for position in common:
+        assert skipping.by_position[position] == every_round.by_position[position], (kind, position)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("prompts", [[[5, 6, 7, 8]], [[5, 6, 7, 8, 9, 10], [40, 41], [100, 3, 77]]])
+def test_adaptive_greedy_equals_plain_greedy(kind, prompts):
+    target = tiny_target()
+    drafter = build(kind, target)
+    plain = speculative_generate(target, None, prompts, num_draft_tokens=0, max_new_tokens=24)
+    adaptive = AdaptiveK(chain_costs(NUM_DRAFTS), explore_after=2)
+    out = speculative_generate(target, drafter, prompts, num_draft_tokens=NUM_DRAFTS, max_new_tokens=24,
+                               adaptive=adaptive)
+    assert out.tokens == plain.tokens and out.adaptive
+    widths = {w for row in out.chosen for w in row}
+    assert len(widths) >= 2, widths  # the width changed during the run (0 too for drafters whose drafts fail)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_adaptive_sampling_law_is_the_targets(kind):
+    """T = 1 with widths chosen at run time (0, 1 or 2 per round): the law of three emitted tokens is the target's."""
+    vocab, rows = 6, 4000
+    target = tiny_target(vocab_size=vocab)
+    drafter = build(kind, target, sampling=kind in SAMPLING)
+    prompt = [1, 4, 2, 5, 3]
+    adaptive = AdaptiveK(chain_costs(2, draft_step=0.05, verify_slope=0.3))
+    out = speculative_generate(target, drafter, [prompt] * rows, num_draft_tokens=2, max_new_tokens=3,
+                               temperature=1.0, seed=0, eos_token_ids=[], adaptive=adaptive)
+    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
+    for tokens in out.tokens:
+        counts[tokens[0] * vocab * vocab + tokens[1] * vocab + tokens[2]] += 1
+    expected = exact_joint(target.model, prompt, vocab) * rows
+    keep = expected >= 5
+    chi2 = (((counts - expected) ** 2) / expected)[keep].sum()
+    chi2 += (counts[~keep].sum() - expected[~keep].sum()) ** 2 / max(float(expected[~keep].sum()), 1e-9)
+    dof = int(keep.sum())
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (float(chi2), dof)
+    assert {w for row in out.chosen for w in row} >= {1}, "some round must have proposed"
+
+
+def _draft_model(target: TargetModel, model) -> DraftModelDrafter:
+    return DraftModelDrafter(DraftModelConfig(path="tiny"), target.target_info(), model=model)
+
+
+def test_falls_to_zero_with_a_useless_drafter_and_explores_rarely():
+    target = TargetModel(make_tiny_model("llama"))
+    useless = _draft_model(target, make_tiny_model("llama", seed=11, num_layers=1))
+    adaptive = AdaptiveK(chain_costs(6), explore_after=8, max_explore_after=64)
+    out = speculative_generate(target, useless, random_prompts(1, seed=3), num_draft_tokens=6, max_new_tokens=120,
+                               eos_token_ids=[], adaptive=adaptive)
+    widths = out.chosen[0]
+    assert sum(out.accept_lengths[0]) <= 2, "the test needs a drafter whose drafts are rejected"
+    assert widths[-40:].count(0) >= 38  # after the first rounds: plain AR, with at most a rare exploration
+    explorations = [i for i, w in enumerate(widths) if w > 0 and i >= 10]
+    gaps = [b - a for a, b in zip(explorations, explorations[1:])]
+    assert all(w == 1 for i, w in enumerate(widths) if i in explorations)  # exploration is one draft
+    assert gaps == sorted(gaps), gaps  # and ever rarer
+
+
+def test_rises_to_the_largest_k_with_a_drafter_that_copies_the_target():
+    model = make_tiny_model("llama")
+    target = TargetModel(model)
+    copy_drafter = _draft_model(target, copy.deepcopy(model))
+    out = speculative_generate(target, copy_drafter, random_prompts(2, seed=2), num_draft_tokens=6,
+                               max_new_tokens=80, eos_token_ids=[], adaptive=AdaptiveK(chain_costs(6)))
+    for row in out.chosen:
+        assert row[-4:] == [6, 6, 6, 6], row
+    assert all(a == p for row_a, row_p in zip(out.accept_lengths, out.proposed) for a, p in zip(row_a, row_p))
+
+
+def test_choice_is_the_argmax_of_predicted_throughput():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        max_width = int(torch.randint(1, 8, (1,), generator=generator))
+        alpha = torch.rand(3, max_width, generator=generator, dtype=torch.float64)
+        draft = torch.rand(max_width + 1, generator=generator, dtype=torch.float64) * 0.5
+        verify = 1.0 + torch.rand(max_width + 1, generator=generator, dtype=torch.float64)
+        draft[0] = 0.0
+        seconds = draft + verify
+        brute = []
+        for width in range(max_width + 1):
+            gain = sum(1.0 + sum(float(alpha[r, :j].prod()) for j in range(1, width + 1)) for r in range(3))
+            brute.append(gain / float(seconds[width]))
+        chosen = best_width(expected_gain(alpha).sum(0), seconds)
+        assert brute[chosen] == pytest.approx(max(brute), rel=1e-12)
+
+
+def test_useless_acceptance_chooses_zero_and_certain_acceptance_the_largest_k():
+    costs = chain_costs(5).round_seconds()
+    assert best_width(expected_gain(torch.zeros(2, 5, dtype=torch.float64)).sum(0), costs) == 0
+    assert best_width(expected_gain(torch.ones(2, 5, dtype=torch.float64)).sum(0), costs) == 5
+
+
+def test_estimates_follow_observations():
+    adaptive = AdaptiveK(chain_costs(3), prior=0.5, prior_weight=2.0, decay=1.0)
+    adaptive.start(2)
+    for _ in range(6):
+        adaptive.observe([3, 3], [3, 0])  # row 0 accepts everything, row 1 rejects the first draft
+    alpha = adaptive.acceptance()
+    first, second = 7 / 8, (6 + 2 * 7 / 8) / 8
+    assert alpha[0].tolist() == pytest.approx([first, second, (6 + 2 * second) / 8])
+    assert alpha[1, 0].item() == pytest.approx(1 / 8)
+    assert alpha[1, 1].item() == pytest.approx(1 / 8)  # never offered: the prior is the position before
+
+
+@pytest.mark.parametrize("bad", [dict(prior=1.5), dict(decay=0.0), dict(explore_after=0)])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError, match="adaptive k"):
+        AdaptiveK(chain_costs(2), **bad)
+
+
+def test_cost_curves_need_one_entry_per_width():
+    with pytest.raises(ValueError, match="cost curves"):
+        CostCurves((0.0, 0.1), (1.0,))
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        target = TargetModel(make_tiny_model("llama"))
+        speculative_generate(target, _draft_model(target, make_tiny_model("llama", seed=1, num_layers=1)),
+                             random_prompts(1), num_draft_tokens=4, max_new_tokens=4,
+                             adaptive=AdaptiveK(chain_costs(2)))
+
+
+def test_widths_sweep_is_monotone_in_cost():
+    """Cheaper verification never makes the controller choose a shorter proposal (same acceptance)."""
+    alpha = torch.full((1, 6), 0.7, dtype=torch.float64)
+    gain = expected_gain(alpha).sum(0)
+    widths = [best_width(gain, chain_costs(6, verify_slope=slope).round_seconds())
+              for slope in (0.5, 0.2, 0.1, 0.05, 0.0)]
+    assert widths == sorted(widths) and widths[-1] > widths[0]
