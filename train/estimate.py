@@ -1,29 +1,97 @@
-"""`draftsmith estimate RECIPE [key=value ...]`: the disk and time an offline feature cache will take.
+"""`draftsmith estimate RECIPE [key=value ...]`: what a recipe will cost before it runs.
 
-Disk: per token, (number of hidden ids + 1) x D values in the cache dtype (the requested hidden states plus the
-final-norm hidden state) plus 8 bytes (the target argmax and the token id, int32), plus k values and k int32 ids
-when the drafter asks for top-k logits, summed over the train and eval splits. Time: the target's feature throughput
-measured on a few real batches of the recipe's data, on this machine, after one warm-up batch.
+1. Disk and time of an offline feature cache. Disk: per token, (number of hidden ids + 1) x D values in the cache
+   dtype (the requested hidden states plus the final-norm hidden state) plus 8 bytes (the target argmax and the token
+   id, int32), plus k values and k int32 ids when the drafter asks for top-k logits, summed over the train and eval
+   splits. Time: the target's feature throughput measured on a few real batches of the recipe's data, on this
+   machine, after one warm-up batch.
+2. Memory per GPU for a world size (--world-size) under each strategy of recipes/accelerate: DDP, FSDP (FSDP2, full
+   shard), DeepSpeed ZeRO-2 and ZeRO-3 (`memory_plan`).
+3. Steps per hour from a short probe (--probe-steps real optimizer steps of the recipe on this machine, online
+   features, the drafter's full config; --no-probe skips it). The probe also measures the drafter's activation memory:
+   the bytes autograd saves for backward on one micro-batch of the longest training samples.
 
-    draftsmith estimate recipes/smollm2/eagle3_full.yaml
+    draftsmith estimate recipes/smollm2/eagle3_full.yaml --world-size 8
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
-from train.config import recipe_from_argv
+from inference.target import LOGIT_CHUNK_VALUES
+from train.config import Recipe, load_recipe
 
 NUM_TIMED_BATCHES = 2
+STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
+ADAM_BYTES_PER_PARAM = 16  # fp32 weights (or bf16 weights + fp32 master), fp32 gradients, two fp32 Adam moments
 
 
 def cache_bytes_per_token(num_hidden: int, hidden_size: int, dtype: torch.dtype, top_k: int = 0) -> int:
     """(num_hidden + 1) hidden vectors of hidden_size values, + int32 argmax + int32 token id, + top-k values/ids."""
     size = torch.empty((), dtype=dtype).element_size()
     return (num_hidden + 1) * hidden_size * size + 8 + top_k * (size + 4)
+
+
+def drafter_state_bytes(num_params: int, strategy: str, world_size: int, param_bytes: int = 2) -> int:
+    """Bytes per GPU of the drafter's weights, gradients and AdamW state: 16 per parameter in all (ZeRO paper,
+    section 3.1, K = 12 for mixed-precision Adam), of which a strategy shards some over world_size processes.
+
+    ddp: nothing sharded, 16 P. fsdp (FSDP2 full shard) and zero3: everything sharded, 16 P / W. zero2: the
+    param_bytes-byte working weights stay replicated (2 under bf16, 4 in fp32), the rest is sharded:
+    param_bytes P + (16 - param_bytes) P / W.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    total = ADAM_BYTES_PER_PARAM * num_params
+    if strategy == "ddp":
+        return total
+    if strategy == "zero2":
+        return param_bytes * num_params + math.ceil((total - param_bytes * num_params) / world_size)
+    return math.ceil(total / world_size)
+
+
+@dataclass(frozen=True)
+class RecipeSizes:
+    """What the memory of one recipe is made of, in parameters, values or bytes (see memory_plan)."""
+
+    target_params: int
+    target_bytes_per_param: int  # the target's dtype on a GPU (bf16 for target.dtype auto)
+    drafter_trainable: int
+    drafter_frozen_values: int  # drafter parameters that are not trained, and buffers
+    target_copy_values: int  # target tensors a drafter computes with in its own dtype (FrozenTargetTensors)
+    feature_values: int  # served features of one micro-batch at data.max_length, fp32
+    logit_chunk_values: int  # the bounded chunk of logits the target's argmax is computed through
+    activation_bytes: int | None  # measured for one micro-batch (None = not measured)
+
+
+def memory_plan(sizes: RecipeSizes, strategy: str, world_size: int) -> dict[str, int]:
+    """Bytes per GPU, by part. The frozen target is on every GPU in its dtype whatever the strategy (it is never
+    wrapped for training, so its forward needs no all-gather); the drafter trains in fp32 with bf16 autocast, so
+    the target tensors it computes with (embedding, lm_head) are fp32 copies unless the target is fp32 too."""
+    copies = sizes.target_copy_values if sizes.target_bytes_per_param != 4 else 0
+    plan = {"target weights": sizes.target_params * sizes.target_bytes_per_param,
+            "drafter weights + grads + AdamW": drafter_state_bytes(
+                sizes.drafter_trainable, strategy, world_size, sizes.target_bytes_per_param),
+            "drafter frozen tensors (fp32)": 4 * (sizes.drafter_frozen_values + copies),
+            "served features + logit chunk": 4 * sizes.feature_values
+            + sizes.target_bytes_per_param * sizes.logit_chunk_values}
+    if sizes.activation_bytes is not None:
+        plan["drafter activations (measured)"] = sizes.activation_bytes
+    plan["total"] = sum(plan.values())
+    return plan
+
+
+def steps_per_hour(seconds_per_step: float) -> float:
+    return 3600.0 / seconds_per_step
 
 
 def measure_throughput(target, dataset, request, batch_size: int, pad_token_id: int) -> float:
@@ -47,6 +115,65 @@ def measure_throughput(target, dataset, request, batch_size: int, pad_token_id: 
     return tokens / max(seconds, 1e-9)
 
 
+def saved_tensor_bytes(run) -> int:
+    """Bytes autograd saves for backward while `run()` executes (each storage counted once)."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(storages.values())
+
+
+def target_copy_values(drafter: torch.nn.Module) -> int:
+    """Values of the target tensors the drafter has asked for in its own dtype (drafters.layers.FrozenTargetTensors,
+    found generically; filled by the first forward, so 0 before the probe)."""
+    from drafters.layers import FrozenTargetTensors
+
+    return sum(t.numel() for module in drafter.modules() for attribute in vars(module).values()
+               if isinstance(attribute, FrozenTargetTensors) for t in attribute._copies.values())
+
+
+@dataclass(frozen=True)
+class Probe:
+    seconds_per_step: float
+    tokens_per_step: float
+    activation_bytes: int
+    num_steps: int
+
+
+def probe(recipe_path: str, overrides: list[str], num_steps: int, output_dir: str):
+    """Build the run as `train` would (online features, no trackers, no resume, outputs in output_dir), train one
+    micro-batch of the longest samples (warm-up, and the activation measurement), then time num_steps optimizer
+    steps with the drafter's full config (the last phase). Returns (Probe, trainer)."""
+    from inference.target import synchronize
+    from train.build import build_trainer
+    from train.features import make_batch, sample_lengths
+
+    recipe = load_recipe(recipe_path, [*overrides, "features.mode=online", "features.cache_dir=null",
+                                       "logging.trackers=[]", "train.resume_from=null", f"output.dir={output_dir}"])
+    trainer = build_trainer(recipe)
+    trainer.set_drafter_config(trainer.base_config)
+    lengths = sample_lengths(trainer.data.train)
+    longest = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:recipe.train.batch_size]
+    batch = trainer.to_device(make_batch(trainer.data.train, longest, trainer.pad_token_id))
+    activation_bytes = saved_tensor_bytes(lambda: trainer.train_step([batch]))
+    seconds, tokens = 0.0, 0.0
+    for step in range(num_steps):
+        micro_batches = trainer.micro_batches(step)
+        synchronize(trainer.target.device)
+        started = time.perf_counter()
+        metrics = trainer.train_step(micro_batches)
+        synchronize(trainer.target.device)
+        seconds += time.perf_counter() - started
+        tokens += metrics["tokens"] * len(micro_batches)
+    return Probe(seconds / num_steps, tokens / num_steps, activation_bytes, num_steps), trainer
+
+
 def human_seconds(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f} s"
@@ -61,15 +188,20 @@ def human_bytes(num: float) -> str:
     return f"{num:.1f} TiB"
 
 
-def main(argv: list[str] | None = None) -> int:
-    recipe = recipe_from_argv("draftsmith estimate", __doc__.split("\n\n")[0], argv)
-    from train.build import build_drafter, load_data, load_target, process_state
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith estimate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", help="recipe YAML (recipes/...)")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides, e.g. optim.lr=3e-4")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="processes (GPUs) to plan the memory for (default: this launch's)")
+    parser.add_argument("--probe-steps", type=int, default=3, help="optimizer steps the probe times (default 3)")
+    parser.add_argument("--no-probe", action="store_true", help="skip the probe (no steps/hour, no activations)")
+    return parser
+
+
+def print_cache_estimate(recipe: Recipe, target, data, request, num_processes: int, device) -> None:
     from train.features import sample_lengths
 
-    state = process_state()
-    target = load_target(recipe, state.device)
-    data = load_data(recipe, target, state)
-    request = build_drafter(recipe, target).feature_request()
     layer_ids = request.layer_ids
     dtype = target.model.dtype if recipe.features.dtype == "auto" else getattr(torch, recipe.features.dtype)
     info = target.target_info()
@@ -84,10 +216,75 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data: {len(data.train)} train + {len(data.eval)} eval samples, {lengths['train']:,} + "
           f"{lengths['eval']:,} = {total_tokens:,} tokens")
     print(f"disk: {per_token:,} bytes/token x {total_tokens:,} tokens = {human_bytes(per_token * total_tokens)}")
-    print(f"time: {rate:,.0f} tokens/s measured on {state.device} (batch {recipe.train.batch_size}) -> "
-          f"{human_seconds(seconds)} on one process, {human_seconds(seconds / state.num_processes)} with "
-          f"{state.num_processes} process(es)")
+    print(f"time: {rate:,.0f} tokens/s measured on {device} (batch {recipe.train.batch_size}) -> "
+          f"{human_seconds(seconds)} on one process, {human_seconds(seconds / num_processes)} with "
+          f"{num_processes} process(es)")
+
+
+def recipe_sizes(recipe: Recipe, target, drafter: torch.nn.Module, activation_bytes: int | None) -> RecipeSizes:
+    """The sizes memory_plan needs, read off the loaded target and drafter (the target's dtype as on a GPU)."""
+    info = target.target_info()
+    request = drafter.feature_request()
+    gpu_dtype = torch.bfloat16 if recipe.target.dtype == "auto" else getattr(torch, recipe.target.dtype)
+    tokens = recipe.train.batch_size * recipe.data.max_length
+    return RecipeSizes(target_params=sum(p.numel() for p in target.model.parameters()),
+                       target_bytes_per_param=torch.empty((), dtype=gpu_dtype).element_size(),
+                       drafter_trainable=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+                       drafter_frozen_values=sum(p.numel() for p in drafter.parameters() if not p.requires_grad)
+                       + sum(b.numel() for b in drafter.buffers()),
+                       target_copy_values=target_copy_values(drafter),
+                       feature_values=(len(request.layer_ids) + 1) * tokens * info.hidden_size,
+                       logit_chunk_values=min(info.vocab_size * tokens, LOGIT_CHUNK_VALUES),
+                       activation_bytes=activation_bytes)
+
+
+def print_memory(sizes: RecipeSizes, world_size: int, recipe: Recipe) -> None:
+    plans = {strategy: memory_plan(sizes, strategy, world_size) for strategy in STRATEGIES}
+    target_dtype = {2: "bf16", 4: "fp32"}.get(sizes.target_bytes_per_param, f"{sizes.target_bytes_per_param} B")
+    print(f"memory per GPU at world size {world_size} (target in {target_dtype} on every GPU; drafter "
+          f"{sizes.drafter_trainable:,} trained parameters; micro-batch {recipe.train.batch_size} x "
+          f"{recipe.data.max_length} tokens):")
+    print(f"  {'':34}" + "".join(f"{strategy:>12}" for strategy in STRATEGIES))
+    for part in plans["ddp"]:
+        print(f"  {part:34}" + "".join(f"{human_bytes(plans[s][part]):>12}" for s in STRATEGIES))
+    if sizes.activation_bytes is None:
+        print("  (drafter activations not measured: --no-probe)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.probe_steps < 1:
+        raise ValueError(f"--probe-steps must be >= 1, got {args.probe_steps}")
+    from train.build import build_drafter, load_data, load_target, process_state
+
+    state = process_state()
+    world_size = args.world_size or state.num_processes
+    drafter_state_bytes(0, "ddp", world_size)  # checks --world-size before anything is loaded
+    with tempfile.TemporaryDirectory(prefix="draftsmith-estimate-") as scratch:
+        result = None
+        if args.no_probe:
+            target = load_target(recipe, state.device)
+            data = load_data(recipe, target, state)
+            drafter = build_drafter(recipe, target)
+        else:
+            result, trainer = probe(args.recipe, args.overrides, args.probe_steps, scratch)
+            target, data, drafter = trainer.target, trainer.data, trainer.model
+        request = drafter.feature_request()
+        print_cache_estimate(recipe, target, data, request, state.num_processes, state.device)
+        print_memory(recipe_sizes(recipe, target, drafter, None if result is None else result.activation_bytes),
+                     world_size, recipe)
+        if result is not None:
+            print_probe(result, recipe, trainer.derived, state.device)
     return 0
+
+
+def print_probe(result: Probe, recipe: Recipe, derived, device) -> None:
+    rate = steps_per_hour(result.seconds_per_step)
+    print(f"probe: {result.seconds_per_step:.2f} s per optimizer step ({recipe.train.batch_size} x "
+          f"{derived.grad_accum} micro-batches, {result.tokens_per_step / result.seconds_per_step:,.0f} tokens/s) "
+          f"over {result.num_steps} steps on {device}, online features -> {rate:,.0f} steps/hour; the recipe's "
+          f"{derived.max_steps:,} steps -> {human_seconds(derived.max_steps * result.seconds_per_step)} at this rate")
 
 
 if __name__ == "__main__":

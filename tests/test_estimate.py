@@ -1,0 +1,85 @@
+"""`draftsmith estimate`: the memory arithmetic against hand-computed numbers, the activation measurement against
+tensors of known size, and the command on the debug target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.estimate import (RecipeSizes, drafter_state_bytes, main, memory_plan, saved_tensor_bytes,
+                            steps_per_hour)
+
+RECIPE = str(Path(__file__).resolve().parent.parent / "recipes" / "debug" / "tiny_eagle3.yaml")
+SIZES = RecipeSizes(target_params=1000, target_bytes_per_param=2, drafter_trainable=100, drafter_frozen_values=10,
+                    target_copy_values=5, feature_values=50, logit_chunk_values=7, activation_bytes=1000)
+
+
+def test_drafter_state_bytes_by_strategy():
+    # 1,000,000 parameters, 8 GPUs: 16 bytes each unsharded; ZeRO-2 keeps the 2-byte bf16 weights replicated
+    assert drafter_state_bytes(1_000_000, "ddp", 8) == 16_000_000
+    assert drafter_state_bytes(1_000_000, "fsdp", 8) == 2_000_000
+    assert drafter_state_bytes(1_000_000, "zero3", 8) == 2_000_000
+    assert drafter_state_bytes(1_000_000, "zero2", 8) == 2_000_000 + 14_000_000 // 8  # 3,750,000
+    assert drafter_state_bytes(1_000_000, "zero2", 8, param_bytes=4) == 4_000_000 + 12_000_000 // 8
+    assert drafter_state_bytes(1_000_000, "fsdp", 1) == drafter_state_bytes(1_000_000, "ddp", 1)
+    assert drafter_state_bytes(10, "fsdp", 3) == 54  # ceil(160 / 3): a shard is never rounded down
+    with pytest.raises(ValueError, match="strategy 'zero1'"):
+        drafter_state_bytes(1, "zero1", 8)
+    with pytest.raises(ValueError, match="--world-size"):
+        drafter_state_bytes(1, "ddp", 0)
+
+
+def test_memory_plan_by_part():
+    ddp = memory_plan(SIZES, "ddp", 4)
+    assert ddp == {"target weights": 2000, "drafter weights + grads + AdamW": 1600,
+                   "drafter frozen tensors (fp32)": 60, "served features + logit chunk": 214,
+                   "drafter activations (measured)": 1000, "total": 4874}
+    assert memory_plan(SIZES, "fsdp", 4)["drafter weights + grads + AdamW"] == 400
+    assert memory_plan(SIZES, "zero2", 4)["drafter weights + grads + AdamW"] == 200 + 350
+    assert memory_plan(SIZES, "zero3", 4)["total"] == 4874 - 1600 + 400
+    fp32_target = RecipeSizes(**{**SIZES.__dict__, "target_bytes_per_param": 4, "activation_bytes": None})
+    plan = memory_plan(fp32_target, "ddp", 4)
+    assert plan["drafter frozen tensors (fp32)"] == 40  # an fp32 target's tensors are used as they are, not copied
+    assert "drafter activations (measured)" not in plan
+    assert plan["total"] == 4000 + 1600 + 40 + 200 + 28
+
+
+def test_saved_tensor_bytes_counts_each_storage_once():
+    x = torch.randn(10, 20, requires_grad=True)
+    assert saved_tensor_bytes(lambda: (x * x).sum().backward()) == 10 * 20 * 4  # x saved twice, one storage
+    assert saved_tensor_bytes(lambda: (x.exp() * x).sum().backward()) == 2 * 10 * 20 * 4
+    with torch.no_grad():
+        assert saved_tensor_bytes(lambda: (x * x).sum()) == 0
+    assert steps_per_hour(4.0) == 900.0
+
+
+def _chats(path, num=16):
+    with open(path, "w") as f:
+        for i in range(num):
+            f.write(json.dumps({"id": f"c{i}", "messages": [
+                {"role": "user", "content": f"list {i} words"},
+                {"role": "assistant", "content": " ".join(["word"] * (i + 4))}]}) + "\n")
+
+
+def test_estimate_command_prints_memory_and_steps_per_hour(tmp_path, capsys):
+    from inference.debug_target import resolve_debug_target
+
+    _chats(tmp_path / "chats.jsonl")
+    overrides = [f"target.name_or_path={resolve_debug_target('debug:tiny-llama')}",
+                 f"data.path={tmp_path / 'chats.jsonl'}", "data.num_samples=null", "data.num_eval_samples=2",
+                 f"data.cache_dir={tmp_path / 'datasets'}", "data.max_length=64", "train.batch_size=2",
+                 "train.epochs=null", "train.max_steps=10", "eval.num_prompts=0"]
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    assert main([RECIPE, *overrides, "--world-size", "4", "--probe-steps", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "memory per GPU at world size 4" in printed and "drafter activations (measured)" in printed
+    assert "steps/hour; the recipe's 10 steps" in printed
+    assert main([RECIPE, *overrides, "--no-probe"]) == 0
+    printed = capsys.readouterr().out
+    assert "activations not measured" in printed and "steps/hour" not in printed
