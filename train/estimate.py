@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     from train.build import build_drafter, load_data, load_target, process_state
 
     state = process_state()
-    world_size = args.world_size or state.num_processes
+    world_size = state.num_processes if args.world_size is None else args.world_size
     drafter_state_bytes(0, "ddp", world_size)  # checks --world-size before anything is loaded
     with tempfile.TemporaryDirectory(prefix="draftsmith-estimate-") as scratch:
         result = None
