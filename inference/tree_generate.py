@@ -71,9 +71,6 @@ def tree_speculative_generate(
     generator = torch.Generator(device=device).manual_seed(seed)
     draft_generator = torch.Generator(device=device).manual_seed(seed + 1_000_003)  # as speculative_generate
     request = drafter.feature_request() if drafter is not None else FeatureRequest()
-    if request.kv_layers:
-        raise ValueError("tree verification cannot serve kv_layers (the drafter would read uncompacted slots); "
-                         "use speculative_generate for this drafter")
     clock = _Clock(device)
     start = time.perf_counter()
 
@@ -137,4 +134,7 @@ def _verify_tree(target, tree, request, pick, temperature, generator, active):
     else:
         path, num_accepted, new_tokens = sample_tree_verify(tree, pick(logits), generator)
     keep_path(target, mark, path, torch.where(active, num_accepted + 1, torch.zeros_like(num_accepted)))
-    return path, num_accepted, new_tokens, path_features(served, path)
+    features = path_features(served, path)
+    if request.kv_layers:  # read after compaction: the cache a chain accepting the same path would leave
+        features.update(target.kv_view(request.kv_layers))
+    return path, num_accepted, new_tokens, features
