@@ -20,6 +20,8 @@ import importlib
 import os
 import sys
 
+import yaml
+
 SUBCOMMANDS = {
     "assets": "inference.assets",
     "eval": "inference.eval",
@@ -41,7 +43,9 @@ DEBUG_ENV = "DRAFTSMITH_DEBUG"
 
 
 def is_user_error(err: BaseException) -> bool:
-    return isinstance(err, USER_ERRORS) or (isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS)
+    """Errors the user can fix (a recipe that is not valid YAML included); anything else is a bug: traceback."""
+    return (isinstance(err, USER_ERRORS + (yaml.YAMLError,))
+            or (isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS))
 
 
 def describe(err: BaseException) -> str:
@@ -52,6 +56,8 @@ def describe(err: BaseException) -> str:
         remedy = ("free space there or choose another output directory" if err.errno in DISK_FULL_ERRNOS
                   else "check the path (and its permissions)")
         return f"{err.filename}: {err.strerror.lower()}; {remedy}"
+    if isinstance(err, yaml.YAMLError):  # PyYAML's message spans lines and names the file, line and column
+        return f"not valid YAML: {' '.join(str(err).split())}; fix the recipe there"
     return str(err)
 
 
