@@ -154,7 +154,7 @@ class AdaptiveK:
             self.offered[row, :offered] += 1.0
 
 
-def profile_costs(target, drafter, prompts: list[list[int]], max_draft_tokens: int, *, max_new_tokens: int = 12,
+def profile_costs(target, drafter, prompts: list[list[int]], max_draft_tokens: int, *, max_new_tokens: int = 8,
                   repeats: int = 2) -> CostCurves:
     """Measure d(W) and v(W) for W = 0..max_draft_tokens with the engine itself (fixed k runs over `prompts`, one
     batch), taking per W the median over `repeats` runs of the seconds per round (after one untimed warm-up).
