@@ -5,8 +5,7 @@ projections: its queries attend over the K/V the TARGET cached for one of its ow
 at their positions by the target), so the query heads, KV heads and head dim are the target's, and the queries are
 rotated with the target's RoPE at the assistant's own (constant) query position. The rest is a pre-norm Llama layer
 of the assistant's own width: input_layernorm, attention, residual, post_attention_layernorm, SwiGLU MLP, residual.
-Parameter names follow HF Llama/Qwen (self_attn.q_proj, self_attn.o_proj, self_attn.q_norm, mlp.gate_proj ...), so a
-warm start copies a target layer's tensors by name.
+Parameter names follow HF Llama/Qwen (self_attn.q_proj, self_attn.o_proj, self_attn.q_norm, mlp.gate_proj ...).
 
 Shapes: B batch, n query positions, C key columns (cached target tokens), H query heads, H_kv KV heads, d head dim,
 W assistant width, D target hidden, V vocab.
@@ -29,7 +28,7 @@ class AssistantConfig:
     """The `drafter:` section of a recipe for kind "assistant".
 
     num_layers: assistant decoder layers (Gemma 4's assistants have 4).
-    hidden_size: the assistant's own width W; None = the target's hidden size (then `init_from_target` can copy).
+    hidden_size: the assistant's own width W; None = the target's hidden size.
     intermediate_size: its MLP width; None = the target's intermediate size.
     kv_layers: target decoder layer read by each assistant layer (one entry per layer); () = every assistant layer
       reads the target's last layer (Gemma 4 maps each layer to the last target layer of its attention type; a
@@ -40,9 +39,6 @@ class AssistantConfig:
     loss: "soft" = cross-entropy against the target's distribution at the label; "hard" = against the data token.
     embed_scale: factor on the target's token embedding before the pre-projection; None = the scale the target itself
       applies to its embeddings (sqrt(D) for Gemma families, 1 otherwise), i.e. the "scaled target embedding".
-    init_from_target: start each layer as a copy of its mapped target layer's query, output, norm and MLP tensors,
-      the final norm and lm_head as the target's, the pre-projection as "take the hidden half" and the
-      post-projection as the identity. Needs hidden_size and intermediate_size equal to the target's.
     sample_drafts: propose by sampling each step's distribution (returned as probs); else argmax drafts.
     """
 
@@ -54,7 +50,6 @@ class AssistantConfig:
     loss_weights: tuple[float, ...] = ()
     loss: Literal["soft", "hard"] = "soft"
     embed_scale: float | None = None
-    init_from_target: bool = False
     sample_drafts: bool = False
 
 
@@ -167,13 +162,3 @@ class AssistantLayer(nn.Module):
         """x [B, n, W] -> [B, n, W]; see QueryOnlyAttention for the others."""
         x = x + self.self_attn(self.input_layernorm(x), keys, values, mask, cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def copy_target_layer_(layer: AssistantLayer, target_info: TargetInfo, target_layer: int) -> None:
-    """Copy the mapped target layer's tensors of the same names into `layer` (init_from_target)."""
-    for name, parameter in layer.named_parameters():
-        source = target_layer_weight(target_info, target_layer, name)
-        if source is None or source.shape != parameter.shape:
-            raise ValueError(f"drafter.init_from_target: target layer {target_layer} has no tensor {name} of shape "
-                             f"{tuple(parameter.shape)}; set hidden_size / intermediate_size to the target's")
-        parameter.copy_(source)
