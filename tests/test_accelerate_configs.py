@@ -45,3 +45,21 @@ def test_sharded_configs_use_fsdp2_and_keep_the_target_out_of_zero_init(path):
         assert config.deepspeed_config["zero_stage"] in (2, 3)
         assert not config.deepspeed_config.get("zero3_init_flag", False)  # would partition the frozen target too
         assert "gradient_accumulation_steps" not in config.deepspeed_config  # accelerate passes the derived value
+
+
+def test_slurm_script_is_valid_bash_launching_an_existing_config_and_resuming():
+    """What a preempted SLURM job relies on: requeueable, SIGTERM before the limit, resume from the latest
+    checkpoint, requeue on the preemption exit status; its default accelerate config exists."""
+    import subprocess
+
+    script = CONFIG_DIR.parent / "slurm" / "train_multinode.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    for needed in ("#SBATCH --requeue", "#SBATCH --signal=TERM@", "train.resume_from=latest", "scontrol requeue",
+                   "accelerate launch --config_file"):
+        assert needed in text, needed
+    default_config = re.search(r"CONFIG=\$\{CONFIG:-(\S+)\}", text).group(1)
+    assert (CONFIG_DIR.parent.parent / default_config).is_file()
+    from train.loop import PREEMPTED_EXIT_CODE
+
+    assert f'"$status" -eq {PREEMPTED_EXIT_CODE}' in text
