@@ -156,6 +156,7 @@ def dynamic_tree(drafter, root: torch.Tensor, budget: int, top_k: int) -> DraftT
     score, token = log_q[:, 0].topk(width, dim=-1)  # [B, W]: the first layer
     parent = torch.full_like(token, -1)
     fed_parent = torch.zeros_like(token)  # the drafter's node id of each candidate's parent (root = 0)
+    depth = torch.ones_like(token)
     frontier = torch.arange(width, device=device).expand(batch, -1)
     num_fed = 1
     for _ in range(num_draft - 1):
@@ -173,8 +174,9 @@ def dynamic_tree(drafter, root: torch.Tensor, budget: int, top_k: int) -> DraftT
         token = torch.cat([token, child_token.flatten(1)], dim=1)
         parent = torch.cat([parent, frontier.repeat_interleave(width, dim=1)], dim=1)
         fed_parent = torch.cat([fed_parent, fed_ids.repeat_interleave(width, dim=1)], dim=1)
+        depth = torch.cat([depth, (depth.gather(1, frontier) + 1).repeat_interleave(width, dim=1)], dim=1)
         frontier = first_new + _stable_top(child_score, width)
-    return _select(root, score, token, parent, num_draft)
+    return _select(root, score, token, parent, depth, num_draft)
 
 
 def _stable_top(score: torch.Tensor, count: int) -> torch.Tensor:
@@ -183,21 +185,16 @@ def _stable_top(score: torch.Tensor, count: int) -> torch.Tensor:
     return torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :count]
 
 
-def _select(root, score, token, parent, num_draft: int) -> DraftTree:
-    """The num_draft best candidates, in creation order, as a DraftTree (node i + 1 = i-th selected candidate)."""
+def _select(root, score, token, parent, depth, num_draft: int) -> DraftTree:
+    """The num_draft best candidates [B, C], in creation order, as a DraftTree (node i + 1 = i-th selected)."""
     batch = score.shape[0]
     chosen = _stable_top(score, num_draft).sort(dim=-1).values  # [B, n], creation order
-    node_of = torch.full_like(token, -1).scatter(1, chosen, torch.arange(1, num_draft + 1, device=score.device)
-                                                 .expand(batch, -1))
+    numbers = torch.arange(1, num_draft + 1, device=score.device).expand(batch, -1)
+    node_of = torch.full_like(token, -1).scatter(1, chosen, numbers)
     parent_candidate = parent.gather(1, chosen)
     parent_node = torch.where(parent_candidate < 0, 0, node_of.gather(1, parent_candidate.clamp(min=0)))
     assert bool((parent_node >= 0).all()), "a selected node's parent was not selected"
-    depth = torch.ones_like(chosen)
-    for index in range(num_draft):  # parents precede children in creation order
-        has_parent = parent_node[:, index] > 0
-        depth[:, index] = torch.where(has_parent, depth.gather(1, (parent_node[:, index:index + 1] - 1)
-                                                                .clamp(min=0))[:, 0] + 1, 1)
     ones = torch.ones(batch, 1, dtype=torch.long, device=score.device)
     return DraftTree(torch.cat([root[:, None], token.gather(1, chosen)], dim=1),
-                     torch.cat([-ones, parent_node], dim=1), torch.cat([0 * ones, depth], dim=1),
+                     torch.cat([-ones, parent_node], dim=1), torch.cat([0 * ones, depth.gather(1, chosen)], dim=1),
                      torch.cat([ones.bool(), score.gather(1, chosen) > float("-inf")], dim=1))
