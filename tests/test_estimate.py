@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.estimate import (RecipeSizes, drafter_state_bytes, main, memory_plan, saved_tensor_bytes,
-                            steps_per_hour)
+from train.estimate import (RecipeSizes, activation_bytes, drafter_state_bytes, main, memory_plan,
+                            saved_tensor_storages, steps_per_hour)
 
 RECIPE = str(Path(__file__).resolve().parent.parent / "recipes" / "debug" / "tiny_eagle3.yaml")
 SIZES = RecipeSizes(target_params=1000, target_bytes_per_param=2, drafter_trainable=100, drafter_frozen_values=10,
@@ -47,12 +47,17 @@ def test_memory_plan_by_part():
     assert plan["total"] == 4000 + 1600 + 40 + 200 + 28
 
 
-def test_saved_tensor_bytes_counts_each_storage_once():
+def test_saved_tensors_count_each_storage_once_and_activations_exclude_weights():
     x = torch.randn(10, 20, requires_grad=True)
-    assert saved_tensor_bytes(lambda: (x * x).sum().backward()) == 10 * 20 * 4  # x saved twice, one storage
-    assert saved_tensor_bytes(lambda: (x.exp() * x).sum().backward()) == 2 * 10 * 20 * 4
+    assert sum(saved_tensor_storages(lambda: (x * x).sum().backward()).values()) == 10 * 20 * 4  # x twice, once
+    assert sum(saved_tensor_storages(lambda: (x.exp() * x).sum().backward()).values()) == 2 * 10 * 20 * 4
     with torch.no_grad():
-        assert saved_tensor_bytes(lambda: (x * x).sum()) == 0
+        assert saved_tensor_storages(lambda: (x * x).sum()) == {}
+    layer = torch.nn.Linear(20, 30)
+    saved = saved_tensor_storages(lambda: torch.relu(layer(x)).sum().backward())
+    # saved: x and the weight (for the matmul), the relu output [10, 30]; the weight is not an activation
+    assert sum(saved.values()) == (10 * 20 + 30 * 20 + 10 * 30) * 4
+    assert activation_bytes(saved, layer) == (10 * 20 + 10 * 30) * 4
     assert steps_per_hour(4.0) == 900.0
 
 

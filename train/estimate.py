@@ -9,7 +9,7 @@
    shard), DeepSpeed ZeRO-2 and ZeRO-3 (`memory_plan`).
 3. Steps per hour from a short probe (--probe-steps real optimizer steps of the recipe on this machine, online
    features, the drafter's full config; --no-probe skips it). The probe also measures the drafter's activation memory:
-   the bytes autograd saves for backward on one micro-batch of the longest training samples.
+   the bytes autograd saves for backward on one micro-batch of the longest training samples, weights excluded.
 
     draftsmith estimate recipes/smollm2/eagle3_full.yaml --world-size 8
 """
@@ -115,8 +115,8 @@ def measure_throughput(target, dataset, request, batch_size: int, pad_token_id: 
     return tokens / max(seconds, 1e-9)
 
 
-def saved_tensor_bytes(run) -> int:
-    """Bytes autograd saves for backward while `run()` executes (each storage counted once)."""
+def saved_tensor_storages(run) -> dict[int, int]:
+    """{storage address: bytes} of every tensor autograd saves for backward while `run()` executes."""
     storages: dict[int, int] = {}
 
     def pack(tensor):
@@ -126,7 +126,20 @@ def saved_tensor_bytes(run) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         run()
-    return sum(storages.values())
+    return storages
+
+
+def activation_bytes(saved: dict[int, int], *modules: torch.nn.Module) -> int:
+    """Bytes of the saved storages that are activations: not the parameters or buffers of `modules`, nor the target
+    tensors a drafter keeps copies of (memory_plan counts those as weights)."""
+    from drafters.layers import FrozenTargetTensors
+
+    weights = {t.untyped_storage().data_ptr() for module in modules
+               for t in (*module.parameters(), *module.buffers())}
+    weights |= {t.untyped_storage().data_ptr() for module in modules for sub in module.modules()
+                for attribute in vars(sub).values() if isinstance(attribute, FrozenTargetTensors)
+                for t in attribute._copies.values()}
+    return sum(size for address, size in saved.items() if address not in weights)
 
 
 def target_copy_values(drafter: torch.nn.Module) -> int:
@@ -161,7 +174,8 @@ def probe(recipe_path: str, overrides: list[str], num_steps: int, output_dir: st
     lengths = sample_lengths(trainer.data.train)
     longest = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:recipe.train.batch_size]
     batch = trainer.to_device(make_batch(trainer.data.train, longest, trainer.pad_token_id))
-    activation_bytes = saved_tensor_bytes(lambda: trainer.train_step([batch]))
+    saved = saved_tensor_storages(lambda: trainer.train_step([batch]))
+    activations = activation_bytes(saved, trainer.model, trainer.target.model)
     seconds, tokens = 0.0, 0.0
     for step in range(num_steps):
         micro_batches = trainer.micro_batches(step)
@@ -171,7 +185,7 @@ def probe(recipe_path: str, overrides: list[str], num_steps: int, output_dir: st
         synchronize(trainer.target.device)
         seconds += time.perf_counter() - started
         tokens += metrics["tokens"] * len(micro_batches)
-    return Probe(seconds / num_steps, tokens / num_steps, activation_bytes, num_steps), trainer
+    return Probe(seconds / num_steps, tokens / num_steps, activations, num_steps), trainer
 
 
 def human_seconds(seconds: float) -> str:
