@@ -24,7 +24,7 @@ import torch
 from tests.test_train import DEBUG_RECIPE, ROOT, reset_accelerate, run, tiny_overrides, weights, write_chats
 from train.checkpoint import list_checkpoints
 
-MAX_STEPS = 40  # long enough that a kill at a random step in the first half lands before the run ends
+MAX_STEPS = 36  # long enough that each kill at a random step lands at least 8 steps before the run would end
 RUN_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 # The child of test_sigkill_during_a_checkpoint_write: the real entry point, with accelerate's save_state made to
 # stop (after writing the weights into the temporary directory, before the rename) at one chosen step, announcing it.
@@ -93,6 +93,11 @@ def wait_until(condition, process: subprocess.Popen, what: str) -> None:
         time.sleep(0.005)
 
 
+def resumed_line(out: str, step: int) -> str:
+    """What train/build.py prints when it resumes from checkpoint `step` of `out`."""
+    return f"resumed from {os.path.join(out, 'checkpoints', f'step_{step}')} at step {step}"
+
+
 def assert_same_weights(expected_dir: str, got_dir: str) -> None:
     expected, got = weights(expected_dir), weights(got_dir)
     assert expected.keys() == got.keys()
@@ -109,53 +114,58 @@ def uninterrupted(workdir, tmp_path_factory):
     return str(out / "final")
 
 
-@pytest.mark.slow
-def test_sigterm_saves_at_the_step_it_arrived_exits_143_and_resume_is_bitwise(workdir, tmp_path, uninterrupted):
-    out = str(tmp_path / "run")
-    arrive_after = random.randrange(3, MAX_STEPS // 2)
-    process = start(workdir, out)
-    wait_until(lambda: len(logged_steps(out)) >= arrive_after, process, f"step {arrive_after}")
-    sent_after = logged_steps(out)[-1]
-    process.send_signal(signal.SIGTERM)
-    status, log = finish(process, out)
-    assert status == 143, log[-3000:]
-    saved = list_checkpoints(out)[-1][0]
-    # the checkpoint is the step during which SIGTERM arrived: no step trained after it goes unsaved
-    assert saved > sent_after and logged_steps(out)[-1] == saved, (sent_after, saved, logged_steps(out))
-    assert f"preempted (SIGTERM): saved {os.path.join(out, 'checkpoints', f'step_{saved}')} at step {saved}" in log
-    assert not os.path.exists(os.path.join(out, "final"))
-    status, log = finish(start(workdir, out, "train.resume_from=latest"), out)
-    assert status == 0 and f"step_{saved} at step {saved}" in log, log[-3000:]
-    assert_same_weights(uninterrupted, os.path.join(out, "final"))
-
-
-@pytest.mark.slow
-def test_sigkill_during_a_checkpoint_write_then_at_a_random_step_resumes_bitwise(workdir, tmp_path, uninterrupted):
-    """Kill -9 while step_4 is half written (weights in .tmp_step_4, not renamed): step_2 stays the latest and the
-    run resumes from it; kill -9 again at a random step after a later checkpoint; the final weights are the
-    uninterrupted run's."""
-    out, paused = str(tmp_path / "run"), str(tmp_path / "save_paused")
+def kill_during_checkpoint_write(workdir, out: str, paused: str) -> None:
+    """SIGKILL while step_4 is half written (weights in .tmp_step_4, not yet renamed): step_2 stays the latest."""
     process = start(workdir, out, command=[sys.executable, "-c", PAUSED_SAVE, ".tmp_step_4", paused])
     wait_until(lambda: os.path.exists(paused), process, "the write of checkpoint 4")
     process.kill()
     assert finish(process, out)[0] == -signal.SIGKILL
-    root = os.path.join(out, "checkpoints")
-    assert sorted(os.listdir(root)) == [".tmp_step_4", "step_2"]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == [".tmp_step_4", "step_2"]
     assert [step for step, _ in list_checkpoints(out)] == [2]  # the half-written one is never "latest"
 
+
+def preempt_at_a_random_step(workdir, out: str, resumed_at: int) -> int:
+    """Resume, send SIGTERM after a random step: the run saves the step during which it arrived and exits 143."""
     process = start(workdir, out, "train.resume_from=latest")
-    kill_after = random.randrange(5, MAX_STEPS // 2)
-    wait_until(lambda: len(logged_steps(out)) and logged_steps(out)[-1] >= kill_after and list_checkpoints(out)[-1][0] > 2,
+    arrive_after = random.randrange(resumed_at + 2, MAX_STEPS // 2)
+    wait_until(lambda: logged_steps(out)[-1:] >= [arrive_after], process, f"step {arrive_after}")
+    sent_after = logged_steps(out)[-1]
+    process.send_signal(signal.SIGTERM)
+    status, log = finish(process, out)
+    assert status == 143 and resumed_line(out, resumed_at) in log, log[-3000:]
+    saved = list_checkpoints(out)[-1][0]
+    # no step trained after the signal goes unsaved: the checkpoint is the last step logged, the one it arrived in
+    assert saved > sent_after and logged_steps(out)[-1] == saved, (sent_after, saved, logged_steps(out))
+    assert f"preempted (SIGTERM): saved {os.path.join(out, 'checkpoints', f'step_{saved}')} at step {saved}" in log
+    assert ".tmp_step_4" not in os.listdir(os.path.join(out, "checkpoints"))  # cleaned by the next save
+    return saved
+
+
+def kill_at_a_random_step(workdir, out: str, resumed_at: int) -> int:
+    """Resume, SIGKILL at a random step after a checkpoint this run wrote; return the latest checkpoint."""
+    process = start(workdir, out, "train.resume_from=latest")
+    kill_after = random.randrange(resumed_at + 3, MAX_STEPS - 8)
+    wait_until(lambda: logged_steps(out)[-1:] >= [kill_after] and list_checkpoints(out)[-1][0] > resumed_at,
                process, f"step {kill_after}")
     process.kill()
     status, log = finish(process, out)
-    assert status == -signal.SIGKILL and "resumed from" in log and "step_2 at step 2" in log, log[-3000:]
-    killed_at, latest = logged_steps(out)[-1], list_checkpoints(out)[-1][0]
-    assert ".tmp_step_4" not in os.listdir(root)  # the next save cleaned up what the first kill left
+    assert status == -signal.SIGKILL and resumed_line(out, resumed_at) in log, log[-3000:]
+    print(f"SIGKILL after step {logged_steps(out)[-1]}, latest checkpoint step {list_checkpoints(out)[-1][0]}")
+    return list_checkpoints(out)[-1][0]
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_save_preempted_and_killed_again_ends_bitwise_equal(workdir, tmp_path, uninterrupted):
+    """One run meets three faults in turn, each followed by `train.resume_from=latest`: SIGKILL in the middle of
+    a checkpoint write, SIGTERM at a random step, SIGKILL at a random step. Its final weights are exactly those of
+    the uninterrupted run."""
+    out = str(tmp_path / "run")
+    kill_during_checkpoint_write(workdir, out, str(tmp_path / "save_paused"))
+    preempted = preempt_at_a_random_step(workdir, out, resumed_at=2)
+    latest = kill_at_a_random_step(workdir, out, resumed_at=preempted)
     status, log = finish(start(workdir, out, "train.resume_from=latest"), out)
-    assert status == 0 and f"step_{latest} at step {latest}" in log, log[-3000:]
+    assert status == 0 and resumed_line(out, latest) in log, log[-3000:]
     assert_same_weights(uninterrupted, os.path.join(out, "final"))
-    print(f"killed at step >= {killed_at}, resumed from step {latest}")
 
 
 def test_full_disk_during_a_checkpoint_is_one_line_and_the_last_checkpoint_resumes(workdir, tmp_path, monkeypatch,
