@@ -9,6 +9,7 @@ proposer `begin(context)` / `propose(k)` / `commit(num_accepted, context)`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -233,6 +234,22 @@ class Drafter(nn.Module):
         [t_0, t_1..t_n-1] whose n - 1 "drafts" were all accepted (inference/generate.py `_Deferred`)."""
         raise NotImplementedError
 
+    # ---- inference: dropping finished rows ------------------------------------------------------------------------
+    # The engine removes rows that finished from the batch (target KV cache and drafter state alike), so later rounds
+    # cost what the rows still running cost. `row_state` names the attributes holding per-row inference state (dim 0
+    # = batch, inside lists, dicts, dataclasses or objects with their own keep_rows); a drafter whose state is
+    # elsewhere overrides keep_rows. A drafter declaring neither keeps every row to the end (never wrong, only slower).
+    row_state: ClassVar[tuple[str, ...]] = ()
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` [B'] (long, increasing) of the inference state, in that order."""
+        for name in self.row_state:
+            setattr(self, name, select_rows(getattr(self, name), rows))
+
+    def drops_rows(self) -> bool:
+        """Whether keep_rows is implemented (row_state declared or keep_rows overridden)."""
+        return bool(self.row_state) or type(self).keep_rows is not Drafter.keep_rows
+
     # ---- inference: draft trees (optional; inference/tree.py) -----------------------------------------------------
     # A sequential drafter that can score several branches sets `expands_trees` and implements `expand_tree`, the
     # engine then grows EAGLE-2 dynamic trees with it; other drafters get DDTree trees over Proposal.log_probs.
@@ -320,6 +337,24 @@ class Drafter(nn.Module):
         check_target_match(target_info, target.get("hidden_size"), target.get("vocab_size"), directory)
         config = from_dict(cls.Config, header["drafter_config"], "drafter")
         return config, load_file(os.path.join(directory, "model.safetensors"))
+
+
+def select_rows(value, rows: torch.Tensor):
+    """`value` with only batch rows `rows` [B'] kept (dim 0): tensors are indexed; lists, tuples, dicts and dataclass
+    instances are rebuilt from their selected parts; an object with a `keep_rows` method selects itself in place;
+    anything else (ints, floats, generators, None, 0-dim tensors) is not per row and stays as it is."""
+    if isinstance(value, torch.Tensor):
+        return value if value.dim() == 0 else value[rows.to(value.device)]
+    if isinstance(value, (list, tuple)):
+        return type(value)(select_rows(item, rows) for item in value)
+    if isinstance(value, dict):
+        return {key: select_rows(item, rows) for key, item in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: select_rows(getattr(value, f.name), rows)
+                                             for f in dataclasses.fields(value) if f.init})
+    if hasattr(value, "keep_rows"):
+        value.keep_rows(rows)
+    return value
 
 
 def check_target_match(target_info: TargetInfo, hidden_size: int, vocab_size: int, source: str) -> None:

@@ -60,6 +60,10 @@ class DraftModelDrafter(Drafter):
         self.generator = context.generator
         self._num_tokens = None  # drafts of the outstanding proposal; None = nothing proposed since the last commit
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.runner.keep_rows(rows)
+        self.pending = [self.pending[row] for row in rows.tolist()]
+
     @torch.no_grad()
     def propose(self, num_tokens: int) -> Proposal:
         """Feed the pending tokens, then draft num_tokens one at a time. tokens [B, K], probs [B, K, V] or None."""

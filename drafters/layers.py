@@ -251,6 +251,11 @@ class KVCache:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self._marked = self.lengths.clone()
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` [B'] (the engine drops finished rows; drafters/base.py keep_rows)."""
+        for name in ("keys", "values", "valid", "lengths", "_marked"):
+            setattr(self, name, getattr(self, name)[rows.to(self.keys.device)])
+
     def append(
         self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -42,6 +42,9 @@ class NgramDrafter(Drafter):
                 history.extend(context.input_ids[row, 1 : int(num_accepted[row]) + 1].tolist())
                 history.append(int(context.next_tokens[row]))
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.history = [self.history[row] for row in rows.tolist()]
+
     def propose(self, num_tokens: int) -> Proposal:
         tokens = torch.zeros((len(self.history), num_tokens), dtype=torch.long)
         num_valid = torch.zeros(len(self.history), dtype=torch.long)

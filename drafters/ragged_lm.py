@@ -78,6 +78,18 @@ class RaggedLM:
         )
         return out.logits.float()
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` [B'] (long, increasing): the engine drops rows that finished, so later forwards
+        cost what the remaining rows cost. Trailing slots none of them uses are cropped."""
+        rows = rows.to(self.device)
+        self.cache.batch_select_indices(rows)
+        self.slot_mask = self.slot_mask[rows]
+        used = self.slot_mask.any(0)
+        num_drop = self.slot_mask.shape[1] - (int(used.nonzero().max()) + 1 if bool(used.any()) else 0)
+        if num_drop > 0:
+            self.cache.crop(-num_drop)
+            self.slot_mask = self.slot_mask[:, : self.slot_mask.shape[1] - num_drop]
+
     def mark(self) -> int:
         """The current number of cache slots, to roll back to with `keep_after`."""
         return self.num_slots

@@ -119,6 +119,11 @@ class AdaptiveK:
         self.offered = torch.zeros_like(self.survived)
         self._zero_streak, self._interval = 0, self.explore_after
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep the estimates of batch rows `rows` only (the engine dropped the others)."""
+        rows = rows.cpu()
+        self.survived, self.offered = self.survived[rows], self.offered[rows]
+
     def acceptance(self) -> torch.Tensor:
         """[B, K] the current estimate of each row's conditional acceptance per position."""
         alpha = torch.empty_like(self.survived)

@@ -8,7 +8,9 @@ through the same code: one target forward per token, the fair baseline for speed
 cuts each row's proposal by the drafter's confidences (a static threshold or the prefix scheduler); drafters without
 confidences propose as usual. `adaptive` (inference/adaptive.py) chooses each round's width in 0..num_draft_tokens
 before the round's drafts exist; while rounds propose nothing the drafter's catch-up is deferred and handed over in
-one `commit` before its next proposal (`_Deferred`).
+one `commit` before its next proposal (`_Deferred`). Rows that finished leave the batch (`drop_finished_rows`): the
+target's KV cache and the drafter's state keep only the running rows (drafters/base.py keep_rows), so a batch whose
+rows end early costs what its remaining rows cost.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.base import DraftContext, Drafter, FeatureRequest
+from drafters.base import DraftContext, Drafter, FeatureRequest, select_rows
 from inference.schedule import scheduled_num_valid
 from inference.target import synchronize
 from inference.verify import greedy_verify, sample_verify, sampling_probs
@@ -106,9 +108,11 @@ def speculative_generate(
     eos_token_ids=None,
     schedule=None,
     adaptive=None,
+    drop_finished_rows: bool = True,
 ) -> GenerateOutput:
     """Generate up to max_new_tokens per prompt. See the module docstring; target is an inference.target.TargetModel,
-    adaptive an inference.adaptive.AdaptiveK whose widths go up to num_draft_tokens (None = k every round)."""
+    adaptive an inference.adaptive.AdaptiveK whose widths go up to num_draft_tokens (None = k every round).
+    drop_finished_rows=False keeps finished rows in the batch to the end (masked out), as a reference."""
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     if max_new_tokens < 1:
@@ -152,10 +156,22 @@ def speculative_generate(
         if out.adaptive:
             adaptive.start(batch)
     deferred = _Deferred()
+    index = list(range(batch))  # the original row of each row of the running batch
+    drops = drop_finished_rows and (num_draft == 0 or drafter.drops_rows())
 
     while bool(active.any()):
         round_k = adaptive.choose(active) if out.adaptive else num_draft
         proposal = None
+        if drops and not bool(active.all()):
+            keep = active.nonzero().flatten()
+            target.runner.keep_rows(keep)
+            if num_draft > 0:
+                drafter.keep_rows(keep)
+                deferred.keep_rows(keep)
+            if out.adaptive:
+                adaptive.keep_rows(keep)
+            next_tokens, active = next_tokens[keep], active[keep]
+            index = [index[row] for row in keep.tolist()]
         if round_k > 0:
             if deferred:  # rounds that proposed nothing: the drafter catches up on them in one commit
                 clock.run("draft", drafter.commit, *deferred.merged())
@@ -169,8 +185,8 @@ def speculative_generate(
             drafts = proposal.tokens[:, :width].to(device)
             draft_probs = None if proposal.probs is None else proposal.probs[:, :width].to(device)
         else:
-            width, drafts, draft_probs = 0, next_tokens.new_zeros((batch, 0)), None
-            num_valid = torch.zeros(batch, dtype=torch.long, device=device)
+            width, drafts, draft_probs = 0, next_tokens.new_zeros((len(index), 0)), None
+            num_valid = torch.zeros(len(index), dtype=torch.long, device=device)
         block = torch.cat([next_tokens[:, None], drafts], dim=1)  # [B, width + 1]
         num_accepted, new_tokens, served = clock.run(
             "verify", _verify_block, target, block, drafts, draft_probs, num_valid, request, pick,
@@ -179,10 +195,10 @@ def speculative_generate(
         out.target_forwards += 1
         out.verify_forwards += 1
         if num_draft > 0:
-            _record_round(out, active, round_k, num_valid, num_accepted, proposal, adaptive)
+            _record_round(out, active, round_k, num_valid, num_accepted, proposal, adaptive, index)
         was_active = active.clone()
-        active = _emit(out, active, drafts, num_accepted, new_tokens, eos, max_new_tokens)
-        _stamp_finished(out, was_active, active, start)
+        active = _emit(out, active, drafts, num_accepted, new_tokens, eos, max_new_tokens, index)
+        _stamp_finished(out, was_active, active, start, index)
         next_tokens = new_tokens
         if num_draft > 0:
             valid = (torch.arange(width + 1, device=device)[None, :] <= num_accepted[:, None]) & was_active[:, None]
@@ -201,25 +217,27 @@ def speculative_generate(
     return out
 
 
-def _record_round(out: GenerateOutput, active, round_k: int, num_valid, num_accepted, proposal, adaptive) -> None:
+def _record_round(out: GenerateOutput, active, round_k: int, num_valid, num_accepted, proposal, adaptive,
+                  index: list[int]) -> None:
     """Per active row: accepted and proposed drafts, the round's width and the confidences; feed `adaptive`."""
     rows = active.nonzero().flatten().tolist()
     accepted, proposed = num_accepted.tolist(), num_valid.tolist()
     for row in rows:
-        out.accept_lengths[row].append(accepted[row])
-        out.proposed[row].append(proposed[row])
-        out.chosen[row].append(round_k)
+        original = index[row]
+        out.accept_lengths[original].append(accepted[row])
+        out.proposed[original].append(proposed[row])
+        out.chosen[original].append(round_k)
         if proposal is not None and proposal.confidence_logits is not None:
-            out.confidence_logits[row].append(proposal.confidence_logits[row, : proposed[row]].tolist())
+            out.confidence_logits[original].append(proposal.confidence_logits[row, : proposed[row]].tolist())
     if out.adaptive:
         adaptive.observe([p if row in rows else 0 for row, p in enumerate(proposed)], accepted)
 
 
-def _stamp_finished(out: GenerateOutput, was_active, active, start: float) -> None:
+def _stamp_finished(out: GenerateOutput, was_active, active, start: float, index: list[int] | None = None) -> None:
     """Record the latency of the rows that finished in this round."""
     now = time.perf_counter() - start
     for row in (was_active & ~active).nonzero().flatten().tolist():
-        out.row_seconds[row] = now
+        out.row_seconds[row if index is None else index[row]] = now
 
 
 class _Deferred:
@@ -240,6 +258,10 @@ class _Deferred:
 
     def add(self, context: DraftContext) -> None:
         self.contexts.append(context)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` of every deferred context (the engine dropped the others)."""
+        self.contexts = [select_rows(context, rows) for context in self.contexts]
 
     def merged(self) -> tuple[torch.Tensor, DraftContext]:
         """(num_accepted [B], context [B, n]) of the deferred rounds; empties the queue."""
@@ -296,14 +318,16 @@ def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _emit(out: GenerateOutput, active, drafts, num_accepted, new_tokens, eos, max_new_tokens) -> torch.Tensor:
+def _emit(out: GenerateOutput, active, drafts, num_accepted, new_tokens, eos, max_new_tokens,
+          index: list[int] | None = None) -> torch.Tensor:
     """Append drafts[b, :num_accepted[b]] and new_tokens[b] to active rows, stopping at EOS or max_new_tokens.
-    Returns the new active mask [B]."""
+    index[b]: the row of `out` that batch row b is (None: the same). Returns the new active mask [B]."""
     still = active.clone()
     for row in active.nonzero().flatten().tolist():
+        tokens = out.tokens[row if index is None else index[row]]
         for token in drafts[row, : int(num_accepted[row])].tolist() + [int(new_tokens[row])]:
-            out.tokens[row].append(token)
-            if token in eos or len(out.tokens[row]) >= max_new_tokens:  # eos: a set of ids
+            tokens.append(token)
+            if token in eos or len(tokens) >= max_new_tokens:  # eos: a set of ids
                 still[row] = False
                 break
     return still

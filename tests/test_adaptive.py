@@ -69,6 +69,9 @@ class Scripted:
     def observe(self, proposed, accepted):
         pass
 
+    def keep_rows(self, rows):
+        pass
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_proposals_after_a_catch_up_equal_those_of_a_run_that_never_skipped(kind):

@@ -348,3 +348,44 @@ def test_propose_refuses_more_than_max_draft_tokens(kind):
     assert drafter.propose(limit).tokens.shape == (1, limit)
     with pytest.raises(ValueError, match=str(limit)):
         drafter.propose(limit + 1)
+
+
+# ---- dropping finished rows (drafters/base.py keep_rows) ---------------------------------------------------------
+class _ProposalLog:
+    """Passes the engine's calls through to a drafter and keeps each round's proposal tokens [B_running, k]."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter, self.rounds = drafter, []
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def propose(self, num_tokens):
+        proposal = self.drafter.propose(num_tokens)
+        self.rounds.append(proposal.tokens[:, :num_tokens].clone())
+        return proposal
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dropping_finished_rows_changes_nothing(kind):
+    """Rows that finish leave the batch (target cache and drafter state, keep_rows): the outputs, the acceptance and
+    every proposal of the running rows equal those of a run that keeps finished rows to the end."""
+    target = tiny_target()
+    prompts = [[5, 6, 7, 8, 9, 10], [40, 41], [100, 3, 77]]
+    plain = speculative_generate(target, None, prompts, num_draft_tokens=0, max_new_tokens=24, eos_token_ids=[])
+    eos = [plain.tokens[0][5]]  # row 0 ends early; the others at their own time
+    runs = {}
+    for drop in (False, True):
+        log = _ProposalLog(build(kind, target))
+        out = speculative_generate(target, log, prompts, num_draft_tokens=NUM_DRAFTS, max_new_tokens=24,
+                                   eos_token_ids=eos, drop_finished_rows=drop)
+        runs[drop] = (out, log.rounds)
+    (kept, kept_rounds), (dropped, dropped_rounds) = runs[False], runs[True]
+    assert build(kind, target).drops_rows(), f"{kind}: declare row_state or override keep_rows"
+    assert len({len(row) for row in kept.tokens}) > 1, "the test needs rows that finish at different times"
+    assert dropped.tokens == kept.tokens == speculative_generate(target, None, prompts, num_draft_tokens=0,
+                                                                 max_new_tokens=24, eos_token_ids=eos).tokens
+    assert dropped.accept_lengths == kept.accept_lengths and dropped.proposed == kept.proposed
+    for round_index, (full, running) in enumerate(zip(kept_rounds, dropped_rounds)):
+        alive = [row for row in range(len(prompts)) if len(kept.accept_lengths[row]) > round_index]
+        assert torch.equal(running, full[alive]), (kind, round_index)

@@ -53,6 +53,7 @@ class AssistantDrafter(Drafter):
     """KV-sharing assistant. See the module docstring for the training, inference and persistence contracts."""
 
     kind = "assistant"
+    row_state = ("_state",)  # per-row inference state (drafters/base.py keep_rows)
     Config = AssistantConfig
 
     def __init__(self, config: AssistantConfig, target_info: TargetInfo):

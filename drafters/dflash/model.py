@@ -76,6 +76,7 @@ class DFlashDrafter(Drafter):
     """DFlash drafter. See the module docstring for the training, inference and persistence contracts."""
 
     kind = "dflash"
+    row_state = ("_caches", "_state")  # per-row inference state (drafters/base.py keep_rows)
     Config = DFlashConfig
     export_module = export  # the serving layouts dflash (z-lab), speculators (save / load in drafters/base.py)
 

@@ -70,6 +70,7 @@ class DSparkDrafter(Drafter):
     """DSpark drafter. See the module docstring for the training, inference and persistence contracts."""
 
     kind = "dspark"
+    row_state = ("_caches", "_state")  # per-row inference state (drafters/base.py keep_rows)
     Config = DSparkConfig
     export_module = export  # the serving layouts speculators, deepspec (save / load in drafters/base.py)
 

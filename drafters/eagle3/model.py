@@ -59,6 +59,7 @@ class Eagle3Drafter(Drafter):
     """EAGLE-3 drafter. See the module docstring for the training, inference and export contracts."""
 
     kind = "eagle3"
+    row_state = ("_caches", "_state")  # per-row inference state (drafters/base.py keep_rows)
     Config = Eagle3Config
     export_module = export_eagle3  # the serving layouts speculators, eagle3, sglang (save / load in drafters/base.py)
 

@@ -40,6 +40,7 @@ class MedusaDrafter(Drafter):
     """Medusa-1 heads. See the module docstring for the depth mapping and the contracts."""
 
     kind = "medusa"
+    row_state = ("_state",)  # per-row inference state (drafters/base.py keep_rows)
     Config = MedusaConfig
 
     def __init__(self, config: MedusaConfig, target_info: TargetInfo):

@@ -280,6 +280,13 @@ class BlockCache:
             stored[rows, :, columns] = new.transpose(1, 2).to(stored.dtype)
         return self.store[0][:, :, :used], self.store[1][:, :, :used]
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` [B'] (the engine drops finished rows; drafters/base.py keep_rows)."""
+        rows = rows.to(self.lengths.device)
+        self.lengths, self.valid, self._marked = self.lengths[rows], self.valid[rows], self._marked[rows]
+        self.store = None if self.store is None else tuple(t[rows] for t in self.store)
+        self._columns = None if self._columns is None else self._columns[rows]
+
     def mark(self) -> None:
         self._marked = self.lengths.clone()
 

@@ -71,6 +71,7 @@ class MTPDrafter(Drafter):
     """MTP heads. See the module docstring for the training, inference and persistence contracts."""
 
     kind = "mtp"
+    row_state = ("_tokens", "_target", "_known", "_depths")  # per-row inference state (drafters/base.py keep_rows)
     Config = MTPConfig
     export_module = mtp_export  # "speculators" and the target-checkpoint layouts (save / load in drafters/base.py)
 
