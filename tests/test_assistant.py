@@ -1,6 +1,7 @@
 """The KV-sharing assistant (drafters/assistant/): attention over the engine's live, ragged target cache equals a
 naive reference over K/V recomputed from scratch; the drafter never writes the cache; training's K/V capture equals
-the engine's cache; bad input names the field; the debug recipe trains and exports through the real loop.
+the engine's cache; bad input names the field; the debug recipe trains and exports through the real loop; a tiny
+Gemma 4 assistant written by transformers is read, drafts what transformers' forward computes, and round-trips.
 
 The shared contract (tests/test_contract.py) covers shapes, gradients, proposals == the training forward, lossless
 output and persistence; this file adds what is specific to reading another model's cache.
@@ -239,3 +240,88 @@ def test_debug_recipe_trains_and_exports(tmp_path):
     assert isinstance(loaded, AssistantDrafter)
     for name, tensor in trained.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+# ---- Gemma 4: a tiny target and assistant written with transformers' own classes ----------------------------------
+GEMMA4 = dict(vocab_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+              hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, max_position_embeddings=512,
+              pad_token_id=0, eos_token_id=1, bos_token_id=2)
+TYPES = ["sliding_attention", "full_attention"]
+
+
+def gemma4_pair(tmp_path):
+    """A 4-layer Gemma 4 target (window 64, longer than any test sequence, so its cache keeps every token) and a
+    2-layer assistant (window 3, so its sliding layer masks keys) saved with save_pretrained; float64."""
+    pytest.importorskip("transformers.models.gemma4_assistant", reason="transformers without Gemma 4 assistants")
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(0)
+    target = Gemma4ForCausalLM(Gemma4TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                                layer_types=TYPES * 2, sliding_window=64, **GEMMA4))
+    text = Gemma4TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, layer_types=TYPES,
+                            sliding_window=3, **GEMMA4)
+    helper = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64))
+    with torch.no_grad():  # off the unit-norm, zero-scalar start
+        for parameter in helper.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    helper.save_pretrained(str(tmp_path / "assistant"))
+    return TargetModel(target.double().eval(), name_or_path="tiny-gemma4"), helper.double().eval()
+
+
+@torch.no_grad()
+def test_gemma4_assistant_drafts_equal_transformers_forward(tmp_path):
+    """The imported assistant, run by our engine over the live Gemma 4 target cache (begin / draft_logits), gives
+    the logits of transformers' Gemma4AssistantForCausalLM driven as its candidate generator drives it (target
+    embedding of the last token, the target's last hidden state, constant position, the target's shared K/V)."""
+    from drafters import load_drafter
+
+    target, helper = gemma4_pair(tmp_path)
+    drafter = load_drafter(str(tmp_path / "assistant"), target.target_info()).double().eval()
+    assert isinstance(drafter, AssistantDrafter) and drafter.kv_layers == (2, 3)  # last sliding, last full
+    prompt = torch.tensor([[5, 17, 33, 9, 120, 41, 7, 8, 99]])
+    _, served = target.prefill(prompt, torch.ones_like(prompt), drafter.feature_request())
+    next_token = torch.tensor([50])
+    drafter.begin(DraftContext(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.arange(9)[None],
+                               next_tokens=next_token, **served))
+    drafts, logits, _ = drafter.draft_logits(NUM_DRAFTS)
+
+    out = target.model(input_ids=prompt, output_hidden_states=True, return_shared_kv_states=True)
+    shared = dict(out.shared_kv_states)
+    token, hidden = next_token[:, None], out.hidden_states[-1][:, -1:]
+    for step in range(NUM_DRAFTS):
+        embeds = torch.cat([target.model.get_input_embeddings()(token), hidden], dim=-1)
+        reference = helper(inputs_embeds=embeds, attention_mask=torch.ones(1, 9, dtype=torch.long),
+                           position_ids=torch.tensor([[9]]), shared_kv_states=shared, use_cache=False)
+        # transformers' Gemma 4 RMSNorm computes in float32 even for float64 inputs, hence the tolerance
+        torch.testing.assert_close(logits[:, step], reference.logits[:, 0], rtol=0, atol=1e-5)
+        token, hidden = reference.logits.argmax(-1), reference.last_hidden_state
+        assert int(token) == int(drafts[0, step])
+
+
+def test_gemma4_assistant_round_trip_is_bitwise_and_lossless(tmp_path):
+    """gemma4_assistant -> our drafter -> gemma4_assistant gives the same tensors and text config, transformers loads
+    the export, and greedy speculative decoding of the Gemma 4 target with it equals plain greedy decoding."""
+    from safetensors.torch import load_file
+    from transformers import Gemma4AssistantForCausalLM
+
+    from drafters import load_drafter
+    from inference.generate import speculative_generate
+
+    target, _ = gemma4_pair(tmp_path)
+    drafter = load_drafter(str(tmp_path / "assistant"), target.target_info())
+    drafter.save(str(tmp_path / "export"), "gemma4_assistant")
+    original = load_file(str(tmp_path / "assistant" / "model.safetensors"))
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert set(exported) == set(original)
+    assert all(torch.equal(exported[name], original[name]) for name in original)
+    with open(tmp_path / "assistant" / "config.json") as f, open(tmp_path / "export" / "config.json") as g:
+        assert json.load(g)["text_config"] == json.load(f)["text_config"]
+    Gemma4AssistantForCausalLM.from_pretrained(str(tmp_path / "export"))
+    drafter = drafter.double().eval()
+    prompts = [[5, 17, 33, 9, 120], [40, 41, 42]]
+    plain = speculative_generate(target, None, prompts, num_draft_tokens=0, max_new_tokens=12, eos_token_ids=[])
+    spec = speculative_generate(target, drafter, prompts, num_draft_tokens=NUM_DRAFTS, max_new_tokens=12,
+                                eos_token_ids=[])
+    assert spec.tokens == plain.tokens
+    with pytest.raises(ValueError, match="gemma4_assistant export needs an assistant with Gemma 4 layers"):
+        assistant(tiny()).save(str(tmp_path / "llama_style"), "gemma4_assistant")

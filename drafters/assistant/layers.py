@@ -40,6 +40,10 @@ class AssistantConfig:
     embed_scale: factor on the target's token embedding before the pre-projection; None = the scale the target itself
       applies to its embeddings (sqrt(D) for Gemma families, 1 otherwise), i.e. the "scaled target embedding".
     sample_drafts: propose by sampling each step's distribution (returned as probs); else argmax drafts.
+    gemma4_config: the assistant's own Gemma 4 text config, as a `gemma4_assistant` checkpoint stores it under
+      `text_config` (set by that import, drafters/assistant/export.py). Then the layers are Gemma 4's own decoder
+      layers with KV reuse (sandwich norms, layer scalar, GELU MLP, unit attention scale, per-type head dim, RoPE and
+      sliding window), and num_layers / hidden_size / intermediate_size must agree with it. None = Llama layers.
     """
 
     num_layers: int = 2
@@ -51,6 +55,7 @@ class AssistantConfig:
     loss: Literal["soft", "hard"] = "soft"
     embed_scale: float | None = None
     sample_drafts: bool = False
+    gemma4_config: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -80,12 +85,37 @@ def target_layer_weight(target_info: TargetInfo, layer: int, suffix: str) -> tor
     return None
 
 
+def layer_types(config: AssistantConfig) -> tuple[str, ...]:
+    """The attention type of each assistant layer: Gemma 4's from its config, else all full attention."""
+    if config.gemma4_config is not None:
+        return tuple(config.gemma4_config["layer_types"])
+    return ("full_attention",) * config.num_layers
+
+
 def resolve_kv_layers(config: AssistantConfig, target_info: TargetInfo) -> tuple[int, ...]:
-    """One target layer per assistant layer; ValueError naming drafter.kv_layers / drafter.num_layers."""
+    """One target layer per assistant layer; ValueError naming drafter.kv_layers / drafter.num_layers.
+
+    Default: each assistant layer reads the last target layer of its attention type that computes its own K/V
+    (before a Gemma target's KV-shared tail), as Gemma 4 wires its assistants; a Llama/Qwen target: its last layer.
+    """
     if config.num_layers < 1:
         raise ValueError(f"drafter.num_layers must be >= 1, got {config.num_layers}")
+    types = layer_types(config)
+    if len(types) != config.num_layers:
+        raise ValueError(f"drafter.gemma4_config has {len(types)} layer_types for drafter.num_layers "
+                         f"{config.num_layers}")
     if not config.kv_layers:
-        return (target_info.num_layers - 1,) * config.num_layers
+        target = text_config(target_info)
+        target_types = list(target.get("layer_types") or ["full_attention"] * target_info.num_layers)
+        computing = target_info.num_layers - int(target.get("num_kv_shared_layers") or 0)
+        chosen = []
+        for kind in types:
+            matches = [i for i in range(computing) if target_types[i] == kind]
+            if not matches:
+                raise ValueError(f"drafter.kv_layers: the target has no {kind} layer with its own K/V; map the "
+                                 "assistant layers explicitly")
+            chosen.append(matches[-1])
+        return tuple(chosen)
     layers = tuple(int(i) for i in config.kv_layers)
     if len(layers) != config.num_layers:
         raise ValueError(f"drafter.kv_layers has {len(layers)} entries for drafter.num_layers {config.num_layers}; "
@@ -96,22 +126,26 @@ def resolve_kv_layers(config: AssistantConfig, target_info: TargetInfo) -> tuple
     return layers
 
 
-def attention_shape(target_info: TargetInfo, kv_layers: tuple[int, ...]) -> AttentionShape:
-    """The target's head counts and head dim, checked against every mapped layer's K projection (a layer whose
-    cached keys have another head dim, such as Gemma's global layers, cannot be read by the same queries)."""
+def check_kv_shapes(target_info: TargetInfo, kv_layers: tuple[int, ...], shapes: list[tuple[int, int]]) -> None:
+    """ValueError naming drafter.kv_layers when a mapped target layer caches K/V of another shape than the
+    assistant layer's queries expect. shapes: per assistant layer (KV heads, head dim)."""
+    for layer, (kv_heads, head_dim) in zip(kv_layers, shapes):
+        keys = target_layer_weight(target_info, layer, "self_attn.k_proj.weight")  # [H_kv * d, D]
+        if keys is not None and keys.shape[0] != kv_heads * head_dim:
+            raise ValueError(f"drafter.kv_layers: target layer {layer} caches keys of width {keys.shape[0]}, not "
+                             f"{kv_heads} heads x head dim {head_dim} as the assistant's queries; map it to a layer "
+                             "with the target's head dim")
+
+
+def attention_shape(target_info: TargetInfo) -> AttentionShape:
+    """The target's head counts and head dim (its config), which Llama-style assistant layers mirror."""
     config = text_config(target_info)
     heads = int(config.get("num_attention_heads") or 0)
     if heads < 1:
         raise ValueError("drafter: the target config has no num_attention_heads; the assistant mirrors its heads")
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or target_info.hidden_size // heads)
-    for layer in kv_layers:
-        keys = target_layer_weight(target_info, layer, "self_attn.k_proj.weight")  # [H_kv * d, D]
-        if keys is not None and keys.shape[0] != kv_heads * head_dim:
-            raise ValueError(f"drafter.kv_layers: target layer {layer} caches keys of width {keys.shape[0]}, not "
-                             f"{kv_heads} heads x head dim {head_dim} as the assistant's queries; map it to a layer "
-                             "with the target's head dim")
-    qk_norm = target_layer_weight(target_info, kv_layers[0], "self_attn.q_norm.weight") is not None
+    qk_norm = any(name.endswith("self_attn.q_norm.weight") for name in target_info.weights)
     return AttentionShape(heads, kv_heads, head_dim, qk_norm)
 
 
@@ -148,10 +182,14 @@ class QueryOnlyAttention(nn.Module):
 
 
 class AssistantLayer(nn.Module):
-    """One pre-norm decoder layer whose attention is query-only over one target layer's K/V."""
+    """One pre-norm decoder layer whose attention is query-only over one target layer's K/V (full attention)."""
+
+    layer_type = "full_attention"
+    window = None  # no sliding window
 
     def __init__(self, width: int, intermediate: int, shape: AttentionShape, eps: float):
         super().__init__()
+        self.kv_shape = (shape.num_kv_heads, shape.head_dim)
         self.input_layernorm = RMSNorm(width, eps)
         self.self_attn = QueryOnlyAttention(width, shape, eps)
         self.post_attention_layernorm = RMSNorm(width, eps)
@@ -162,3 +200,39 @@ class AssistantLayer(nn.Module):
         """x [B, n, W] -> [B, n, W]; see QueryOnlyAttention for the others."""
         x = x + self.self_attn(self.input_layernorm(x), keys, values, mask, cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def gemma4_text_config(values: Mapping[str, Any]):
+    """transformers' Gemma4TextConfig of an assistant (every layer reuses K/V), attention through SDPA."""
+    from transformers import Gemma4TextConfig
+
+    values = dict(values)
+    values.pop("model_type", None)
+    config = Gemma4TextConfig(**values)
+    config._attn_implementation = "sdpa"
+    if config.num_kv_shared_layers != config.num_hidden_layers:
+        raise ValueError("drafter.gemma4_config: an assistant's layers must all share K/V (num_kv_shared_layers = "
+                         f"num_hidden_layers = {config.num_hidden_layers}, got {config.num_kv_shared_layers})")
+    return config
+
+
+class Gemma4Layer(nn.Module):
+    """Gemma 4's own decoder layer (transformers' Gemma4TextDecoderLayer, KV "reuse" mode: no K/V projections),
+    composed rather than copied, so an imported assistant computes what its checkpoint's model computes. Its queries
+    read the target's K/V through `shared_kv_states`, which a reuse layer only reads."""
+
+    def __init__(self, config, index: int):
+        super().__init__()
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4TextDecoderLayer
+
+        self.block = Gemma4TextDecoderLayer(config, index)
+        self.layer_type = config.layer_types[index]
+        self.window = config.sliding_window if self.layer_type == "sliding_attention" else None
+        per_layer = config.per_layer_config[index]
+        self.kv_shape = (int(per_layer.num_key_value_heads), int(per_layer.head_dim))
+
+    def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, n, W]; keys, values [B, H_kv, C, d] (read only); mask [B, 1, n, C] bool; cos, sin [B, n, d]."""
+        shared = {self.layer_type: (keys.to(x.dtype), values.to(x.dtype))}
+        return self.block(x, shared_kv_states=shared, position_embeddings=(cos, sin), attention_mask=mask)

@@ -34,11 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafters.assistant import export as assistant_export
 from drafters.assistant.layers import (
     AssistantConfig,
     AssistantLayer,
+    Gemma4Layer,
     attention_shape,
+    check_kv_shapes,
     embedding_scale,
+    gemma4_text_config,
     resolve_kv_layers,
     text_config,
 )
@@ -55,27 +59,44 @@ class AssistantDrafter(Drafter):
     kind = "assistant"
     row_state = ("_state",)  # per-row inference state (drafters/base.py keep_rows)
     Config = AssistantConfig
+    export_module = assistant_export  # Gemma 4's gemma4_assistant layout (save / load in drafters/base.py)
 
     def __init__(self, config: AssistantConfig, target_info: TargetInfo):
         super().__init__(config, target_info)
         if config.num_steps < 1:
             raise ValueError(f"drafter.num_steps must be >= 1, got {config.num_steps}")
         self.kv_layers = resolve_kv_layers(config, target_info)
-        self.shape = attention_shape(target_info, self.kv_layers)
         target = text_config(target_info)
-        width = int(config.hidden_size or target_info.hidden_size)
-        intermediate = int(config.intermediate_size or target.get("intermediate_size") or 4 * width)
         eps = target_info.rms_norm_eps
+        if config.gemma4_config is not None:  # Gemma 4's own layers and RoPE (an imported gemma4_assistant)
+            from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+            hf_config = gemma4_text_config(config.gemma4_config)
+            shapes = (hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.intermediate_size)
+            if shapes != (config.num_layers, config.hidden_size, config.intermediate_size):
+                raise ValueError(f"drafter.gemma4_config has (num_hidden_layers, hidden_size, intermediate_size) "
+                                 f"{shapes}, but drafter sets {(config.num_layers, config.hidden_size, config.intermediate_size)}")
+            width, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+            self.layers = nn.ModuleList(Gemma4Layer(hf_config, i) for i in range(config.num_layers))
+            rotary = Gemma4TextRotaryEmbedding(hf_config)
+            self._rope = lambda x, positions, kind: rotary(x, positions, kind)  # cos, sin [B, n, d]
+            self.gemma4_rotary = rotary
+        else:
+            self.shape = attention_shape(target_info)
+            width = int(config.hidden_size or target_info.hidden_size)
+            intermediate = int(config.intermediate_size or target.get("intermediate_size") or 4 * width)
+            self.layers = nn.ModuleList(AssistantLayer(width, intermediate, self.shape, eps)
+                                        for _ in range(config.num_layers))
+            rope_config = {**target, "hidden_size": target_info.hidden_size, "head_dim": self.shape.head_dim,
+                           "num_attention_heads": self.shape.num_heads, "rope_parameters": rope_parameters(target)}
+            rotary = RotaryEmbedding(*rope_inverse_frequencies(rope_config))
+            self._rope = lambda x, positions, kind: rotary(positions, x.dtype)  # cos, sin [B, 1, n, d]
+        check_kv_shapes(target_info, self.kv_layers, [layer.kv_shape for layer in self.layers])
         self.embed_scale = embedding_scale(config, target_info)
         self.pre_projection = nn.Linear(2 * target_info.hidden_size, width, bias=False)
-        self.layers = nn.ModuleList(AssistantLayer(width, intermediate, self.shape, eps)
-                                    for _ in range(config.num_layers))
         self.norm = RMSNorm(width, eps)
         self.lm_head = nn.Linear(width, target_info.vocab_size, bias=False)
         self.post_projection = nn.Linear(width, target_info.hidden_size, bias=False)
-        rope_config = {**target, "hidden_size": target_info.hidden_size, "head_dim": self.shape.head_dim,
-                       "num_attention_heads": self.shape.num_heads, "rope_parameters": rope_parameters(target)}
-        self.rotary = RotaryEmbedding(*rope_inverse_frequencies(rope_config))
         self._frozen = FrozenTargetTensors(target_info)
         self._state: dict[str, Any] = {}
         if not self.lm_head.weight.is_meta:
@@ -102,23 +123,32 @@ class AssistantDrafter(Drafter):
 
     # ---- one draft step over a block of query positions --------------------------------------------------------
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, query_positions: torch.Tensor,
-             kv: Mapping[int, tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+             kv: Mapping[int, tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
+             key_positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One step for n queries per row.
 
         Args:
             tokens: [B, n] the token each query reads; hidden: [B, n, D] the target's (or fed-back) hidden state.
             query_positions: [B, n] the positions the queries are rotated at.
             kv: {target layer: (keys, values) [B, H_kv, C, d]}, read only; mask: [B, 1, n, C] bool.
+            key_positions: [B, C] the position of each key (a sliding-window layer sees the keys with
+                query position - key position <= window + 1, as transformers' Gemma 4 assistant does).
         Returns:
             normed output d [B, n, W] (the lm_head's input) and h_next = post_projection(d) [B, n, D].
         """
         weight = self.lm_head.weight
         embeds = F.embedding(tokens, self._target_tensor("embed_weight")) * self.embed_scale
         x = self.pre_projection(torch.cat([embeds, hidden.to(weight.dtype)], dim=-1))
-        cos, sin = self.rotary(query_positions, weight.dtype)
+        rope = {kind: self._rope(x, query_positions, kind) for kind in {layer.layer_type for layer in self.layers}}
         for layer, target_layer in zip(self.layers, self.kv_layers):
             keys, values = kv[target_layer]
-            x = layer(x, keys, values, mask, cos, sin)
+            layer_mask = mask
+            if layer.window is not None:
+                # transformers' Gemma 4 assistant shows a query the last window + 1 keys (its flipped bidirectional
+                # window mask), one more than a target query sees; the imported weights were made for that
+                distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # [B, 1, n, C]
+                layer_mask = mask & (distance <= layer.window + 1)
+            x = layer(x, keys, values, layer_mask, *rope[layer.layer_type])
         normed = self.norm(x)
         return normed, self.post_projection(normed)
 
@@ -147,10 +177,11 @@ class AssistantDrafter(Drafter):
         mask = mask.unsqueeze(1)  # [B, 1, T, T]
         tokens = F.pad(input_ids, (0, steps + 1))  # step k at position i reads tokens[i + 1 + k]
         hidden = batch["target_last_hidden"]
+        key_positions = columns.expand(batch_size, seq_len)
         rows = []
         for k in range(steps):
             normed, hidden = self.step(tokens[:, k + 1 : k + 1 + seq_len], hidden, query_positions,
-                                       batch["target_kv"], mask)
+                                       batch["target_kv"], mask, key_positions)
             rows.append(normed[batch_index, position])
         logits = self.lm_head(torch.stack(rows, dim=1))  # [N, K, V]: only rows with a loss
         return DraftOutput(logits=logits, batch_index=batch_index, label_position=label_position,
@@ -184,12 +215,17 @@ class AssistantDrafter(Drafter):
     def _absorb(self, context: DraftContext, active: torch.Tensor) -> None:
         if context.final_hidden is None or context.target_kv is None or context.target_kv_valid is None:
             raise ValueError("assistant: the engine served no final_hidden / target_kv (FeatureRequest)")
-        for layer in self.kv_layers:
-            keys = context.target_kv[layer][0]
-            if keys.shape[1] != self.shape.num_kv_heads or keys.shape[3] != self.shape.head_dim:
-                raise ValueError(f"assistant: target layer {layer} caches {keys.shape[1]} KV heads of dim "
-                                 f"{keys.shape[3]}; the assistant was built for {self.shape.num_kv_heads} of dim "
-                                 f"{self.shape.head_dim}")
+        for layer, target_layer in zip(self.layers, self.kv_layers):
+            keys = context.target_kv[target_layer][0]
+            if keys.shape[2] != context.target_kv_valid.shape[1]:
+                raise ValueError(f"assistant: target layer {target_layer} holds {keys.shape[2]} cached tokens for "
+                                 f"{context.target_kv_valid.shape[1]} cache slots (a sliding-window cache dropped "
+                                 "the oldest); map drafter.kv_layers to full-attention layers or keep sequences "
+                                 "within the target's sliding window")
+            if (keys.shape[1], keys.shape[3]) != layer.kv_shape:
+                raise ValueError(f"assistant: target layer {target_layer} caches {keys.shape[1]} KV heads of dim "
+                                 f"{keys.shape[3]}; the assistant layer reading it expects (heads, dim) "
+                                 f"{layer.kv_shape}")
         columns = torch.arange(context.valid.shape[1], device=context.valid.device)
         last = torch.where(context.valid, columns, -1).amax(dim=1).clamp(min=0)  # [B] last valid position
         rows = torch.arange(last.shape[0], device=last.device)
@@ -212,11 +248,12 @@ class AssistantDrafter(Drafter):
         state = self._state
         kv_valid = state["kv_valid"]  # [B, L]
         query_positions = kv_valid.long().sum(dim=1, keepdim=True)  # [B, 1]
+        key_positions = kv_valid.long().cumsum(dim=1) - 1  # [B, L]; holes are masked anyway
         mask = kv_valid[:, None, None, :]  # [B, 1, 1, L]
         tokens, hidden = state["tokens"][:, None], state["hidden"][:, None]
         drafts, logits, probs = [], [], []
         for _ in range(num_tokens):
-            normed, hidden = self.step(tokens, hidden, query_positions, state["kv"], mask)
+            normed, hidden = self.step(tokens, hidden, query_positions, state["kv"], mask, key_positions)
             step_logits = self.lm_head(normed[:, 0])  # [B, V]
             draft, q = draw_drafts(step_logits, self.config.sample_drafts, state["generator"])
             tokens = draft[:, None]
