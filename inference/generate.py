@@ -323,9 +323,11 @@ def _emit(out: GenerateOutput, active, drafts, num_accepted, new_tokens, eos, ma
     """Append drafts[b, :num_accepted[b]] and new_tokens[b] to active rows, stopping at EOS or max_new_tokens.
     index[b]: the row of `out` that batch row b is (None: the same). Returns the new active mask [B]."""
     still = active.clone()
+    # One device-to-host copy per tensor per round (not one per row): each is a synchronisation on an accelerator.
+    accepted, emitted, drafted = num_accepted.tolist(), new_tokens.tolist(), drafts.tolist()
     for row in active.nonzero().flatten().tolist():
         tokens = out.tokens[row if index is None else index[row]]
-        for token in drafts[row, : int(num_accepted[row])].tolist() + [int(new_tokens[row])]:
+        for token in drafted[row][: accepted[row]] + [emitted[row]]:
             tokens.append(token)
             if token in eos or len(tokens) >= max_new_tokens:  # eos: a set of ids
                 still[row] = False
