@@ -28,7 +28,10 @@ N tokens a useless drafter costs about log2(max / min) + N / max explorations of
 Estimator: per row and position, discounted counts (each observation multiplies the old ones by `decay`, a window of
 about 1 / (1 - decay) rounds) with `prior_weight` pseudo-observations of a prior: `prior` at position 1, the estimate
 of position j - 1 at position j (a position never proposed is assumed as good as the one before it, so a drafter
-that keeps being accepted is tried one step deeper).
+that keeps being accepted is tried one step deeper). Successive generations with one AdaptiveK (the requests of one
+workload: `draftsmith eval` keeps one per drafter and batch size) carry the pooled counts of the previous one over to
+every new row, and the exploration interval with them, so only the first request pays for learning that a drafter
+is useless (measured: a fresh start per 32-token request proposed in 63 of 217 rounds with a random drafter).
 """
 
 from __future__ import annotations
@@ -107,17 +110,22 @@ class AdaptiveK:
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self.explore_after, self.max_explore_after = explore_after, max_explore_after
         self._seconds = costs.round_seconds()
-        self.start(1)
+        self._carried = torch.zeros(2, self.max_width, dtype=torch.float64)  # pooled (survived, offered) per position
+        self._interval = explore_after
+        self.survived = self.offered = torch.zeros(0, self.max_width, dtype=torch.float64)
 
     @property
     def max_width(self) -> int:
         return self.costs.max_width
 
     def start(self, batch: int) -> None:
-        """Forget every estimate: a new generation of `batch` rows."""
-        self.survived = torch.zeros(batch, self.max_width, dtype=torch.float64)
-        self.offered = torch.zeros_like(self.survived)
-        self._zero_streak, self._interval = 0, self.explore_after
+        """A new generation of `batch` rows: each starts from the counts pooled over the rows of the previous
+        generation (none for the first), so what was learnt about this drafter on this workload carries over."""
+        if len(self.survived):
+            self._carried = torch.stack([self.survived.mean(0), self.offered.mean(0)])
+        self.survived = self._carried[0].repeat(batch, 1)
+        self.offered = self._carried[1].repeat(batch, 1)
+        self._zero_streak = 0
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep the estimates of batch rows `rows` only (the engine dropped the others)."""

@@ -214,3 +214,18 @@ def test_widths_sweep_is_monotone_in_cost():
     widths = [best_width(gain, chain_costs(6, verify_slope=slope).round_seconds())
               for slope in (0.5, 0.2, 0.1, 0.05, 0.0)]
     assert widths == sorted(widths) and widths[-1] > widths[0]
+
+
+def test_a_second_generation_starts_from_what_the_first_learnt():
+    """One AdaptiveK over successive requests: after a request with a useless drafter, the next one starts at k = 0
+    (its rows inherit the pooled counts) instead of paying again for learning it."""
+    target = TargetModel(make_tiny_model("llama"))
+    useless = _draft_model(target, make_tiny_model("llama", seed=11, num_layers=1))
+    adaptive = AdaptiveK(chain_costs(6))
+    first = speculative_generate(target, useless, random_prompts(1, seed=3), num_draft_tokens=6, max_new_tokens=40,
+                                 eos_token_ids=[], adaptive=adaptive)
+    second = speculative_generate(target, useless, random_prompts(2, seed=4), num_draft_tokens=6, max_new_tokens=40,
+                                  eos_token_ids=[], adaptive=adaptive)
+    assert first.chosen[0][0] > 0  # the prior is optimistic
+    assert all(row[:4] == [0, 0, 0, 0] for row in second.chosen), second.chosen
+    assert sum(w > 0 for row in second.chosen for w in row) < sum(w > 0 for w in first.chosen[0])
