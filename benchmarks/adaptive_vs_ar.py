@@ -9,7 +9,8 @@ AR, then every drafter with adaptive k, back to back, so the ratio of one repeat
 on a shared machine whose load drifts over minutes this is far less noisy than comparing whole eval runs. Reported:
 per drafter, the median over repeats of (its decode tokens/s) / (the AR call's decode tokens/s of the same repeat),
 prefill excluded (both pay the same prefill; the drafter's `begin` is part of it), the widths it chose, and the
-profiled cost curves it chose them from.
+profiled cost curves it chose them from. One AdaptiveK per drafter serves all its calls, as in `draftsmith eval`
+(what the first request learns carries over).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main() -> None:
     drafters = {path: load_drafter(path, target.target_info()) for path in args.drafter}
     limits = {path: d.max_draft_tokens() or AUTO_MAX_DRAFT_TOKENS for path, d in drafters.items()}
     costs = {path: profile_costs(target, d, [prompt], limits[path]) for path, d in drafters.items()}
+    adaptive = {path: AdaptiveK(curves) for path, curves in costs.items()}  # one per drafter, as draftsmith eval
     rates = {path: [] for path in ["none"] + list(drafters)}
     chosen = {path: [0] * (limits[path] + 1) for path in drafters}
     speculative_generate(target, None, [prompt], num_draft_tokens=0, max_new_tokens=4)  # warm-up
@@ -60,7 +62,7 @@ def main() -> None:
         for path, drafter in drafters.items():
             out = speculative_generate(target, drafter, [prompt], num_draft_tokens=limits[path],
                                        max_new_tokens=args.max_new_tokens, eos_token_ids=[],
-                                       adaptive=AdaptiveK(costs[path]))
+                                       adaptive=adaptive[path])
             rates[path].append(decode_rate(out))
             for width in out.chosen[0]:
                 chosen[path][width] += 1
