@@ -72,10 +72,11 @@ class AssistantDrafter(Drafter):
             from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
             hf_config = gemma4_text_config(config.gemma4_config)
-            shapes = (hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.intermediate_size)
-            if shapes != (config.num_layers, config.hidden_size, config.intermediate_size):
+            theirs = (hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.intermediate_size)
+            ours = (config.num_layers, config.hidden_size, config.intermediate_size)
+            if theirs != ours:
                 raise ValueError(f"drafter.gemma4_config has (num_hidden_layers, hidden_size, intermediate_size) "
-                                 f"{shapes}, but drafter sets {(config.num_layers, config.hidden_size, config.intermediate_size)}")
+                                 f"{theirs}, but drafter sets {ours}")
             width, eps = hf_config.hidden_size, hf_config.rms_norm_eps
             self.layers = nn.ModuleList(Gemma4Layer(hf_config, i) for i in range(config.num_layers))
             rotary = Gemma4TextRotaryEmbedding(hf_config)
