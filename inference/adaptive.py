@@ -168,29 +168,35 @@ class AdaptiveK:
 
 
 def profile_costs(target, drafter, prompts: list[list[int]], max_draft_tokens: int, *, max_new_tokens: int = 8,
-                  repeats: int = 2) -> CostCurves:
-    """Measure d(W) and v(W) for W = 0..max_draft_tokens with the engine itself (fixed k runs over `prompts`, one
-    batch), taking per W the median over `repeats` runs of the seconds per round (after one untimed warm-up).
+                  repeats: int = 3) -> CostCurves:
+    """Measure d(W) and v(W) for W = 0..max_draft_tokens with the engine itself (fixed-W runs over `prompts`, one
+    batch): per W the median over `repeats` runs of the seconds per round, the widths taking turns within each
+    repeat (after one untimed warm-up pass) so that a drift of the machine's load hits every W alike.
 
     Running the real engine measures what a round really costs: the drafter's propose and catch-up commit (a chain
-    drafter's k steps, a block drafter's one forward) and the verify forward with its rollback, at this batch size.
+    drafter's W steps, a block drafter's one forward) and the verify forward with its rollback, at this batch size.
+    Both curves are then made non-decreasing in W (a running maximum): more drafts never cost less, and a noisy
+    v(1) < v(0) would otherwise make proposing look free, which is exactly what must never happen with a drafter
+    that is always rejected (measured under load: v(1) = 0.75 AR steps, and a random drafter proposed every round).
     """
     from inference.generate import speculative_generate  # generate.py runs AdaptiveK; this helper runs generate.py
 
     if max_draft_tokens < 1 or repeats < 1 or not prompts:
         raise ValueError(f"profile_costs: need max_draft_tokens >= 1, repeats >= 1 and prompts; got "
                          f"{max_draft_tokens}, {repeats}, {len(prompts)} prompts")
-    draft, verify = [], []
-    for width in range(max_draft_tokens + 1):
-        per_round = []
-        for attempt in range(repeats + 1):
+    widths = range(max_draft_tokens + 1)
+    per_round: dict[int, list[tuple[float, float]]] = {width: [] for width in widths}
+    for attempt in range(repeats + 1):
+        for width in widths:
             out = speculative_generate(target, drafter if width else None, prompts, num_draft_tokens=width,
                                        max_new_tokens=max_new_tokens, eos_token_ids=[])
             if attempt:
                 rounds = max(out.verify_forwards, 1)
-                per_round.append((out.time_draft / rounds, out.time_verify / rounds))
-        per_round.sort(key=lambda pair: pair[0] + pair[1])
-        d, v = per_round[len(per_round) // 2]
-        draft.append(d if width else 0.0)
-        verify.append(max(v, 1e-9))
+                per_round[width].append((out.time_draft / rounds, out.time_verify / rounds))
+    draft, verify = [], []
+    for width in widths:
+        d = sorted(pair[0] for pair in per_round[width])[repeats // 2] if width else 0.0
+        v = max(sorted(pair[1] for pair in per_round[width])[repeats // 2], 1e-9)
+        draft.append(max([d] + draft))
+        verify.append(max([v] + verify))
     return CostCurves(tuple(draft), tuple(verify))

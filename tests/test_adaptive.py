@@ -18,7 +18,7 @@ from conftest import make_tiny_model, random_prompts
 from test_contract import KINDS, NUM_DRAFTS, SAMPLING, build, exact_joint, tiny_target
 
 from drafters.draft_model import DraftModelConfig, DraftModelDrafter
-from inference.adaptive import AdaptiveK, CostCurves, best_width, expected_gain
+from inference.adaptive import AdaptiveK, CostCurves, best_width, expected_gain, profile_costs
 from inference.generate import speculative_generate
 from inference.target import TargetModel
 
@@ -229,3 +229,12 @@ def test_a_second_generation_starts_from_what_the_first_learnt():
     assert first.chosen[0][0] > 0  # the prior is optimistic
     assert all(row[:4] == [0, 0, 0, 0] for row in second.chosen), second.chosen
     assert sum(w > 0 for row in second.chosen for w in row) < sum(w > 0 for w in first.chosen[0])
+
+
+def test_profiled_costs_never_fall_with_the_width():
+    target = TargetModel(make_tiny_model("llama"))
+    drafter = _draft_model(target, make_tiny_model("llama", seed=1, num_layers=1))
+    costs = profile_costs(target, drafter, random_prompts(2, seed=5), 3, max_new_tokens=4, repeats=1)
+    assert costs.max_width == 3 and costs.draft_seconds[0] == 0.0
+    for curve in (costs.draft_seconds, costs.verify_seconds):
+        assert list(curve) == sorted(curve)
