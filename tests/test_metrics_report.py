@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from inference.generate import GenerateOutput
 from inference.metrics import (
@@ -173,3 +174,20 @@ def test_single_k_writes_no_speedup_plot(tmp_path):
     records = [record_for(spec_output(), ar_output())]
     written = write_report(records, str(tmp_path / "r.json"))
     assert [os.path.basename(path) for path in written] == ["r.json", "r.md", "r_acceptance_set.png"]
+
+
+def test_recommendation_and_prediction_are_the_argmax_over_synthetic_profiles():
+    """With a cost profile at every k, the recommended k is the argmax of the predicted speedup (k = 0 = 1.0), and a
+    useless drafter gets k = 0."""
+    from inference.metrics import predicted_speedup
+
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(100):
+        k_max = int(torch.randint(1, 9, (1,), generator=generator))
+        p = sorted(torch.rand(k_max, generator=generator).tolist(), reverse=True)
+        d = {k: 0.3 * float(torch.rand(1, generator=generator)) * k for k in range(1, k_max + 1)}
+        v = {k: 1.0 + 0.2 * k * float(torch.rand(1, generator=generator)) for k in range(1, k_max + 1)}
+        predictions = [1.0] + [predicted_speedup(p, d, v, k) for k in range(1, k_max + 1)]
+        best = recommend_num_draft_tokens(p, d, v)
+        assert predictions[best] == max(predictions)
+        assert recommend_num_draft_tokens([0.0] * k_max, d, v) == 0
