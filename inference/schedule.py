@@ -24,7 +24,7 @@ theory_and_metrics.md D.2-D.3.
   warning), since uncalibrated survivals are not probabilities to trade against seconds.
 - The verify cost is a curve: seconds of one target verify forward by the number of tokens it reads. Our engine
   pads every row to the longest proposal of the round, so a round with lengths l reads num_rows x (1 + max l)
-  tokens (finished rows included: they stay in the batch). `profile_verify_cost` measures it on this machine.
+  tokens (the rows still running: finished rows leave the batch). `profile_verify_cost` measures it on this machine.
 """
 
 from __future__ import annotations
