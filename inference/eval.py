@@ -34,7 +34,7 @@ from inference.adaptive import AdaptiveK, profile_costs
 from inference.generate import GenerateOutput, speculative_generate
 from inference.metrics import annotate_recommendations, build_record, merge_outputs
 from inference.prompts import load_questions, select_spread
-from inference.report import format_table, write_report
+from inference.report import format_table, read_appendable, write_report
 from inference.schedule import build_schedules, parse_schedule_specs
 from inference.target import TargetModel
 
@@ -343,26 +343,6 @@ def run_config(args, device) -> dict:
             "top_k": args.top_k, "seed": args.seed, "chat_template": not args.no_chat_template,
             "num_prompts": args.num_prompts, "categories": args.categories,
             "environment": environment(torch.device(device))}
-
-
-def read_appendable(path: str, config: dict) -> list[dict]:
-    """The records of the report at `path` when it was written with `config` (--append); ValueError naming the first
-    field that differs (or saying the file is not a report) otherwise. A missing file is an empty report."""
-    if not os.path.exists(path):
-        return []
-    try:
-        with open(path) as f:
-            report = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"--append: {path} is not a JSON report ({err})") from None
-    if not isinstance(report, dict) or not isinstance(report.get("records"), list) or "config" not in report:
-        raise ValueError(f"--append: {path} is not a draftsmith eval report with a recorded configuration; write a "
-                         "new --out instead")
-    for key, value in config.items():
-        if report["config"].get(key) != value:
-            raise ValueError(f"--append: {path} was written with {key} = {report['config'].get(key)!r}, this run has "
-                             f"{value!r}; write a new --out or run with the same configuration")
-    return report["records"]
 
 
 def _outputs_sink(handle):

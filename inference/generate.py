@@ -202,7 +202,8 @@ def speculative_generate(
         next_tokens = new_tokens
         if num_draft > 0:
             valid = (torch.arange(width + 1, device=device)[None, :] <= num_accepted[:, None]) & was_active[:, None]
-            positions = target.runner.lengths[:, None] - valid.long().sum(-1, keepdim=True) + torch.arange(width + 1, device=device)
+            offsets = torch.arange(width + 1, device=device)
+            positions = target.runner.lengths[:, None] - valid.long().sum(-1, keepdim=True) + offsets
             context = DraftContext(block, valid, positions, next_tokens=next_tokens, generator=draft_generator,
                                    temperature=temperature, **served)
             if round_k > 0:

@@ -267,7 +267,8 @@ def _costs_of(largest: dict, fixed: list[dict]) -> tuple[dict, dict, str]:
         widths = range(1, len(profile["v"]))
         return ({k: profile["d"][k] for k in widths}, {k: profile["v"][k] for k in widths},
                 f"d(k) and v(k) profiled on this machine at k=1..{len(profile['v']) - 1} (cost_profile)")
-    measured_records = [r for r in fixed if r["verify_cost_ratio"] is not None and r["draft_cost_per_round"] is not None]
+    measured_records = [r for r in fixed
+                        if r["verify_cost_ratio"] is not None and r["draft_cost_per_round"] is not None]
     d_of_k = {r["num_draft_tokens"]: r["draft_cost_per_round"] for r in measured_records}
     v_of_k = {r["num_draft_tokens"]: r["verify_cost_ratio"] for r in measured_records}
     measured = sorted(v_of_k)

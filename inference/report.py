@@ -142,7 +142,8 @@ def plot_load(records: list[dict], path: str) -> None:
     fig, axis = plt.subplots(figsize=(6.5, 4.2))
     series: dict[tuple, list[dict]] = {}
     for record in records:
-        series.setdefault((record["drafter"], str(record["num_draft_tokens"]), record["temperature"]), []).append(record)
+        key = (record["drafter"], str(record["num_draft_tokens"]), record["temperature"])
+        series.setdefault(key, []).append(record)
     for (drafter, k, temperature), group in sorted(series.items()):
         group = sorted(group, key=lambda record: record["batch_size"])
         sizes = [record["batch_size"] for record in group]
@@ -197,6 +198,26 @@ def write_report(records: list[dict], out_path: str, config: dict | None = None)
             plot_load(speculative, path)
             written.append(path)
     return written
+
+
+def read_appendable(path: str, config: dict) -> list[dict]:
+    """The records of the report at `path` when it was written with `config` (--append); ValueError naming the first
+    field that differs (or saying the file is not a report) otherwise. A missing file is an empty report."""
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--append: {path} is not a JSON report ({err})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("records"), list) or "config" not in report:
+        raise ValueError(f"--append: {path} is not a draftsmith eval report with a recorded configuration; write a "
+                         "new --out instead")
+    for key, value in config.items():
+        if report["config"].get(key) != value:
+            raise ValueError(f"--append: {path} was written with {key} = {report['config'].get(key)!r}, this run has "
+                             f"{value!r}; write a new --out or run with the same configuration")
+    return report["records"]
 
 
 def _baseline_points(baseline: list[dict], speculative: list[dict]) -> list[dict]:
