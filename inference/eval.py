@@ -9,7 +9,9 @@ size) runs once; then every drafter x k runs over the same prompts. `auto` (the 
 time (inference/adaptive.py) up to the drafter's longest proposal (AUTO_MAX_DRAFT_TOKENS for unbounded drafters),
 from cost curves profiled at start-up for every drafter and batch size; the same profile calibrates the predicted
 speedup of every k in the records. Questions are FastChat records; turn t+1 is asked after the
-model's own answer to turn t, so turns run index by index, batched within a category. Records (inference/metrics.py)
+model's own answer to turn t, so turns run index by index, batched within a category. `--tree-budget B,...` adds,
+per drafter, tree verification with B nodes per round (inference/tree_generate.py): its records are the drafter's
+name + "@tree", num_draft_tokens B - 1 (the chain of equal verify budget) and tree_budget B. Records (inference/metrics.py)
 cover every dataset x category (plus "all") x method, the baseline included as drafter "none", k = 0. The report
 (inference/report.py) is the JSON at --out, a Markdown table beside it (also printed) and PNG plots. Every input is
 checked before any generation starts.
@@ -37,6 +39,8 @@ from inference.prompts import load_questions, select_spread
 from inference.report import format_table, read_appendable, write_report
 from inference.schedule import build_schedules, parse_schedule_specs
 from inference.target import TargetModel
+from inference.tree import check_budget
+from inference.tree_generate import tree_speculative_generate
 
 WARMUP_TOKENS = 4
 AUTO_MAX_DRAFT_TOKENS = 8  # the widest round `auto` may choose for a drafter without a limit of its own
@@ -65,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", action="store_true", help="feed turns as plain text")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    parser.add_argument("--tree-budget", default=None,
+                        help="comma-separated tree budgets B (nodes verified per round, root included): each drafter "
+                             "is also run with draft trees of B nodes (EAGLE-2 for EAGLE-3, DDTree for the others)")
     parser.add_argument("--schedule", default="fixed",
                         help="comma-separated verification schedules for drafters with confidences (DSpark): fixed, "
                              "threshold:H (static threshold on calibrated prefix survival), scheduler (hardware-"
@@ -104,6 +111,12 @@ def validate(args: argparse.Namespace) -> None:
     args.prompts = _split(args.prompts)
     args.categories = _split(args.categories) if args.categories else None
     args.schedule = parse_schedule_specs(args.schedule)
+    args.tree_budget = _numbers(args.tree_budget, "--tree-budget", int) if args.tree_budget else []
+    for budget in args.tree_budget:
+        try:
+            check_budget(budget)
+        except ValueError as err:
+            raise ValueError(f"--tree-budget: {err}") from None
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", min(args.batch_size), 1),
                              ("--top-k", args.top_k, 0), ("--threads", args.threads, 1),
                              ("--num-prompts", args.num_prompts, 1)):
@@ -143,6 +156,7 @@ class Method:
     schedule: object = None  # inference/schedule.py; None = every proposal verified in full
     auto: bool = False  # k chosen per round (inference/adaptive.py); `adaptive` is set per batch size
     adaptive: AdaptiveK | None = None
+    tree_budget: int | None = None  # verify draft trees of this many nodes (num_draft_tokens = budget - 1)
 
     @property
     def label(self):
@@ -150,8 +164,17 @@ class Method:
         return "auto" if self.auto else self.num_draft_tokens
 
 
-def load_methods(names: list[str], target: TargetModel, ks: list) -> list[Method]:
-    """Load every drafter (errors name the drafter) and pair it with every k > 0 and auto; k = 0 is the baseline."""
+def generate(target, method: Method, prompts: list[list[int]], **options) -> GenerateOutput:
+    """One call of the engine for `method`: chain (fixed k, auto, scheduled) or tree verification."""
+    if method.tree_budget is not None:
+        return tree_speculative_generate(target, method.drafter, prompts, tree_budget=method.tree_budget, **options)
+    return speculative_generate(target, method.drafter, prompts, num_draft_tokens=method.num_draft_tokens,
+                                schedule=method.schedule, adaptive=method.adaptive, **options)
+
+
+def load_methods(names: list[str], target: TargetModel, ks: list, tree_budgets: list[int] = ()) -> list[Method]:
+    """Load every drafter (errors name the drafter) and pair it with every k > 0, auto and every tree budget > 1;
+    k = 0 is the baseline."""
     info = target.target_info()
     methods = []
     for name in names:
@@ -174,6 +197,8 @@ def load_methods(names: list[str], target: TargetModel, ks: list) -> list[Method
         auto = limit if limit is not None else AUTO_MAX_DRAFT_TOKENS
         methods += [Method(label, drafter, auto, auto=True) if k == "auto" else Method(label, drafter, k)
                     for k in ks if k != 0]
+        methods += [Method(f"{label}@tree", drafter, budget - 1, tree_budget=budget)
+                    for budget in tree_budgets if budget > 1]
     return methods
 
 
@@ -224,11 +249,9 @@ def run_methods(target, methods: list[Method], questions: list, args, temperatur
                 for method, result, history, sink in zip(methods, results, answers, sinks):
                     prompts = [render_prompt(target.tokenizer, questions[i].turns[: turn + 1], history[i],
                                              not args.no_chat_template) for i in batch]
-                    out = speculative_generate(
-                        target, method.drafter, prompts, num_draft_tokens=method.num_draft_tokens,
-                        max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed + calls, eos_token_ids=eos, schedule=method.schedule,
-                        adaptive=method.adaptive)
+                    out = generate(target, method, prompts, max_new_tokens=args.max_new_tokens,
+                                   temperature=temperature, top_p=args.top_p, top_k=args.top_k,
+                                   seed=args.seed + calls, eos_token_ids=eos)
                     result.by_category.setdefault(category, []).append(out)
                     for index, tokens in zip(batch, out.tokens):
                         text = target.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -264,6 +287,8 @@ def dataset_records(dataset: str, questions: list, runs: list[tuple[Method, RunR
             records.append(build_record(out, ar=ar_out, drafter_name=method.name, greedy_exact_match=match,
                                         max_draft_tokens=method.drafter.max_draft_tokens(), **common))
             records[-1]["cost_profile"] = profiles.get(id(method.drafter))
+            if method.tree_budget is not None:
+                records[-1]["tree_budget"] = method.tree_budget
     return records
 
 
@@ -293,8 +318,8 @@ def warm_up(target, methods: list[Method], questions: list, args) -> None:
     for method in [Method("none", None, 0)] + methods:
         if id(method.drafter) not in seen:
             seen.add(id(method.drafter))
-            speculative_generate(target, method.drafter, prompt, num_draft_tokens=method.num_draft_tokens,
-                                 max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens), eos_token_ids=eos)
+            generate(target, method, prompt, max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens),
+                     eos_token_ids=eos)
 
 
 def profile_drafters(target, methods: list[Method], questions: list, args, batch_size: int) -> dict:
@@ -303,7 +328,7 @@ def profile_drafters(target, methods: list[Method], questions: list, args, batch
     the curves in AR steps and seconds} for the records."""
     prompt = render_prompt(target.tokenizer, questions[0].turns[:1], [], not args.no_chat_template)
     widest: dict[int, tuple] = {}
-    for method in methods:
+    for method in (m for m in methods if m.tree_budget is None):  # trees need no chain profile
         previous = widest.get(id(method.drafter), (method.drafter, 0))[1]
         widest[id(method.drafter)] = (method.drafter, max(previous, method.num_draft_tokens))
     curves = {key: profile_costs(target, drafter, [prompt] * batch_size, width)
@@ -368,12 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         previous = read_appendable(args.out, config) if args.append else []  # checked before anything loads
         target = TargetModel.from_pretrained(args.target, dtype=torch.float32, device=device)
         check_chat_template(target.tokenizer, not args.no_chat_template, args.target)
-        methods = load_methods(args.drafter, target, args.num_draft_tokens)
-        if args.schedule != ["fixed"] and methods:
+        methods = load_methods(args.drafter, target, args.num_draft_tokens, args.tree_budget)
+        chains = [m for m in methods if m.tree_budget is None]  # schedules cut chains; trees ignore them
+        if args.schedule != ["fixed"] and chains:
             schedules = build_schedules(args.schedule, target, max(args.batch_size),
-                                        max(m.num_draft_tokens for m in methods))
+                                        max(m.num_draft_tokens for m in chains))
             methods = [Method(m.name if s is None else f"{m.name}@{name}", m.drafter, m.num_draft_tokens, s, m.auto)
-                       for m in methods for name, s in schedules]
+                       for m in chains for name, s in schedules] + [m for m in methods if m.tree_budget is not None]
     except (ValueError, OSError) as err:
         print(f"draftsmith eval: error: {err}", file=sys.stderr)
         return 2

@@ -240,7 +240,7 @@ def annotate_recommendations(records: list[dict]) -> None:
     """
     groups: dict[tuple, list[dict]] = {}
     for record in records:
-        if record["num_draft_tokens"] != 0:
+        if record["num_draft_tokens"] != 0 and record.get("tree_budget") is None:  # the k recommended is a chain's
             key = tuple(record[name] for name in ("dataset", "category", "drafter", "temperature", "batch_size"))
             groups.setdefault(key, []).append(record)
     for group in groups.values():

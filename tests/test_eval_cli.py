@@ -185,3 +185,29 @@ def test_append_refuses_a_report_of_another_configuration(dirs, tmp_path, capsys
     rc = run_eval(dirs, tmp_path, "--num-prompts", "1", "--num-draft-tokens", "2", "--append", "--seed", "5")
     err = capsys.readouterr().err
     assert rc == 2 and "--append" in err and "seed" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_tree_budgets_run_beside_chains_and_a_budget_below_one_is_refused(dirs, tmp_path, capsys):
+    """--tree-budget adds a "<drafter>@tree" method per budget (DDTree for a DFlash block drafter): greedy output
+    unchanged, records carry tree_budget and the chain k of equal verify budget, and no chain recommendation."""
+    from drafters.dflash import DFlashDrafter
+    from drafters.dflash.layers import DFlashConfig
+    from inference.target import TargetModel
+
+    info = TargetModel.from_pretrained(str(dirs / "target")).target_info()
+    config = DFlashConfig(layer_ids=(0, 1), num_layers=1, block_size=4, num_anchors=8,
+                          mask_token_id=info.vocab_size - 1, allow_text_mask_token=True)
+    DFlashDrafter(config, info).save(str(tmp_path / "dflash"), "native")
+    rc = run_eval(dirs, tmp_path, "--num-prompts", "2", "--num-draft-tokens", "2", "--tree-budget", "1,3,6",
+                  drafter=str(tmp_path / "dflash"))
+    assert rc == 0
+    records = [r for r in json.loads((tmp_path / "report.json").read_text())["records"] if r["category"] == "all"]
+    trees = {r["tree_budget"]: r for r in records if r.get("tree_budget") is not None}
+    assert sorted(trees) == [3, 6]  # budget 1 is plain autoregression: the baseline already runs it
+    for budget, record in trees.items():
+        assert record["drafter"].endswith("@tree") and record["num_draft_tokens"] == budget - 1
+        assert record["greedy_exact_match"] == 1.0 and record["recommended_num_draft_tokens"] is None
+    capsys.readouterr()
+    assert run_eval(dirs, tmp_path, "--tree-budget", "4,0", drafter=str(tmp_path / "dflash")) == 2
+    err = capsys.readouterr().err
+    assert "--tree-budget" in err and ">= 1" in err and len(err.strip().splitlines()) == 1, err
