@@ -24,6 +24,8 @@ def bad_inputs(tmp_path) -> list[tuple[list[str], str]]:
     """(argv, the start of the one error line it must get)."""
     (tmp_path / "broken.yaml").write_text("target: [\n")
     (tmp_path / "empty").mkdir()
+    step = tmp_path / "run" / "checkpoints" / "step_3"
+    step.mkdir(parents=True)
     missing = str(tmp_path / "nosuch")
     return [
         (["train", RECIPE, "nosuch.key=1"], "draftsmith train: error: unknown config key(s) nosuch; allowed: ["),
@@ -44,6 +46,9 @@ def bad_inputs(tmp_path) -> list[tuple[list[str], str]]:
          "draftsmith estimate: error: train.batch_size: expected int, got 'abc'"),
         (["export", str(tmp_path / "empty"), "--format", "native", "--out", str(tmp_path / "out")],
          f"draftsmith export: error: {tmp_path / 'empty'}: not a drafter checkpoint (no config.json)"),
+        (["export", str(step), "--format", "native", "--out", str(tmp_path / "out")],
+         f"draftsmith export: error: {step}: not a drafter checkpoint (no config.json); it is a training checkpoint "
+         f"(resume state): export the run's {tmp_path / 'run' / 'final'} instead"),
         (["doctor", missing, "--target", "debug:tiny-llama"],
          f"draftsmith doctor: error: {missing}: not a drafter or model directory (no config.json)"),
         (["calibrate", missing, "--target", "debug:tiny-llama", "--prompts", "mt_bench", "--out", str(tmp_path / "c")],

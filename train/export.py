@@ -35,11 +35,21 @@ def formats_by_kind() -> str:
     return "; ".join(f"{kind}: {', '.join(cls.formats())}" for kind, cls in DRAFTERS.items() if len(cls.formats()) > 1)
 
 
+def not_a_drafter(directory: str, why: str) -> ValueError:
+    """The error for a directory that holds no drafter; a training checkpoint (resume state) points at final/."""
+    parent = os.path.dirname(os.path.abspath(directory))
+    hint = ""
+    if os.path.basename(parent) == "checkpoints":
+        hint = (f"; it is a training checkpoint (resume state): export the run's "
+                f"{os.path.join(os.path.dirname(parent), 'final')} instead")
+    return ValueError(f"{directory}: not a drafter checkpoint ({why}){hint}")
+
+
 def checkpoint_target(directory: str) -> str | None:
     """The target a checkpoint names: the native header's target, or a speculators verifier."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f"{directory}: not a drafter checkpoint (no config.json)")
+        raise not_a_drafter(directory, "no config.json")
     with open(path) as f:
         config = json.load(f)
     target = config.get("target", {}).get("name_or_path")
@@ -66,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             info = dataclasses.replace(info, name_or_path=args.verifier_name)
         drafter = load_drafter(args.checkpoint, info)
         if drafter is None:
-            raise ValueError(f"{args.checkpoint} is not a drafter checkpoint")
+            raise not_a_drafter(args.checkpoint, "an HF model directory or a name, not a trained drafter")
         with replace_directory(args.out) as tmp_dir:  # a refused format leaves an existing --out untouched
             drafter.save(tmp_dir, args.format)
     except ValueError as err:
