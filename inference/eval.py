@@ -6,7 +6,7 @@
 
 For each prompt set, temperature and batch size, the plain autoregressive baseline (k = 0, the same engine and batch
 size) runs once; then every drafter x k runs over the same prompts. `auto` (the default) chooses k per round at run
-time (inference/adaptive.py) up to the drafter's longest proposal (AUTO_MAX_DRAFT_TOKENS for unbounded drafters),
+time (inference/adaptive.py) up to the drafter's longest proposal (inference/methods.AUTO_MAX_DRAFT_TOKENS for unbounded drafters),
 from cost curves profiled at start-up for every drafter and batch size; the same profile calibrates the predicted
 speedup of every k in the records. Questions are FastChat records; turn t+1 is asked after the
 model's own answer to turn t, so turns run index by index, batched within a category. `--tree-budget B,...` adds,
@@ -31,19 +31,17 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from drafters import Drafter, load_drafter
 from inference.adaptive import AdaptiveK, profile_costs
-from inference.generate import GenerateOutput, speculative_generate
+from inference.generate import GenerateOutput
+from inference.methods import Method, generate, load_methods
 from inference.metrics import annotate_recommendations, build_record, merge_outputs
 from inference.prompts import load_questions, select_spread
 from inference.report import format_table, read_appendable, write_report
 from inference.schedule import build_schedules, parse_schedule_specs
 from inference.target import TargetModel
 from inference.tree import check_budget
-from inference.tree_generate import tree_speculative_generate
 
 WARMUP_TOKENS = 4
-AUTO_MAX_DRAFT_TOKENS = 8  # the widest round `auto` may choose for a drafter without a limit of its own
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,62 +142,6 @@ def environment(device: torch.device) -> dict:
     if device.type != "cpu" and hasattr(backend, "get_device_name"):
         env["accelerator"] = backend.get_device_name(device)
     return env
-
-
-@dataclass
-class Method:
-    """One thing to evaluate: a drafter (None = plain AR) at one k, or at run-time k up to num_draft_tokens."""
-
-    name: str
-    drafter: Drafter | None
-    num_draft_tokens: int
-    schedule: object = None  # inference/schedule.py; None = every proposal verified in full
-    auto: bool = False  # k chosen per round (inference/adaptive.py); `adaptive` is set per batch size
-    adaptive: AdaptiveK | None = None
-    tree_budget: int | None = None  # verify draft trees of this many nodes (num_draft_tokens = budget - 1)
-
-    @property
-    def label(self):
-        """The record's num_draft_tokens: k, or "auto"."""
-        return "auto" if self.auto else self.num_draft_tokens
-
-
-def generate(target, method: Method, prompts: list[list[int]], **options) -> GenerateOutput:
-    """One call of the engine for `method`: chain (fixed k, auto, scheduled) or tree verification."""
-    if method.tree_budget is not None:
-        return tree_speculative_generate(target, method.drafter, prompts, tree_budget=method.tree_budget, **options)
-    return speculative_generate(target, method.drafter, prompts, num_draft_tokens=method.num_draft_tokens,
-                                schedule=method.schedule, adaptive=method.adaptive, **options)
-
-
-def load_methods(names: list[str], target: TargetModel, ks: list, tree_budgets: list[int] = ()) -> list[Method]:
-    """Load every drafter (errors name the drafter) and pair it with every k > 0, auto and every tree budget > 1;
-    k = 0 is the baseline."""
-    info = target.target_info()
-    methods = []
-    for name in names:
-        try:
-            drafter = load_drafter(name, info)
-        except (ValueError, OSError) as err:
-            raise ValueError(f"--drafter {name!r}: {err}") from None
-        if drafter is None:
-            continue
-        try:  # what the drafter reads (layer ids, KV layers, top-k) must exist in this target
-            target.check_request(drafter.feature_request())
-        except ValueError as err:
-            raise ValueError(f"--drafter {name!r}: {err}") from None
-        limit = drafter.max_draft_tokens()
-        too_long = [k for k in ks if k != "auto" and limit is not None and k > limit]
-        if too_long:
-            raise ValueError(f"--num-draft-tokens {','.join(map(str, too_long))}: drafter {name!r} ({drafter.kind}) "
-                             f"proposes at most {limit} tokens per round; allowed values: 0..{limit}")
-        label = name if name == "ngram" else f"{drafter.kind}:{os.path.basename(os.path.normpath(name))}"
-        auto = limit if limit is not None else AUTO_MAX_DRAFT_TOKENS
-        methods += [Method(label, drafter, auto, auto=True) if k == "auto" else Method(label, drafter, k)
-                    for k in ks if k != 0]
-        methods += [Method(f"{label}@tree", drafter, budget - 1, tree_budget=budget)
-                    for budget in tree_budgets if budget > 1]
-    return methods
 
 
 def check_chat_template(tokenizer, use_chat_template: bool, target_name: str) -> None:

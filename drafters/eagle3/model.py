@@ -38,6 +38,7 @@ from drafters.eagle3.layers import (
     fold_fc_columns,
     resolve_layer_ids,
 )
+from drafters.eagle3.tree import DraftTree
 from drafters.layers import (
     FrozenTargetTensors,
     KVCache,
@@ -310,11 +311,9 @@ class Eagle3Drafter(Drafter):
     @torch.no_grad()
     def expand_tree(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         """Feed tree nodes (drafters/base.Drafter.expand_tree): node m reads (its token, the pre-norm output of its
-        parent) at position root + depth, and attends to the committed cache, its fed ancestors and itself.
-
-        The root's output is the committed state, so the round's first call runs nothing. Fed node i >= 1 sits
-        in cache column base + i - 1 (base = each row's committed length), so an ancestor set over node ids maps
-        to columns by an offset. Args: tokens, parents [B, M]. Returns: log-probabilities [B, M, V].
+        parent) at position root + depth, and attends to the committed cache, its fed ancestors and itself
+        (drafters/eagle3/tree.py keeps the round's nodes). The root's output is the committed state, so the round's
+        first call runs nothing. Args: tokens, parents [B, M]. Returns: log-probabilities [B, M, V].
         """
         if not self._state:
             raise ValueError("expand_tree() called before begin()")
@@ -322,39 +321,18 @@ class Eagle3Drafter(Drafter):
         if bool((parents < 0).all()):  # the root
             for cache in self._caches:
                 cache.rewind()
-            batch = tokens.shape[0]
-            self._tree = {"hidden": self._state["hidden"][:, None], "base": self._caches[0].lengths.clone(),
-                          "depth": torch.zeros(batch, 1, dtype=torch.long, device=tokens.device),
-                          "ancestors": torch.ones(batch, 1, 1, dtype=torch.bool, device=tokens.device)}
+            self._tree = DraftTree.root(self._state["hidden"], self._caches[0].lengths)
             return full_vocab_log_probs(self._state["logits"][:, None], self.draft_ids(), vocab_size)
-        tree, (batch, num_new) = self._tree, tokens.shape
-        rows = torch.arange(batch, device=tokens.device)[:, None]
-        num_fed = tree["hidden"].shape[1]
-        own = torch.eye(num_new, dtype=torch.bool, device=tokens.device).expand(batch, num_new, num_new)
-        ancestors = torch.cat([tree["ancestors"][rows, parents], own], dim=-1)  # [B, M, num_fed + M] over node ids
-        tree["ancestors"] = torch.cat([F.pad(tree["ancestors"], (0, num_new)), ancestors], dim=1)
-        depth = tree["depth"][rows, parents] + 1  # [B, M]
-        tree["depth"] = torch.cat([tree["depth"], depth], dim=1)
+        tree = self._tree
+        parent_hidden = tree.parent_hidden(parents)
+        ancestors, depth = tree.add(parents)
+        mask = tree.cache_mask(ancestors, self._caches[0].valid)
         embeds = F.embedding(tokens, self._target_tensor("embed_weight"))
         positions = self._state["position"][:, None] + depth
-        mask = self._tree_mask(ancestors, tree["base"], num_fed)
         valid = torch.ones_like(tokens, dtype=torch.bool)
-        hidden = self._cached_layers(embeds, tree["hidden"][rows, parents], positions, valid, mask)
-        tree["hidden"] = torch.cat([tree["hidden"], hidden], dim=1)
+        hidden = self._cached_layers(embeds, parent_hidden, positions, valid, mask)
+        tree.append_hidden(hidden)
         return full_vocab_log_probs(self.lm_head(self.norm(hidden)), self.draft_ids(), vocab_size)
-
-    def _tree_mask(self, ancestors: torch.Tensor, base: torch.Tensor, num_fed: int) -> torch.Tensor:
-        """ancestors [B, M, num_fed + M] over node ids -> mask [B, 1, M, C] over cache columns: the row's committed
-        valid columns (< base) plus the columns of its ancestors (node i >= 1 at column base + i - 1)."""
-        num_new = ancestors.shape[1]
-        used = int(base.max()) + num_fed - 1 + num_new
-        columns = torch.arange(used, device=base.device)[None, :]
-        committed = F.pad(self._caches[0].valid[:, : int(base.max())], (0, used - int(base.max())))
-        committed = committed & (columns < base[:, None])  # [B, C]
-        node = columns - base[:, None] + 1  # [B, C] node id held by each column (>= 1 for tree columns)
-        in_tree = (node >= 1) & (node < num_fed + num_new)
-        index = node.clamp(0, num_fed + num_new - 1)[:, None, :].expand(-1, num_new, -1)
-        return (committed[:, None, :] | (ancestors.gather(-1, index) & in_tree[:, None, :]))[:, None]
 
     @torch.no_grad()
     def propose(self, num_tokens: int) -> Proposal:

@@ -1,0 +1,72 @@
+"""What `draftsmith eval` runs: a Method is one drafter at one proposal rule (fixed k, `auto`, a verification
+schedule or a draft tree of B nodes), and `generate` is the one engine call every method goes through, so the eval
+loop, its warm-up and anything else that runs methods never branch on how a method verifies."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from drafters import Drafter, load_drafter
+from inference.adaptive import AdaptiveK
+from inference.generate import GenerateOutput, speculative_generate
+from inference.target import TargetModel
+from inference.tree_generate import tree_speculative_generate
+
+AUTO_MAX_DRAFT_TOKENS = 8  # the widest round `auto` may choose for a drafter without a limit of its own
+
+
+@dataclass
+class Method:
+    """One thing to evaluate: a drafter (None = plain AR) at one k, or at run-time k up to num_draft_tokens."""
+
+    name: str
+    drafter: Drafter | None
+    num_draft_tokens: int
+    schedule: object = None  # inference/schedule.py; None = every proposal verified in full
+    auto: bool = False  # k chosen per round (inference/adaptive.py); `adaptive` is set per batch size
+    adaptive: AdaptiveK | None = None
+    tree_budget: int | None = None  # verify draft trees of this many nodes (num_draft_tokens = budget - 1)
+
+    @property
+    def label(self):
+        """The record's num_draft_tokens: k, or "auto"."""
+        return "auto" if self.auto else self.num_draft_tokens
+
+
+def generate(target, method: Method, prompts: list[list[int]], **options) -> GenerateOutput:
+    """One call of the engine for `method`: chain (fixed k, auto, scheduled) or tree verification."""
+    if method.tree_budget is not None:
+        return tree_speculative_generate(target, method.drafter, prompts, tree_budget=method.tree_budget, **options)
+    return speculative_generate(target, method.drafter, prompts, num_draft_tokens=method.num_draft_tokens,
+                                schedule=method.schedule, adaptive=method.adaptive, **options)
+
+
+def load_methods(names: list[str], target: TargetModel, ks: list, tree_budgets: list[int] = ()) -> list[Method]:
+    """Load every drafter (errors name the drafter) and pair it with every k > 0, auto and every tree budget > 1;
+    k = 0 is the baseline."""
+    info = target.target_info()
+    methods = []
+    for name in names:
+        try:
+            drafter = load_drafter(name, info)
+        except (ValueError, OSError) as err:
+            raise ValueError(f"--drafter {name!r}: {err}") from None
+        if drafter is None:
+            continue
+        try:  # what the drafter reads (layer ids, KV layers, top-k) must exist in this target
+            target.check_request(drafter.feature_request())
+        except ValueError as err:
+            raise ValueError(f"--drafter {name!r}: {err}") from None
+        limit = drafter.max_draft_tokens()
+        too_long = [k for k in ks if k != "auto" and limit is not None and k > limit]
+        if too_long:
+            raise ValueError(f"--num-draft-tokens {','.join(map(str, too_long))}: drafter {name!r} ({drafter.kind}) "
+                             f"proposes at most {limit} tokens per round; allowed values: 0..{limit}")
+        label = name if name == "ngram" else f"{drafter.kind}:{os.path.basename(os.path.normpath(name))}"
+        auto = limit if limit is not None else AUTO_MAX_DRAFT_TOKENS
+        methods += [Method(label, drafter, auto, auto=True) if k == "auto" else Method(label, drafter, k)
+                    for k in ks if k != 0]
+        methods += [Method(f"{label}@tree", drafter, budget - 1, tree_budget=budget)
+                    for budget in tree_budgets if budget > 1]
+    return methods
