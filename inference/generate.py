@@ -122,10 +122,6 @@ def speculative_generate(
                          f"{num_draft_tokens}")
     num_draft = num_draft_tokens if drafter is not None else 0
     device = target.device
-    info_eos = eos_token_ids if eos_token_ids is not None else target.target_info().eos_token_ids
-    eos = {int(e) for e in info_eos}
-    generator = torch.Generator(device=device).manual_seed(seed)
-    draft_generator = torch.Generator(device=device).manual_seed(seed + 1_000_003)  # an independent stream
     request = drafter.feature_request() if num_draft > 0 else FeatureRequest()
     clock = _Clock(device)
     start = time.perf_counter()
@@ -133,11 +129,9 @@ def speculative_generate(
     def pick(logits):  # the target's own sampling rule, also used for the k = 0 path
         return sampling_probs(logits, temperature, top_k, top_p)
 
-    pad_id = min(eos) if eos else 0
-    input_ids, attention_mask = left_pad(prompts, pad_id)
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    logits, served = clock.run("prefill", target.prefill, input_ids, attention_mask, request)
-    next_tokens = _sample(pick(logits[:, -1]), temperature, generator)
+    eos, generator, draft_generator = _eos_ids(target, eos_token_ids), *_generators(device, seed)
+    first = _prefill(target, prompts, request, clock, pick, temperature, generator, eos)
+    next_tokens = first.next_tokens
     batch = len(prompts)
     out = GenerateOutput([[] for _ in range(batch)], [[] for _ in range(batch)], [[] for _ in range(batch)], num_draft,
                          adaptive=adaptive is not None and num_draft > 0)
@@ -150,9 +144,7 @@ def speculative_generate(
     out.row_seconds = [0.0] * batch
     _stamp_finished(out, torch.ones_like(active), active, start)
     if num_draft > 0:
-        context = DraftContext(input_ids, attention_mask.bool(), _positions(attention_mask),
-                               next_tokens=next_tokens, generator=draft_generator, temperature=temperature, **served)
-        clock.run("prefill", drafter.begin, context)
+        clock.run("prefill", drafter.begin, first.context(draft_generator, temperature))
         if out.adaptive:
             adaptive.start(batch)
     deferred = _Deferred()
@@ -283,6 +275,43 @@ class _Deferred:
             target_kv=last.target_kv, target_kv_valid=last.target_kv_valid, temperature=last.temperature,
         )
         return (valid.long().sum(-1) - 1).clamp(min=0), merged
+
+
+def _eos_ids(target, eos_token_ids) -> set[int]:
+    """The ids that end a row: the caller's, else the target's."""
+    return {int(e) for e in (eos_token_ids if eos_token_ids is not None else target.target_info().eos_token_ids)}
+
+
+def _generators(device, seed: int) -> tuple[torch.Generator, torch.Generator]:
+    """The target's sampling stream and the drafter's, independent of each other, both from one seed."""
+    return (torch.Generator(device=device).manual_seed(seed),
+            torch.Generator(device=device).manual_seed(seed + 1_000_003))
+
+
+@dataclass
+class _Prefilled:
+    """What the prefill of a generation leaves for the loop: the left-padded prompts input_ids, attention_mask
+    [B, S], the features the target served for them and the first token of every row next_tokens [B]."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    served: dict
+    next_tokens: torch.Tensor
+
+    def context(self, draft_generator, temperature: float) -> DraftContext:
+        """The drafter's `begin` context: the prompts, their positions and features, and the first token."""
+        return DraftContext(self.input_ids, self.attention_mask.bool(), _positions(self.attention_mask),
+                            next_tokens=self.next_tokens, generator=draft_generator, temperature=temperature,
+                            **self.served)
+
+
+def _prefill(target, prompts, request, clock, pick, temperature, generator, eos) -> _Prefilled:
+    """Left-pad the prompts (with an EOS id), run the target's prefill under the clock and sample each row's first
+    token with the target's own rule `pick`. Every engine loop (chain and tree) starts here."""
+    input_ids, attention_mask = left_pad(prompts, min(eos) if eos else 0)
+    input_ids, attention_mask = input_ids.to(target.device), attention_mask.to(target.device)
+    logits, served = clock.run("prefill", target.prefill, input_ids, attention_mask, request)
+    return _Prefilled(input_ids, attention_mask, served, _sample(pick(logits[:, -1]), temperature, generator))
 
 
 def _verify_block(target, block, drafts, draft_probs, num_valid, request, pick, temperature, generator, active):

@@ -25,7 +25,7 @@ import time
 import torch
 
 from drafters.base import DraftContext, Drafter, FeatureRequest
-from inference.generate import GenerateOutput, _Clock, _emit, _positions, _sample, left_pad
+from inference.generate import GenerateOutput, _Clock, _emit, _eos_ids, _generators, _prefill
 from inference.tree import DraftTree, chain_tree, check_budget, ddtree, dynamic_tree
 from inference.tree_target import keep_path, path_features, tree_extend
 from inference.tree_verify import greedy_tree_verify, sample_tree_verify
@@ -67,9 +67,6 @@ def tree_speculative_generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     drafter = drafter if tree_budget > 1 else None
     device = target.device
-    eos = {int(e) for e in (eos_token_ids if eos_token_ids is not None else target.target_info().eos_token_ids)}
-    generator = torch.Generator(device=device).manual_seed(seed)
-    draft_generator = torch.Generator(device=device).manual_seed(seed + 1_000_003)  # as speculative_generate
     request = drafter.feature_request() if drafter is not None else FeatureRequest()
     clock = _Clock(device)
     start = time.perf_counter()
@@ -77,10 +74,9 @@ def tree_speculative_generate(
     def pick(logits):
         return sampling_probs(logits, temperature, top_k, top_p)
 
-    input_ids, attention_mask = left_pad(prompts, min(eos) if eos else 0)
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    logits, served = clock.run("prefill", target.prefill, input_ids, attention_mask, request)
-    next_tokens = _sample(pick(logits[:, -1]), temperature, generator)
+    eos, generator, draft_generator = _eos_ids(target, eos_token_ids), *_generators(device, seed)
+    first = _prefill(target, prompts, request, clock, pick, temperature, generator, eos)
+    next_tokens = first.next_tokens
     batch = len(prompts)
     out = GenerateOutput([[] for _ in range(batch)], [[] for _ in range(batch)], [[] for _ in range(batch)],
                          tree_budget - 1, target_forwards=1)
@@ -89,9 +85,7 @@ def tree_speculative_generate(
     active = _emit(out, active, next_tokens.new_zeros((batch, 0)), torch.zeros_like(next_tokens), next_tokens, eos,
                    max_new_tokens)
     if drafter is not None:
-        context = DraftContext(input_ids, attention_mask.bool(), _positions(attention_mask), next_tokens=next_tokens,
-                               generator=draft_generator, temperature=temperature, **served)
-        clock.run("prefill", drafter.begin, context)
+        clock.run("prefill", drafter.begin, first.context(draft_generator, temperature))
 
     while bool(active.any()):
         tree = clock.run("draft", grow_tree, drafter, next_tokens, tree_budget, tree_top_k)
