@@ -22,11 +22,11 @@ import statistics
 import torch
 
 from drafters import load_drafter
-from inference.adaptive import AdaptiveK, profile_costs
-from inference.eval import AUTO_MAX_DRAFT_TOKENS, environment, render_prompt
-from inference.generate import speculative_generate
-from inference.prompts import load_questions
-from inference.target import TargetModel
+from inference.engine.adaptive import AdaptiveK, profile_costs
+from inference.evaluation.eval import AUTO_MAX_DRAFT_TOKENS, environment, render_prompt
+from inference.engine.generate import speculative_generate
+from inference.evaluation.prompts import load_questions
+from inference.engine.target import TargetModel
 
 
 def decode_rate(out) -> float:

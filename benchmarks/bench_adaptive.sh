@@ -3,7 +3,7 @@
 # the broken-drafter check and the engine's overhead (issue 10; docs/benchmarks.md section 9). Run from a detached
 # worktree of the measured commit with RUNS pointing at the checkpoints:
 #   RUNS=/work/main/runs/bench OMP_NUM_THREADS=1 bash benchmarks/bench_adaptive.sh
-# Each eval interleaves its methods batch by batch (inference/eval.py); each drafter has its own run (and AR
+# Each eval interleaves its methods batch by batch (inference/evaluation/eval.py); each drafter has its own run (and AR
 # baseline) so the runs can go in parallel, and MTP-1 / Medusa-3 get the k they support. Sizes are small because the
 # 2 CPU cores were shared by about 15 processes when this ran (a SmolLM2 step took 1-1.6 s instead of 0.1 s).
 set -euo pipefail

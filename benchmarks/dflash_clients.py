@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import test_dflash_export as parity  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from inference.target import TargetModel  # noqa: E402
+from inference.engine.target import TargetModel  # noqa: E402
 
 VOCAB = 1024
 MASK = VOCAB - 1

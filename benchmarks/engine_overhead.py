@@ -25,10 +25,10 @@ import torch
 from transformers import DynamicCache
 
 from drafters.base import FeatureRequest
-from inference.eval import environment
-from inference.generate import _verify_block
-from inference.target import TargetModel, synchronize
-from inference.verify import sampling_probs
+from inference.evaluation.eval import environment
+from inference.engine.generate import _verify_block
+from inference.engine.target import TargetModel, synchronize
+from inference.engine.verify import sampling_probs
 
 
 def timed(device, fn) -> float:

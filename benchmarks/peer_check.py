@@ -109,11 +109,11 @@ def serve(args) -> list[dict]:
     import torch
 
     from drafters import load_drafter
-    from inference.eval import render_prompt
-    from inference.generate import speculative_generate
-    from inference.metrics import acceptance_counts
-    from inference.prompts import load_questions
-    from inference.target import TargetModel
+    from inference.evaluation.eval import render_prompt
+    from inference.engine.generate import speculative_generate
+    from inference.evaluation.metrics import acceptance_counts
+    from inference.evaluation.prompts import load_questions
+    from inference.engine.target import TargetModel
 
     target = TargetModel.from_pretrained(args.target, dtype=torch.float32)
     drafter = load_drafter(args.drafter, target.target_info()).eval()  # name_or_path: the local target directory

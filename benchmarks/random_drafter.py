@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from drafters import load_drafter
-from inference.target import TargetModel
+from inference.engine.target import TargetModel
 
 
 def main() -> None:

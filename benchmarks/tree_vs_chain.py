@@ -20,12 +20,12 @@ import json
 import torch
 
 from drafters import load_drafter
-from inference.eval import environment, render_prompt
-from inference.generate import speculative_generate
-from inference.metrics import build_record, merge_outputs, tokens_per_second
-from inference.prompts import load_questions
-from inference.target import TargetModel
-from inference.tree_generate import tree_speculative_generate
+from inference.evaluation.eval import environment, render_prompt
+from inference.engine.generate import speculative_generate
+from inference.evaluation.metrics import build_record, merge_outputs, tokens_per_second
+from inference.evaluation.prompts import load_questions
+from inference.engine.target import TargetModel
+from inference.engine.tree.generate import tree_speculative_generate
 
 DRAFTERS = {"eagle3": "runs/bench/E_cold/final", "dflash": "runs/bench/D_dflash/final",
             "dspark": "runs/bench/D_dspark/final"}

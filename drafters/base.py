@@ -122,10 +122,10 @@ class Proposal:
     confidence_logits [B, K]: the drafter's logit that draft j is accepted given that drafts < j were (DSpark's
     confidence head), computed before draft j is drawn; confidence_temperature [K]: the calibration that makes
     sigmoid(logit / temperature) honest, None = uncalibrated. The engine schedules verification from them
-    (inference/schedule.py).
+    (inference/engine/schedule.py).
     log_probs [B, K, V]: the log-distribution each draft was chosen from, in target vocab (-inf outside a reduced
     draft vocabulary), or None; tree verification builds its trees from these per-depth marginals (DDTree,
-    inference/tree.py)."""
+    inference/engine/tree/draft.py)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
@@ -231,7 +231,7 @@ class Drafter(nn.Module):
 
         A commit may also follow another commit (or `begin`) with no `propose` in between: a catch-up, when the
         engine ran rounds without drafts (adaptive k = 0) and hands their verified tokens over at once, as a block
-        [t_0, t_1..t_n-1] whose n - 1 "drafts" were all accepted (inference/generate.py `_Deferred`)."""
+        [t_0, t_1..t_n-1] whose n - 1 "drafts" were all accepted (inference/engine/generate.py `_Deferred`)."""
         raise NotImplementedError
 
     # ---- inference: dropping finished rows ------------------------------------------------------------------------
@@ -250,7 +250,7 @@ class Drafter(nn.Module):
         """Whether keep_rows is implemented (row_state declared or keep_rows overridden)."""
         return bool(self.row_state) or type(self).keep_rows is not Drafter.keep_rows
 
-    # ---- inference: draft trees (optional; inference/tree.py) -----------------------------------------------------
+    # ---- inference: draft trees (optional; inference/engine/tree/draft.py) -----------------------------------------------------
     # A sequential drafter that can score several branches sets `expands_trees` and implements `expand_tree`, the
     # engine then grows EAGLE-2 dynamic trees with it; other drafters get DDTree trees over Proposal.log_probs.
     expands_trees: ClassVar[bool] = False

@@ -3,7 +3,7 @@
 Every writer in draftsmith that replaces something (feature shards and indexes, exported checkpoints, the final
 drafter of a run, built debug targets) goes through these two helpers: write under a temporary name next to the
 destination, then rename into place (atomic on one filesystem). The model caches that several processes may build at
-once (inference/assets.py, inference/debug_target.py) keep their own first-writer-wins rename instead: replacing a
+once (inference/assets/store.py, inference/assets/debug_target.py) keep their own first-writer-wins rename instead: replacing a
 directory another process may be reading is what they must not do.
 
 A full disk (ENOSPC, or a quota: EDQUOT) is a user's problem, not a bug: `disk_full_reported` turns it into a

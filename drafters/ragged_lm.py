@@ -1,6 +1,6 @@
 """An HF causal LM with a KV cache that rows of a batch extend and roll back independently.
 
-Used by the target (inference/target.py) and by the draft-model drafter. Rows of a batch accept different numbers of
+Used by the target (inference/engine/target.py) and by the draft-model drafter. Rows of a batch accept different numbers of
 draft tokens, so the cache keeps one slot per token fed and a validity mask [B, L] over the slots: rejected slots
 stay in the cache as holes the attention mask hides, and trailing slots that no row kept are cropped. With batch size 1
 there are never holes: a rejection is a plain crop. Position ids count only a row's valid slots, so a row with holes

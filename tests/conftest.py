@@ -40,7 +40,7 @@ def make_tiny_model(arch: str = "llama", seed: int = 0, num_layers: int = 2, dty
 
 @pytest.fixture(params=["llama"])
 def tiny_target(request):
-    from inference.target import TargetModel
+    from inference.engine.target import TargetModel
 
     return TargetModel(make_tiny_model(request.param), name_or_path=f"tiny-{request.param}")
 

@@ -1,4 +1,4 @@
-"""Adaptive proposal length (inference/adaptive.py) through the real engine, for every registered drafter.
+"""Adaptive proposal length (inference/engine/adaptive.py) through the real engine, for every registered drafter.
 
 - lossless: greedy output equals plain greedy output; at T = 1 the emitted law is the target's (chi-square);
 - a k = 0 round defers the drafter's catch-up: proposals made after a catch-up commit equal the proposals made at the
@@ -18,9 +18,9 @@ from conftest import make_tiny_model, random_prompts
 from test_contract import KINDS, NUM_DRAFTS, SAMPLING, build, exact_joint, tiny_target
 
 from drafters.draft_model import DraftModelConfig, DraftModelDrafter
-from inference.adaptive import AdaptiveK, CostCurves, best_width, expected_gain, profile_costs
-from inference.generate import speculative_generate
-from inference.target import TargetModel
+from inference.engine.adaptive import AdaptiveK, CostCurves, best_width, expected_gain, profile_costs
+from inference.engine.generate import speculative_generate
+from inference.engine.target import TargetModel
 
 
 def chain_costs(max_width: int, draft_step: float = 0.1, verify_slope: float = 0.05) -> CostCurves:

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference.assets import (
+from inference.assets.store import (
     COMPLETE_MARKER, SMOLLM2_NAME, ensure_smollm2, is_complete, make_truncated_draft_model, resolve_target,
 )
-from inference.prompts import Question, builtin_prompt_sets, load_questions, select_spread
+from inference.evaluation.prompts import Question, builtin_prompt_sets, load_questions, select_spread
 from conftest import make_tiny_model
 
 DATA = Path(__file__).parent / "data"

@@ -21,7 +21,7 @@ from conftest import make_tiny_model
 
 from drafters.assistant import AssistantConfig, AssistantDrafter
 from drafters.base import DraftContext, FeatureRequest
-from inference.target import TargetModel
+from inference.engine.target import TargetModel
 from train.features import FeatureProvider, training_request
 
 NUM_DRAFTS = 3
@@ -219,7 +219,7 @@ def test_debug_recipe_trains_and_exports(tmp_path):
     from test_train import reset_accelerate, tiny_overrides, write_chats
 
     from drafters import load_drafter
-    from inference.debug_target import resolve_debug_target
+    from inference.assets.debug_target import resolve_debug_target
     from train.build import build_trainer
     from train.config import load_recipe
 
@@ -305,7 +305,7 @@ def test_gemma4_assistant_round_trip_is_bitwise_and_lossless(tmp_path):
     from transformers import Gemma4AssistantForCausalLM
 
     from drafters import load_drafter
-    from inference.generate import speculative_generate
+    from inference.engine.generate import speculative_generate
 
     target, _ = gemma4_pair(tmp_path)
     drafter = load_drafter(str(tmp_path / "assistant"), target.target_info())

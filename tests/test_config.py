@@ -61,8 +61,8 @@ def test_every_recipe_loads_round_trips_and_builds(path, tmp_path):
     assert recipe_to_dict(load_recipe(str(saved))) == recipe_to_dict(recipe)
     family = os.path.basename(os.path.dirname(path))
     if family == "debug":
-        from inference.debug_target import write_debug_target
-        from inference.target import TargetModel
+        from inference.assets.debug_target import write_debug_target
+        from inference.engine.target import TargetModel
 
         write_debug_target("tiny-llama", str(tmp_path / "target"))
         info = TargetModel.from_pretrained(str(tmp_path / "target")).target_info()

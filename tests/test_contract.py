@@ -30,8 +30,8 @@ from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.medusa import MedusaConfig, MedusaDrafter
 from drafters.mtp import MTPConfig, MTPDrafter
 from drafters.ngram import NgramConfig, NgramDrafter
-from inference.generate import speculative_generate
-from inference.target import TargetModel
+from inference.engine.generate import speculative_generate
+from inference.engine.target import TargetModel
 from train.features import FeatureProvider
 
 NUM_DRAFTS = 3  # proposal length used throughout; every factory below can draft at least this many

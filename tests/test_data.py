@@ -245,7 +245,7 @@ def test_count_tokens_and_coverage():
 def test_smollm2_template_mask():
     from transformers import AutoTokenizer
 
-    from inference.assets import default_cache_dir, is_complete
+    from inference.assets.store import default_cache_dir, is_complete
 
     model_dir = os.path.join(default_cache_dir(), "models", "smollm2-135m-instruct")
     if not is_complete(model_dir):

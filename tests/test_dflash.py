@@ -19,8 +19,8 @@ from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.dflash.anchors import anchor_candidates, block_attention_mask, sample_anchors
 from drafters.dflash.layers import decay_gamma, default_layer_ids
 from drafters.layers import KVCache
-from inference.generate import speculative_generate
-from inference.target import TargetModel
+from inference.engine.generate import speculative_generate
+from inference.engine.target import TargetModel
 
 VOCAB = 256
 MASK = 255  # the tiny targets have no tokenizer, so the mask row is named explicitly
@@ -519,7 +519,7 @@ def test_overfitting_one_batch_raises_accuracy():
 def test_debug_recipe_trains_through_the_loop_and_stays_lossless(tmp_path):
     from accelerate.state import AcceleratorState, GradientState
 
-    from inference.debug_target import resolve_debug_target
+    from inference.assets.debug_target import resolve_debug_target
     from train.build import build_trainer
     from train.config import load_recipe
 

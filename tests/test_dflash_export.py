@@ -33,8 +33,8 @@ from safetensors.torch import load_file, save_file
 from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.dflash import export as dflash_export
 from drafters.dflash.layers import default_layer_ids
-from inference.generate import speculative_generate
-from inference.target import TargetModel
+from inference.engine.generate import speculative_generate
+from inference.engine.target import TargetModel
 
 NUM_TARGET_LAYERS = 4
 LAYER_IDS = (1, 3)  # ours (vLLM): HF hidden_states[1], [3]; z-lab writes (0, 2)

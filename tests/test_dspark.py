@@ -23,10 +23,10 @@ from drafters import DRAFTERS, load_drafter
 from drafters.base import DraftContext
 from drafters.dflash.anchors import sample_anchors
 from drafters.dspark import DSparkConfig, DSparkDrafter
-from inference.generate import speculative_generate
-from inference.schedule import PrefixScheduler, StaticThreshold, VerifyCost, profile_verify_cost
-from inference.target import TargetModel
-from inference.verify import acceptance_probability, residual_distribution
+from inference.engine.generate import speculative_generate
+from inference.engine.schedule import PrefixScheduler, StaticThreshold, VerifyCost, profile_verify_cost
+from inference.engine.target import TargetModel
+from inference.engine.verify import acceptance_probability, residual_distribution
 
 VOCAB = 256
 MASK = 255
@@ -306,7 +306,7 @@ def debug_run(tmp_path_factory):
     """The debug recipe trained for a few steps through the real loop, then `draftsmith calibrate` on it."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from inference.debug_target import resolve_debug_target
+    from inference.assets.debug_target import resolve_debug_target
     from train.build import build_trainer
     from train.config import load_recipe
 
@@ -334,7 +334,7 @@ def debug_run(tmp_path_factory):
 
 
 def test_debug_recipe_calibrates_and_stays_lossless_with_and_without_scheduling(debug_run):
-    from inference import calibrate
+    from inference.evaluation import calibrate
 
     target, final_dir, target_dir, tmp_path = debug_run
     drafter = load_drafter(final_dir, target.target_info())
@@ -370,7 +370,7 @@ def test_debug_recipe_calibrates_and_stays_lossless_with_and_without_scheduling(
 
 
 def test_calibrate_refuses_too_few_rounds_and_drafters_without_confidences(debug_run, tmp_path):
-    from inference import calibrate
+    from inference.evaluation import calibrate
 
     target, final_dir, target_dir, _ = debug_run
     with pytest.raises(ValueError, match=r"at least 200 verification rounds.*--num-prompts"):

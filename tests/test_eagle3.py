@@ -16,8 +16,8 @@ from drafters import DRAFTERS, load_drafter
 from drafters.base import DraftContext
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, detect_format
 from drafters.vocab import DraftVocab
-from inference.generate import speculative_generate
-from inference.target import TargetModel
+from inference.engine.generate import speculative_generate
+from inference.engine.target import TargetModel
 
 VOCAB = 256
 

@@ -70,7 +70,7 @@ def _chats(path, num=16):
 
 
 def test_estimate_command_prints_memory_and_steps_per_hour(tmp_path, capsys):
-    from inference.debug_target import resolve_debug_target
+    from inference.assets.debug_target import resolve_debug_target
 
     _chats(tmp_path / "chats.jsonl")
     overrides = [f"target.name_or_path={resolve_debug_target('debug:tiny-llama')}",

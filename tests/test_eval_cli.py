@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY
-from inference.eval import main
+from inference.evaluation.eval import main
 from offline_tokenizers import build_tokenizer
 
 DATA = Path(__file__).parent / "data"
@@ -141,7 +141,7 @@ def test_k_beyond_a_block_drafter_is_refused_naming_the_limit(dirs, tmp_path, ca
     """A DFlash checkpoint with block 4 drafts at most 3 tokens: --num-draft-tokens 5 is an input error."""
     from drafters.dflash import DFlashDrafter
     from drafters.dflash.layers import DFlashConfig
-    from inference.target import TargetModel
+    from inference.engine.target import TargetModel
 
     target = TargetModel.from_pretrained(str(dirs / "target"))
     info = target.target_info()
@@ -192,7 +192,7 @@ def test_tree_budgets_run_beside_chains_and_a_budget_below_one_is_refused(dirs, 
     unchanged, records carry tree_budget and the chain k of equal verify budget, and no chain recommendation."""
     from drafters.dflash import DFlashDrafter
     from drafters.dflash.layers import DFlashConfig
-    from inference.target import TargetModel
+    from inference.engine.target import TargetModel
 
     info = TargetModel.from_pretrained(str(dirs / "target")).target_info()
     config = DFlashConfig(layer_ids=(0, 1), num_layers=1, block_size=4, num_anchors=8,

@@ -45,7 +45,7 @@ sys.exit(main(["train", *sys.argv[3:]]))
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    from inference.debug_target import resolve_debug_target
+    from inference.assets.debug_target import resolve_debug_target
 
     root = tmp_path_factory.mktemp("faults")
     target_dir = resolve_debug_target("debug:tiny-llama", cache_dir=str(root / "cache"))
@@ -204,7 +204,7 @@ def test_full_disk_while_flushing_the_feature_cache_names_the_shard(workdir, tmp
     import drafters.files
     from drafters.base import FeatureRequest
     from drafters.files import DiskFullError
-    from inference.target import TargetModel
+    from inference.engine.target import TargetModel
     from train.features import FeatureCache, FeatureProvider, cache_meta
 
     target = TargetModel.from_pretrained(workdir[1])
@@ -264,7 +264,7 @@ def test_non_finite_gradient_stops_before_a_checkpoint_holds_it(workdir, tmp_pat
 def make_cache(workdir, directory: str):
     """A one-shard cache of two samples; returns (target, request, meta, batch)."""
     from drafters.base import FeatureRequest
-    from inference.target import TargetModel
+    from inference.engine.target import TargetModel
     from train.features import FeatureCache, FeatureProvider, cache_meta
 
     target = TargetModel.from_pretrained(workdir[1])

@@ -8,8 +8,8 @@ from conftest import make_tiny_model, random_prompts
 
 from drafters import DraftModelDrafter, NgramDrafter
 from drafters.draft_model import DraftModelConfig
-from inference.generate import speculative_generate
-from inference.target import TargetModel
+from inference.engine.generate import speculative_generate
+from inference.engine.target import TargetModel
 
 
 def _drafters(target, draft_lm):

@@ -141,7 +141,7 @@ def test_trust_remote_code_is_never_switched_on():
 
 
 def test_a_target_with_remote_code_is_refused_without_running_it(tmp_path):
-    from inference.target import TargetModel
+    from inference.engine.target import TargetModel
 
     marker = tmp_path / "code_ran"
     (tmp_path / "remote.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
@@ -166,7 +166,7 @@ def test_recipe_paths_are_not_shell_expanded(field, value):
 def test_train_and_eval_run_with_the_network_disabled(tmp_path):
     """A real CLI run (train a few steps with a speculative-decoding probe, on the debug target) with every way out
     closed through the environment: offline hub flags and proxies pointing at a closed local port."""
-    from inference.debug_target import resolve_debug_target
+    from inference.assets.debug_target import resolve_debug_target
 
     chats = tmp_path / "chats.jsonl"
     with open(chats, "w") as f:

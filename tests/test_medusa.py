@@ -13,7 +13,7 @@ from conftest import make_tiny_model
 
 from drafters.base import DraftContext
 from drafters.medusa import MedusaConfig, MedusaDrafter
-from inference.target import TargetModel
+from inference.engine.target import TargetModel
 from train.features import FeatureProvider
 
 

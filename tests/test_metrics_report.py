@@ -8,14 +8,14 @@ import os
 import pytest
 import torch
 
-from inference.generate import GenerateOutput
-from inference.metrics import (
+from inference.engine.generate import GenerateOutput
+from inference.evaluation.metrics import (
     annotate_recommendations,
     build_record,
     merge_outputs,
     recommend_num_draft_tokens,
 )
-from inference.report import format_table, write_report
+from inference.evaluation.report import format_table, write_report
 
 ENV = {"torch": "test"}
 
@@ -179,7 +179,7 @@ def test_single_k_writes_no_speedup_plot(tmp_path):
 def test_recommendation_and_prediction_are_the_argmax_over_synthetic_profiles():
     """With a cost profile at every k, the recommended k is the argmax of the predicted speedup (k = 0 = 1.0), and a
     useless drafter gets k = 0."""
-    from inference.metrics import predicted_speedup
+    from inference.evaluation.metrics import predicted_speedup
 
     generator = torch.Generator().manual_seed(1)
     for _ in range(100):

@@ -21,8 +21,8 @@ from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForC
 from drafters import load_drafter
 from drafters.mtp import MTPConfig, MTPDrafter
 from drafters.mtp.export import checkpoint_index, find_native, read_tensors
-from inference.generate import speculative_generate
-from inference.target import TargetModel
+from inference.engine.generate import speculative_generate
+from inference.engine.target import TargetModel
 from train.features import FeatureProvider
 
 NUM_LAYERS = 2  # of every tiny native target; its MTP module is layer index 2 where the layout numbers it so

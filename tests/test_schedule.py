@@ -1,4 +1,4 @@
-"""Confidence-scheduled verification (inference/schedule.py): the static threshold, the prefix scheduler's greedy
+"""Confidence-scheduled verification (inference/engine/schedule.py): the static threshold, the prefix scheduler's greedy
 admission with early stop, the DSpark paper's appendix counter-example (our rule gives exactly p, a look-ahead
 search gives the biased (0.85, 0.15)), the uncalibrated fallback, the verify-cost curve and its profiling, and
 `draftsmith eval --schedule` end to end."""
@@ -14,7 +14,7 @@ from conftest import make_tiny_model
 
 from drafters.base import Proposal
 from drafters.dspark import DSparkConfig, DSparkDrafter
-from inference.schedule import (
+from inference.engine.schedule import (
     PrefixScheduler,
     StaticThreshold,
     VerifyCost,
@@ -25,8 +25,8 @@ from inference.schedule import (
     scheduled_num_valid,
     threshold_lengths,
 )
-from inference.target import TargetModel
-from inference.verify import acceptance_probability, residual_distribution
+from inference.engine.target import TargetModel
+from inference.engine.verify import acceptance_probability, residual_distribution
 
 
 def test_threshold_cuts_at_the_first_survival_below():
@@ -161,8 +161,8 @@ def test_schedule_specs():
 
 def test_eval_runs_each_schedule_as_its_own_method_and_stays_exact(tmp_path):
     """`draftsmith eval --schedule fixed,threshold:0.5,scheduler` on the debug target with an untrained DSpark."""
-    from inference.debug_target import resolve_debug_target
-    from inference.eval import main
+    from inference.assets.debug_target import resolve_debug_target
+    from inference.evaluation.eval import main
 
     target_dir = resolve_debug_target("debug:tiny-llama", cache_dir=str(tmp_path / "cache"))
     target = TargetModel.from_pretrained(target_dir)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from conftest import make_tiny_model
 
-import inference.target
-from inference.target import TargetModel
+import inference.engine.target
+from inference.engine.target import TargetModel
 
 
 def _reference(model, input_ids, attention_mask):
@@ -22,7 +22,7 @@ def test_features_without_logits_equal_the_full_forward(monkeypatch):
     input_ids = torch.randint(3, 256, (3, 11))
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, 7:] = 0  # right padding
-    monkeypatch.setattr(inference.target, "LOGIT_CHUNK_VALUES", 256 * 5)  # 5 positions per chunk: 7 chunks of 33
+    monkeypatch.setattr(inference.engine.target, "LOGIT_CHUNK_VALUES", 256 * 5)  # 5 positions per chunk: 7 chunks of 33
     features = target.features(input_ids, attention_mask, (0, 2, 3))
     with torch.no_grad():
         hidden_states, logits = _reference(model, input_ids, attention_mask)

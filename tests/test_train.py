@@ -39,7 +39,7 @@ def write_chats(path: str, num: int = 40, seed: int = 0) -> None:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A built debug target directory and a small chat file, shared by the module's tests."""
-    from inference.debug_target import resolve_debug_target
+    from inference.assets.debug_target import resolve_debug_target
 
     root = tmp_path_factory.mktemp("train")
     target_dir = resolve_debug_target("debug:tiny-llama", cache_dir=str(root / "cache"))
@@ -81,7 +81,7 @@ def weights(directory: str) -> dict[str, torch.Tensor]:
 def test_debug_target_is_an_ordinary_model_directory(workdir):
     from transformers import AutoTokenizer
 
-    from inference.target import TargetModel
+    from inference.engine.target import TargetModel
 
     _, target_dir = workdir
     target = TargetModel.from_pretrained(target_dir)
@@ -145,7 +145,7 @@ def test_resume_is_bitwise_exact_and_export_loads(workdir, tmp_path):
 
 
 def test_checkpoint_from_another_target_is_refused(workdir, tmp_path):
-    from inference.target import TargetModel
+    from inference.engine.target import TargetModel
     from tests.conftest import make_tiny_model
     from train.checkpoint import check_target
 
@@ -211,7 +211,7 @@ def test_cache_checksum_and_stale_data_are_detected(workdir, tmp_path):
     from train.features import FeatureCache, FeatureProvider, cache_meta
 
     from drafters.base import FeatureRequest
-    from inference.target import TargetModel
+    from inference.engine.target import TargetModel
 
     target = TargetModel.from_pretrained(workdir[1])
     request = FeatureRequest(layer_ids=(1, 3), top_k_logits=4)  # top-k logits are served like hidden states
@@ -301,9 +301,9 @@ def test_debug_recipe_trains_evaluates_and_exports(tmp_path):
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert lines[-1]["eval/spec_tau"] >= 1.0 and os.path.isfile(tmp_path / "final" / "model.safetensors")
     # the trained drafter is lossless in the engine: greedy speculative output == plain greedy output
-    from inference.generate import speculative_generate
-    from inference.target import TargetModel
-    from inference.debug_target import resolve_debug_target
+    from inference.engine.generate import speculative_generate
+    from inference.engine.target import TargetModel
+    from inference.assets.debug_target import resolve_debug_target
 
     target = TargetModel.from_pretrained(resolve_debug_target("debug:tiny-llama"))
     drafter = load_drafter(str(tmp_path / "final"), target.target_info())

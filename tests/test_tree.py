@@ -1,5 +1,5 @@
-"""Draft trees (inference/tree.py), tree verification (inference/tree_verify.py) and the tree engine
-(inference/tree_generate.py), for every drafter kind of the contract test.
+"""Draft trees (inference/engine/tree/draft.py), tree verification (inference/engine/tree/verify.py) and the tree engine
+(inference/engine/tree/generate.py), for every drafter kind of the contract test.
 
 Naive references: DDTree against brute-force enumeration of every prefix; EAGLE-3's branch expansion against its own
 chain proposal and against each branch expanded alone; the sibling-by-sibling sampling rule against the target's
@@ -18,11 +18,11 @@ import torch
 from test_contract import FACTORIES, NUM_DRAFTS, SAMPLING, build, exact_joint, tiny_target
 
 from drafters.base import DraftContext
-from inference.generate import speculative_generate
-from inference.tree import DraftTree, chain_tree, ddtree, dynamic_tree
-from inference.tree_generate import grow_tree, tree_speculative_generate
-from inference.tree_target import keep_path, path_features, tree_extend
-from inference.tree_verify import greedy_tree_verify, sample_tree_verify
+from inference.engine.generate import speculative_generate
+from inference.engine.tree.draft import DraftTree, chain_tree, ddtree, dynamic_tree
+from inference.engine.tree.generate import grow_tree, tree_speculative_generate
+from inference.engine.tree.target import keep_path, path_features, tree_extend
+from inference.engine.tree.verify import greedy_tree_verify, sample_tree_verify
 
 KINDS = sorted(FACTORIES)
 PARENTS = [-1, 0, 0, 1, 1, 2]  # root; two children; node 1 has two children, node 2 one

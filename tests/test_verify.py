@@ -2,7 +2,7 @@
 
 import torch
 
-from inference.verify import (
+from inference.engine.verify import (
     acceptance_probability,
     greedy_verify,
     residual_distribution,

@@ -13,7 +13,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import set_seed
 
 from drafters import DRAFTERS
-from inference.target import TargetModel
+from inference.engine.target import TargetModel
 from train.checkpoint import load_checkpoint, resolve_resume
 from train.config import Recipe, derive, recipe_to_dict, save_recipe
 from train.data import build_dataset

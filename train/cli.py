@@ -23,14 +23,14 @@ import sys
 import yaml
 
 SUBCOMMANDS = {
-    "assets": "inference.assets",
-    "eval": "inference.eval",
+    "assets": "inference.assets.store",
+    "eval": "inference.evaluation.eval",
     "train": "train.__main__",
     "prepare": "train.prepare",
     "estimate": "train.estimate",
     "export": "train.export",
     "doctor": "train.doctor",
-    "calibrate": "inference.calibrate",
+    "calibrate": "inference.evaluation.calibrate",
 }
 
 

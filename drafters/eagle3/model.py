@@ -305,7 +305,7 @@ class Eagle3Drafter(Drafter):
             x = layer.finish(attention(q, keys, values, block_mask if mask is None else mask), residual)
         return x
 
-    # ---- inference: EAGLE-2 dynamic trees (reference A.6; the engine's loop is inference/tree.py) ----------------
+    # ---- inference: EAGLE-2 dynamic trees (reference A.6; the engine's loop is inference/engine/tree/draft.py) ----------------
     expands_trees = True
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""EAGLE-2 dynamic-tree bookkeeping for the EAGLE-3 drafter (reference A.6; the engine's loop is inference/tree.py).
+"""EAGLE-2 dynamic-tree bookkeeping for the EAGLE-3 drafter (reference A.6; the engine's loop is inference/engine/tree/draft.py).
 
 A round's tree is fed to the drafter in calls of M new nodes each. Node 0 is the root (the committed state, never
 fed); fed node i >= 1 sits in the drafter's cache column base + i - 1, base = each row's committed length, so a set

@@ -3,10 +3,10 @@
     out = speculative_generate(target, drafter, prompts, num_draft_tokens=7, max_new_tokens=128)
 
 Batch size >= 1 with per-row acceptance (ragged KV cache, see drafters/ragged_lm.py), EOS and max-new-tokens per row,
-greedy and lossless sampling (inference/verify.py). `drafter=None` or `num_draft_tokens=0` is plain autoregression
-through the same code: one target forward per token, the fair baseline for speedup. `schedule` (inference/schedule.py)
+greedy and lossless sampling (inference/engine/verify.py). `drafter=None` or `num_draft_tokens=0` is plain autoregression
+through the same code: one target forward per token, the fair baseline for speedup. `schedule` (inference/engine/schedule.py)
 cuts each row's proposal by the drafter's confidences (a static threshold or the prefix scheduler); drafters without
-confidences propose as usual. `adaptive` (inference/adaptive.py) chooses each round's width in 0..num_draft_tokens
+confidences propose as usual. `adaptive` (inference/engine/adaptive.py) chooses each round's width in 0..num_draft_tokens
 before the round's drafts exist; while rounds propose nothing the drafter's catch-up is deferred and handed over in
 one `commit` before its next proposal (`_Deferred`). Rows that finished leave the batch (`drop_finished_rows`): the
 target's KV cache and the drafter's state keep only the running rows (drafters/base.py keep_rows), so a batch whose
@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 from drafters.base import DraftContext, Drafter, FeatureRequest, select_rows
-from inference.schedule import scheduled_num_valid
-from inference.target import synchronize
-from inference.verify import greedy_verify, sample_verify, sampling_probs
+from inference.engine.schedule import scheduled_num_valid
+from inference.engine.target import synchronize
+from inference.engine.verify import greedy_verify, sample_verify, sampling_probs
 
 
 @dataclass
 class GenerateOutput:
-    """What one `speculative_generate` call returns; inference/metrics.py turns it into the report record.
+    """What one `speculative_generate` call returns; inference/evaluation/metrics.py turns it into the report record.
 
     tokens:          per row, the new token ids (prompt excluded, EOS included when emitted, cut at max_new_tokens).
     accept_lengths:  per row, per round that row took part in: drafts accepted (0..k). Empty lists when k = 0.
@@ -110,8 +110,8 @@ def speculative_generate(
     adaptive=None,
     drop_finished_rows: bool = True,
 ) -> GenerateOutput:
-    """Generate up to max_new_tokens per prompt. See the module docstring; target is an inference.target.TargetModel,
-    adaptive an inference.adaptive.AdaptiveK whose widths go up to num_draft_tokens (None = k every round).
+    """Generate up to max_new_tokens per prompt. See the module docstring; target is an inference.engine.target.TargetModel,
+    adaptive an inference.engine.adaptive.AdaptiveK whose widths go up to num_draft_tokens (None = k every round).
     drop_finished_rows=False keeps finished rows in the batch to the end (masked out), as a reference."""
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")

@@ -4,7 +4,7 @@ Each non-blank line of a question file is a JSON object {"question_id", "categor
 such as "reference" are ignored). A multi-turn question feeds turn 2 after the model's own answer to turn 1; that is
 the caller's job, this module only reads and selects questions.
 
-Builtin sets (inference/prompt_sets/, copied from Spec-Bench and EAGLE, see /work/shared/eval/README.md):
+Builtin sets (inference/evaluation/prompt_sets/, copied from Spec-Bench and EAGLE, see /work/shared/eval/README.md):
     mt_bench (80, 8 categories, two turns), gsm8k (80), humaneval (80), spec_bench (480, 13 categories).
 
     name, questions = load_questions("mt_bench", num_prompts=16)
@@ -30,7 +30,7 @@ class Question:
 
 
 def builtin_prompt_sets() -> list[str]:
-    """Names of the prompt sets shipped in inference/prompt_sets/."""
+    """Names of the prompt sets shipped in inference/evaluation/prompt_sets/."""
     return sorted(path.stem for path in PROMPT_SET_DIR.glob("*.jsonl"))
 
 

@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from inference.assets import default_cache_dir
+from inference.assets.store import default_cache_dir
 
 DEBUG_PREFIX = "debug:"
 DEBUG_TARGET_VERSION = "v2"  # part of the cache directory name: bump when the built model changes

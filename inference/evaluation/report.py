@@ -167,7 +167,7 @@ def write_report(records: list[dict], out_path: str, config: dict | None = None)
     """Write the JSON report, the Markdown table and the plots beside it.
 
     Args:
-        records: from inference.metrics.build_record.
+        records: from inference.evaluation.metrics.build_record.
         out_path: the JSON path; the other files share its stem.
         config: the run's configuration (inference/eval.run_config), kept so `--append` can refuse another one.
     Returns:

@@ -207,7 +207,7 @@ def resolve_target(name_or_path: str) -> str:
 
     Args:
         name_or_path: "smollm2-135m-instruct" or "HuggingFaceTB/SmolLM2-135M-Instruct" (any case) for the embedded
-            default, "debug:NAME" for a tiny random target built on first use (inference/debug_target.py), or a
+            default, "debug:NAME" for a tiny random target built on first use (inference/assets/debug_target.py), or a
             directory holding config.json.
     Returns:
         A directory that `AutoModelForCausalLM.from_pretrained` loads offline.
@@ -215,7 +215,7 @@ def resolve_target(name_or_path: str) -> str:
     if name_or_path.lower() in SMOLLM2_ALIASES:
         return ensure_smollm2()
     if name_or_path.startswith("debug:"):
-        from inference.debug_target import resolve_debug_target
+        from inference.assets.debug_target import resolve_debug_target
 
         return resolve_debug_target(name_or_path)
     path = Path(name_or_path).expanduser()

@@ -6,14 +6,14 @@
 
 For each prompt set, temperature and batch size, the plain autoregressive baseline (k = 0, the same engine and batch
 size) runs once; then every drafter x k runs over the same prompts. `auto` (the default) chooses k per round at run
-time (inference/adaptive.py) up to the drafter's longest proposal (inference/methods.AUTO_MAX_DRAFT_TOKENS for unbounded drafters),
+time (inference/engine/adaptive.py) up to the drafter's longest proposal (inference/methods.AUTO_MAX_DRAFT_TOKENS for unbounded drafters),
 from cost curves profiled at start-up for every drafter and batch size; the same profile calibrates the predicted
 speedup of every k in the records. Questions are FastChat records; turn t+1 is asked after the
 model's own answer to turn t, so turns run index by index, batched within a category. `--tree-budget B,...` adds,
-per drafter, tree verification with B nodes per round (inference/tree_generate.py): its records are the drafter's
-name + "@tree", num_draft_tokens B - 1 (the chain of equal verify budget) and tree_budget B. Records (inference/metrics.py)
+per drafter, tree verification with B nodes per round (inference/engine/tree/generate.py): its records are the drafter's
+name + "@tree", num_draft_tokens B - 1 (the chain of equal verify budget) and tree_budget B. Records (inference/evaluation/metrics.py)
 cover every dataset x category (plus "all") x method, the baseline included as drafter "none", k = 0. The report
-(inference/report.py) is the JSON at --out, a Markdown table beside it (also printed) and PNG plots. Every input is
+(inference/evaluation/report.py) is the JSON at --out, a Markdown table beside it (also printed) and PNG plots. Every input is
 checked before any generation starts.
 """
 
@@ -31,15 +31,15 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from inference.adaptive import AdaptiveK, profile_costs
-from inference.generate import GenerateOutput
-from inference.methods import Method, generate, load_methods
-from inference.metrics import annotate_recommendations, build_record, merge_outputs
-from inference.prompts import load_questions, select_spread
-from inference.report import format_table, read_appendable, write_report
-from inference.schedule import build_schedules, parse_schedule_specs
-from inference.target import TargetModel
-from inference.tree import check_budget
+from inference.engine.adaptive import AdaptiveK, profile_costs
+from inference.engine.generate import GenerateOutput
+from inference.evaluation.methods import Method, generate, load_methods
+from inference.evaluation.metrics import annotate_recommendations, build_record, merge_outputs
+from inference.evaluation.prompts import load_questions, select_spread
+from inference.evaluation.report import format_table, read_appendable, write_report
+from inference.engine.schedule import build_schedules, parse_schedule_specs
+from inference.engine.target import TargetModel
+from inference.engine.tree.draft import check_budget
 
 WARMUP_TOKENS = 4
 
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", default="fixed",
                         help="comma-separated verification schedules for drafters with confidences (DSpark): fixed, "
                              "threshold:H (static threshold on calibrated prefix survival), scheduler (hardware-"
-                             "aware prefix scheduler, verify cost profiled at start-up); inference/schedule.py")
+                             "aware prefix scheduler, verify cost profiled at start-up); inference/engine/schedule.py")
     return parser
 
 

@@ -19,7 +19,7 @@ part of `time_s.other`.
 
 from __future__ import annotations
 
-from inference.generate import GenerateOutput
+from inference.engine.generate import GenerateOutput
 
 
 def merge_outputs(outputs: list[GenerateOutput]) -> GenerateOutput:

@@ -72,7 +72,7 @@ class TargetModel:
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype=torch.float32, device="cpu") -> "TargetModel":
         """Load a target by name (the embedded default) or HF directory; never downloads."""
-        from inference.assets import resolve_target
+        from inference.assets.store import resolve_target
 
         path = resolve_target(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)

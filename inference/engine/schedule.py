@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference.target import synchronize
+from inference.engine.target import synchronize
 
 
 @dataclass(frozen=True)

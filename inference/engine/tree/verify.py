@@ -1,4 +1,4 @@
-"""Tree verification: pure functions, no model code (the tree counterpart of inference/verify.py).
+"""Tree verification: pure functions, no model code (the tree counterpart of inference/engine/verify.py).
 
 Shapes: B batch, N tree nodes (inference/tree.DraftTree, node 0 = root), V vocab. `target_logits` / `target_probs`
 [B, N, V]: row i is the target's distribution for the token after node i given the root-to-i path (one forward with
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from inference.tree import DraftTree
+from inference.engine.tree.draft import DraftTree
 
 
 def greedy_tree_verify(tree: DraftTree, target_logits: torch.Tensor):

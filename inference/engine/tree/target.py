@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from drafters.base import FeatureRequest
-from inference.tree import DraftTree
+from inference.engine.tree.draft import DraftTree
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
 

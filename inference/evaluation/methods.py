@@ -8,10 +8,10 @@ import os
 from dataclasses import dataclass
 
 from drafters import Drafter, load_drafter
-from inference.adaptive import AdaptiveK
-from inference.generate import GenerateOutput, speculative_generate
-from inference.target import TargetModel
-from inference.tree_generate import tree_speculative_generate
+from inference.engine.adaptive import AdaptiveK
+from inference.engine.generate import GenerateOutput, speculative_generate
+from inference.engine.target import TargetModel
+from inference.engine.tree.generate import tree_speculative_generate
 
 AUTO_MAX_DRAFT_TOKENS = 8  # the widest round `auto` may choose for a drafter without a limit of its own
 
@@ -23,8 +23,8 @@ class Method:
     name: str
     drafter: Drafter | None
     num_draft_tokens: int
-    schedule: object = None  # inference/schedule.py; None = every proposal verified in full
-    auto: bool = False  # k chosen per round (inference/adaptive.py); `adaptive` is set per batch size
+    schedule: object = None  # inference/engine/schedule.py; None = every proposal verified in full
+    auto: bool = False  # k chosen per round (inference/engine/adaptive.py); `adaptive` is set per batch size
     adaptive: AdaptiveK | None = None
     tree_budget: int | None = None  # verify draft trees of this many nodes (num_draft_tokens = budget - 1)
 

@@ -2,18 +2,18 @@
 
     out = tree_speculative_generate(target, drafter, prompts, tree_budget=8, max_new_tokens=128)
 
-The loop of inference/generate.py (its helpers are imported, not repeated) with a tree where the chain was:
-- the tree (inference/tree.py) has `tree_budget` nodes, root included, so it costs the verify forward of a chain of
+The loop of inference/engine/generate.py (its helpers are imported, not repeated) with a tree where the chain was:
+- the tree (inference/engine/tree/draft.py) has `tree_budget` nodes, root included, so it costs the verify forward of a chain of
   tree_budget - 1 drafts. A drafter that expands branches (Drafter.expands_trees: EAGLE-3) grows an EAGLE-2 dynamic
   tree; any other drafter proposes min(tree_budget - 1, max_draft_tokens) drafts and gets a DDTree over the
   per-depth marginals of its proposal (Proposal.log_probs: exact marginals for block drafters and Medusa, the
   top-1 chain's conditionals for sequential ones); a drafter with neither verifies its chain as a one-branch tree.
-- verification walks the tree (inference/tree_verify.py), greedy or lossless sampling, and the cache is compacted to
-  the accepted path (inference/tree_target.py);
+- verification walks the tree (inference/engine/tree/verify.py), greedy or lossless sampling, and the cache is compacted to
+  the accepted path (inference/engine/tree/target.py);
 - the drafter hears about the round through its ordinary `commit`, with the accepted path as the block and the
   target's features of those nodes, exactly what a chain round accepting the same tokens would give it.
 
-Returns the same `GenerateOutput` as speculative_generate, so inference/metrics.py reports it: num_draft_tokens =
+Returns the same `GenerateOutput` as speculative_generate, so inference/evaluation/metrics.py reports it: num_draft_tokens =
 tree_budget - 1, proposed = the round's valid drafted nodes, accept_lengths = the accepted path's depth (so the
 per-position acceptance is along the accepted path and tau = 1 + accepted / rounds as for chains).
 """
@@ -25,11 +25,11 @@ import time
 import torch
 
 from drafters.base import DraftContext, Drafter, FeatureRequest
-from inference.generate import GenerateOutput, _Clock, _emit, _eos_ids, _generators, _prefill
-from inference.tree import DraftTree, chain_tree, check_budget, ddtree, dynamic_tree
-from inference.tree_target import keep_path, path_features, tree_extend
-from inference.tree_verify import greedy_tree_verify, sample_tree_verify
-from inference.verify import sampling_probs
+from inference.engine.generate import GenerateOutput, _Clock, _emit, _eos_ids, _generators, _prefill
+from inference.engine.tree.draft import DraftTree, chain_tree, check_budget, ddtree, dynamic_tree
+from inference.engine.tree.target import keep_path, path_features, tree_extend
+from inference.engine.tree.verify import greedy_tree_verify, sample_tree_verify
+from inference.engine.verify import sampling_probs
 
 
 def grow_tree(drafter: Drafter | None, root: torch.Tensor, budget: int, top_k: int) -> DraftTree:

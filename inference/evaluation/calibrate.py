@@ -25,9 +25,9 @@ import torch
 from drafters import load_drafter
 from drafters.dspark.calibration import NUM_BINS, TEMPERATURE_GRID, calibration_report, check_rounds, fit_sts
 from drafters.files import write_json_atomic
-from inference.eval import _split, check_chat_template, load_prompt_sets, render_prompt
-from inference.generate import speculative_generate
-from inference.target import TargetModel
+from inference.evaluation.eval import _split, check_chat_template, load_prompt_sets, render_prompt
+from inference.engine.generate import speculative_generate
+from inference.engine.target import TargetModel
 
 
 def build_parser() -> argparse.ArgumentParser:

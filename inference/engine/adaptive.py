@@ -69,7 +69,7 @@ class CostCurves:
                                                                                     dtype=torch.float64)
 
     def in_ar_steps(self) -> dict:
-        """d(W) and v(W) in AR steps (v(0) = 1), the units of the report (inference/metrics.py)."""
+        """d(W) and v(W) in AR steps (v(0) = 1), the units of the report (inference/evaluation/metrics.py)."""
         step = self.verify_seconds[0]
         return {"d": [s / step for s in self.draft_seconds], "v": [s / step for s in self.verify_seconds]}
 
@@ -179,7 +179,7 @@ def profile_costs(target, drafter, prompts: list[list[int]], max_draft_tokens: i
     v(1) < v(0) would otherwise make proposing look free, which is exactly what must never happen with a drafter
     that is always rejected (measured under load: v(1) = 0.75 AR steps, and a random drafter proposed every round).
     """
-    from inference.generate import speculative_generate  # generate.py runs AdaptiveK; this helper runs generate.py
+    from inference.engine.generate import speculative_generate  # generate.py runs AdaptiveK; this helper runs generate.py
 
     if max_draft_tokens < 1 or repeats < 1 or not prompts:
         raise ValueError(f"profile_costs: need max_draft_tokens >= 1, repeats >= 1 and prompts; got "
