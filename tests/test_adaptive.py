@@ -18,15 +18,17 @@ from conftest import make_tiny_model, random_prompts
 from test_contract import KINDS, NUM_DRAFTS, SAMPLING, build, exact_joint, tiny_target
 
 from drafters.draft_model import DraftModelConfig, DraftModelDrafter
-from inference.engine.adaptive import AdaptiveK, CostCurves, best_width, expected_gain, profile_costs
+from inference.engine.adaptive import AdaptiveK, best_width, expected_gain
+from inference.engine.costs import CostProfile, profile_costs
 from inference.engine.generate import speculative_generate
+from inference.engine.policy import WidthPolicy
 from inference.engine.target import TargetModel
 
 
-def chain_costs(max_width: int, draft_step: float = 0.1, verify_slope: float = 0.05) -> CostCurves:
+def chain_costs(max_width: int, draft_step: float = 0.1, verify_slope: float = 0.05) -> CostProfile:
     """A chain drafter's shape in AR steps: d(W) = W * draft_step, v(W) = 1 + W * verify_slope."""
     widths = range(max_width + 1)
-    return CostCurves(tuple(draft_step * w for w in widths), tuple(1.0 + verify_slope * w for w in widths))
+    return CostProfile(tuple(draft_step * w for w in widths), tuple(1.0 + verify_slope * w for w in widths))
 
 
 class Recorder:
@@ -53,8 +55,10 @@ class Recorder:
         self.drafter.commit(num_accepted, context)
 
 
-class Scripted:
+class Scripted(WidthPolicy):
     """A fixed sequence of widths (then `rest` forever): exercises catch-up commits at chosen places."""
+
+    adaptive = True
 
     def __init__(self, widths: list[int], rest: int, max_width: int):
         self.widths, self.rest, self.max_width = widths, rest, max_width
@@ -65,12 +69,6 @@ class Scripted:
     def choose(self, active):
         self._round += 1
         return self.widths[self._round - 1] if self._round <= len(self.widths) else self.rest
-
-    def observe(self, proposed, accepted):
-        pass
-
-    def keep_rows(self, rows):
-        pass
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -199,7 +197,7 @@ def test_bad_settings_are_refused(bad):
 
 def test_cost_curves_need_one_entry_per_width():
     with pytest.raises(ValueError, match="cost curves"):
-        CostCurves((0.0, 0.1), (1.0,))
+        CostProfile((0.0, 0.1), (1.0,))
     with pytest.raises(ValueError, match="num_draft_tokens"):
         target = TargetModel(make_tiny_model("llama"))
         speculative_generate(target, _draft_model(target, make_tiny_model("llama", seed=1, num_layers=1)),

@@ -36,46 +36,10 @@ is useless (measured: a fresh start per 32-token request proposed in 63 of 217 r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class CostCurves:
-    """Seconds per engine round at each width W = 0..K, measured on this machine for one drafter and batch size.
-
-    draft_seconds[W]: the drafter's propose + commit per round (0 at W = 0: its catch-up is deferred).
-    verify_seconds[W]: the target verify forward over W + 1 tokens per row, with accept/reject and rollback.
-    """
-
-    draft_seconds: tuple[float, ...]
-    verify_seconds: tuple[float, ...]
-
-    def __post_init__(self):
-        if len(self.draft_seconds) != len(self.verify_seconds) or len(self.verify_seconds) < 2:
-            raise ValueError(f"cost curves: draft_seconds ({len(self.draft_seconds)}) and verify_seconds "
-                             f"({len(self.verify_seconds)}) must have one entry per width 0..K with K >= 1")
-        if any(not s > 0 for s in self.verify_seconds) or any(s < 0 for s in self.draft_seconds):
-            raise ValueError("cost curves: verify seconds must be > 0 and draft seconds >= 0")
-
-    @property
-    def max_width(self) -> int:
-        return len(self.verify_seconds) - 1
-
-    def round_seconds(self) -> torch.Tensor:
-        """[K + 1] d(W) + v(W)."""
-        return torch.tensor(self.draft_seconds, dtype=torch.float64) + torch.tensor(self.verify_seconds,
-                                                                                    dtype=torch.float64)
-
-    def in_ar_steps(self) -> dict:
-        """d(W) and v(W) in AR steps (v(0) = 1), the units of the report (inference/evaluation/metrics.py)."""
-        step = self.verify_seconds[0]
-        return {"d": [s / step for s in self.draft_seconds], "v": [s / step for s in self.verify_seconds]}
-
-    def to_dict(self) -> dict:
-        return {"draft_seconds": list(self.draft_seconds), "verify_seconds": list(self.verify_seconds),
-                **self.in_ar_steps()}
+from inference.engine.costs import CostProfile
+from inference.engine.policy import WidthPolicy
 
 
 def expected_gain(alpha: torch.Tensor) -> torch.Tensor:
@@ -91,32 +55,33 @@ def best_width(gain: torch.Tensor, round_seconds: torch.Tensor) -> int:
     return int(torch.nonzero(throughput >= throughput.max() * (1 - 1e-12))[0])
 
 
-class AdaptiveK:
-    """Chooses the width of each round from running acceptance estimates and measured cost curves (module doc).
-
-    The engine calls `start(batch)` once per generation, `choose(active)` before each round and `observe(...)` after
-    it; one object serves successive generations (each starts from the prior again).
+class AdaptiveK(WidthPolicy):
+    """Chooses the width of each round, 0..max_width (default: the costs' widest), from running acceptance
+    estimates and a measured cost profile (module doc). A width policy (inference/engine/policy.py): the engine calls
+    `start(batch)` once per generation, `choose(active)` before each round and `observe(...)` after it; one object
+    serves successive generations (module doc: what carries over).
     """
 
-    def __init__(self, costs: CostCurves, *, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.95,
-                 explore_after: int = 8, max_explore_after: int = 256):
+    adaptive = True
+
+    def __init__(self, costs: CostProfile, *, max_width: int | None = None, prior: float = 0.5,
+                 prior_weight: float = 2.0, decay: float = 0.95, explore_after: int = 8, max_explore_after: int = 256):
         if not 0.0 <= prior <= 1.0 or prior_weight <= 0 or not 0.0 < decay <= 1.0:
             raise ValueError(f"adaptive k: need prior in [0, 1], prior_weight > 0, decay in (0, 1]; got {prior}, "
                              f"{prior_weight}, {decay}")
         if not 1 <= explore_after <= max_explore_after:
             raise ValueError(f"adaptive k: need 1 <= explore_after <= max_explore_after, got {explore_after}, "
                              f"{max_explore_after}")
-        self.costs = costs
+        max_width = costs.max_width if max_width is None else max_width
+        if not 1 <= max_width <= costs.max_width:
+            raise ValueError(f"adaptive k: max_width {max_width} must be in 1..{costs.max_width} (the profiled widths)")
+        self.costs, self.max_width = costs, max_width
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self.explore_after, self.max_explore_after = explore_after, max_explore_after
-        self._seconds = costs.round_seconds()
+        self._seconds = costs.round_seconds()[: max_width + 1]
         self._carried = torch.zeros(2, self.max_width, dtype=torch.float64)  # pooled (survived, offered) per position
         self._interval = explore_after
         self.survived = self.offered = torch.zeros(0, self.max_width, dtype=torch.float64)
-
-    @property
-    def max_width(self) -> int:
-        return self.costs.max_width
 
     def start(self, batch: int) -> None:
         """A new generation of `batch` rows: each starts from the counts pooled over the rows of the previous
@@ -165,38 +130,3 @@ class AdaptiveK:
             self.offered[row, :offered] *= self.decay
             self.survived[row, :num_accepted] += 1.0
             self.offered[row, :offered] += 1.0
-
-
-def profile_costs(target, drafter, prompts: list[list[int]], max_draft_tokens: int, *, max_new_tokens: int = 8,
-                  repeats: int = 3) -> CostCurves:
-    """Measure d(W) and v(W) for W = 0..max_draft_tokens with the engine itself (fixed-W runs over `prompts`, one
-    batch): per W the median over `repeats` runs of the seconds per round, the widths taking turns within each
-    repeat (after one untimed warm-up pass) so that a drift of the machine's load hits every W alike.
-
-    Running the real engine measures what a round really costs: the drafter's propose and catch-up commit (a chain
-    drafter's W steps, a block drafter's one forward) and the verify forward with its rollback, at this batch size.
-    Both curves are then made non-decreasing in W (a running maximum): more drafts never cost less, and a noisy
-    v(1) < v(0) would otherwise make proposing look free, which is exactly what must never happen with a drafter
-    that is always rejected (measured under load: v(1) = 0.75 AR steps, and a random drafter proposed every round).
-    """
-    from inference.engine.generate import speculative_generate  # generate.py runs AdaptiveK; this helper runs generate.py
-
-    if max_draft_tokens < 1 or repeats < 1 or not prompts:
-        raise ValueError(f"profile_costs: need max_draft_tokens >= 1, repeats >= 1 and prompts; got "
-                         f"{max_draft_tokens}, {repeats}, {len(prompts)} prompts")
-    widths = range(max_draft_tokens + 1)
-    per_round: dict[int, list[tuple[float, float]]] = {width: [] for width in widths}
-    for attempt in range(repeats + 1):
-        for width in widths:
-            out = speculative_generate(target, drafter if width else None, prompts, num_draft_tokens=width,
-                                       max_new_tokens=max_new_tokens, eos_token_ids=[])
-            if attempt:
-                rounds = max(out.verify_forwards, 1)
-                per_round[width].append((out.time_draft / rounds, out.time_verify / rounds))
-    draft, verify = [], []
-    for width in widths:
-        d = sorted(pair[0] for pair in per_round[width])[repeats // 2] if width else 0.0
-        v = max(sorted(pair[1] for pair in per_round[width])[repeats // 2], 1e-9)
-        draft.append(max([d] + draft))
-        verify.append(max([v] + verify))
-    return CostCurves(tuple(draft), tuple(verify))
