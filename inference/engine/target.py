@@ -69,11 +69,11 @@ class TargetModel:
             parameter.requires_grad_(False)
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "")
+        self.runner = RaggedLM(model)  # first: it refuses a family the engine cannot roll back, in one line
         decoder = model.get_decoder()
         self.layers = decoder.layers
         self.final_norm = decoder.norm
         self.num_layers = len(self.layers)
-        self.runner = RaggedLM(model)
         self._info: TargetInfo | None = None
 
     @classmethod
