@@ -14,7 +14,9 @@ from inference.evaluation.metrics import (
     build_record,
     merge_outputs,
     recommend_num_draft_tokens,
+    roofline_keys,
 )
+from inference.engine.roofline import stream_bandwidth, weight_bytes
 from inference.evaluation.report import format_table, write_report
 
 ENV = {"torch": "test"}
@@ -191,3 +193,36 @@ def test_recommendation_and_prediction_are_the_argmax_over_synthetic_profiles():
         best = recommend_num_draft_tokens(p, d, v)
         assert predictions[best] == max(predictions)
         assert recommend_num_draft_tokens([0.0] * k_max, d, v) == 0
+
+
+def test_roofline_keys_are_weight_bytes_over_measured_seconds():
+    roofline = {"target_path": "fast-cpu-linear", "weight_bytes": 10**9, "stream_gb_per_s": 20.0}
+    profile = {"verify_seconds": [0.1, 0.125, 0.2]}
+    record = build_record(spec_output(), ar=ar_output(), dataset="set", category="all", drafter_name="d",
+                          temperature=0.0, batch_size=2, num_prompts=2, greedy_exact_match=1.0, env=ENV,
+                          roofline=roofline, cost_profile=profile)
+    achieved = record["achieved_gb_per_s"]
+    assert achieved["ar"] == pytest.approx(1.0 / 0.1)  # 1 GB per 1.5 s / 15 decode steps
+    assert achieved["verify"] == pytest.approx(1.0 / (1.0 / 3))  # 1 GB per 1.0 s / 3 verify rounds
+    assert achieved["verify_by_width"] == pytest.approx([10.0, 8.0, 5.0])
+    assert record["stream_gb_per_s"] == 20.0 and record["target_path"] == "fast-cpu-linear"
+    assert record["cost_profile"] is profile
+    baseline = record_for(ar_output(), ar_output())
+    assert baseline["achieved_gb_per_s"]["ar"] is None and baseline["target_path"] is None  # no roofline given
+    assert roofline_keys(roofline, 0.1, 0.1)["achieved_gb_per_s"] == {"ar": 10.0, "verify": 10.0,
+                                                                     "verify_by_width": None}
+    assert "roofline: target path fast-cpu-linear" in format_table([record])
+    assert "50% of the 20.0 GB/s" in format_table([record])
+
+
+def test_weight_bytes_count_tied_weights_once_and_skip_an_untied_input_embedding():
+    from conftest import make_tiny_model
+
+    model = make_tiny_model("llama")  # untied, float64: the input embedding is read a row per token, not in full
+    embed = model.model.embed_tokens.weight
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes(model) == every - embed.numel() * 8
+    model.lm_head.weight = embed
+    assert weight_bytes(model) == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes(model) == every - embed.numel() * 8  # the head is the embedding now, counted once
+    assert stream_bandwidth(nbytes=1 << 20, repeats=1) > 0

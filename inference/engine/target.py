@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from drafters.base import FeatureRequest, TargetInfo
 from drafters.ragged_lm import RaggedLM
+from inference.engine import fastpath
 
 LOGIT_CHUNK_VALUES = 1 << 26  # logits `features` holds at once without return_logits: 256 MiB in fp32
 
@@ -63,10 +64,12 @@ class TargetModel:
     uses `features`; tree verification (inference/engine/tree/target.py) works on the KV cache of `runner`.
     """
 
-    def __init__(self, model, tokenizer=None, name_or_path: str = ""):
+    def __init__(self, model, tokenizer=None, name_or_path: str = "", fast_path: bool = False):
         self.model = model.eval()
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
+        # which forward runs: "hf" (the model's own modules) or the fast path's (inference/engine/fastpath.py)
+        self.path = fastpath.enable(self.model) if fast_path else fastpath.HF_PATH
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "")
         self.runner = RaggedLM(model)  # first: it refuses a family the engine cannot roll back, in one line
@@ -77,14 +80,16 @@ class TargetModel:
         self._info: TargetInfo | None = None
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, *, dtype=torch.float32, device="cpu") -> "TargetModel":
-        """Load a target by name (the embedded default) or HF directory; never downloads."""
+    def from_pretrained(cls, name_or_path: str, *, dtype=torch.float32, device="cpu",
+                        fast_path: bool = False) -> "TargetModel":
+        """Load a target by name (the embedded default) or HF directory; never downloads. fast_path: lay the linears
+        out for small row counts where the machine supports it (`path` says which forward runs)."""
         from inference.assets.store import resolve_target
 
         path = resolve_target(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, name_or_path=path)
+        return cls(model, tokenizer, name_or_path=path, fast_path=fast_path)
 
     @property
     def device(self) -> torch.device:

@@ -38,6 +38,7 @@ from inference.evaluation.metrics import annotate_recommendations, build_record,
 from inference.evaluation.prompts import load_questions, select_spread
 from inference.evaluation.report import format_table, read_appendable, write_report
 from inference.engine.schedule import build_schedules, parse_schedule_specs
+from inference.engine.roofline import stream_bandwidth, weight_bytes
 from inference.engine.target import TargetModel
 from inference.engine.tree.draft import check_budget
 
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--outputs", default=None, help="jsonl of generated answers, one line per prompt and turn")
     parser.add_argument("--no-chat-template", action="store_true", help="feed turns as plain text")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--target-path", default="auto", choices=("auto", "hf"),
+                        help="auto: the target's linears laid out for small row counts where supported "
+                             "(inference/engine/fastpath.py); hf: the model's own modules")
     parser.add_argument("--categories", default=None, help="comma-separated categories to keep")
     parser.add_argument("--tree-budget", default=None,
                         help="comma-separated tree budgets B (nodes verified per round, root included): each drafter "
@@ -211,7 +215,8 @@ def exact_match(run: RunResult, reference: RunResult, keys: list[tuple[int, int]
 
 
 def dataset_records(dataset: str, questions: list, runs: list[tuple[Method, RunResult]], ar: RunResult,
-                    temperature: float, batch_size: int, env: dict, profiles: dict) -> list[dict]:
+                    temperature: float, batch_size: int, env: dict, profiles: dict,
+                    roofline: dict | None = None) -> list[dict]:
     """Records for one dataset and temperature: category "all" first, then each category; baseline first."""
     categories = list(ar.by_category)
     records = []
@@ -221,14 +226,14 @@ def dataset_records(dataset: str, questions: list, runs: list[tuple[Method, RunR
         keys = [key for key in ar.tokens if key[0] in indices]
         ar_out = merge_outputs([out for name in chosen for out in ar.by_category[name]])
         common = dict(dataset=dataset, category=category, temperature=temperature, batch_size=batch_size,
-                      num_prompts=len(indices), env=env)
+                      num_prompts=len(indices), env=env, roofline=roofline)
         records.append(build_record(ar_out, ar=ar_out, drafter_name="none", greedy_exact_match=None, **common))
         for method, run in runs:
             out = merge_outputs([o for name in chosen for o in run.by_category[name]])
             match = exact_match(run, ar, keys) if temperature == 0 else None
             records.append(build_record(out, ar=ar_out, drafter_name=method.name, greedy_exact_match=match,
-                                        max_draft_tokens=method.drafter.max_draft_tokens(), **common))
-            records[-1]["cost_profile"] = profiles.get(id(method.drafter))
+                                        max_draft_tokens=method.drafter.max_draft_tokens(),
+                                        cost_profile=profiles.get(id(method.drafter)), **common))
             if method.tree_budget is not None:
                 records[-1]["tree_budget"] = method.tree_budget
     return records
@@ -283,6 +288,8 @@ def profile_drafters(target, methods: list[Method], questions: list, args, batch
 def evaluate(args, target, methods: list[Method], prompt_sets: list, sink) -> list[dict]:
     """Run the baseline and every method over every prompt set, temperature and batch size; return all records."""
     env = environment(target.device)
+    roofline = {"target_path": target.path, "weight_bytes": weight_bytes(target.model),
+                "stream_gb_per_s": stream_bandwidth(device=target.device)}
     total = sum(len(q.turns) for _, questions in prompt_sets for q in questions)
     total *= len(args.temperature) * len(args.batch_size) * (1 + len(methods))
     warm_up(target, methods, prompt_sets[0][1], args)
@@ -297,7 +304,7 @@ def evaluate(args, target, methods: list[Method], prompt_sets: list, sink) -> li
                                           [partial(sink, dataset, method, temperature) for method in every])
                     runs = list(zip(methods, results[1:]))
                     records += dataset_records(dataset, questions, runs, results[0], temperature, batch_size, env,
-                                               profiles)
+                                               profiles, roofline)
     annotate_recommendations(records)
     return records
 
@@ -307,6 +314,7 @@ def run_config(args, device) -> dict:
     how fast (the records themselves say dataset, drafter, k, temperature and batch size)."""
     return {"target": args.target, "max_new_tokens": args.max_new_tokens, "top_p": args.top_p,
             "top_k": args.top_k, "seed": args.seed, "chat_template": not args.no_chat_template,
+            "target_path": args.target_path,
             "num_prompts": args.num_prompts, "categories": args.categories,
             "environment": environment(torch.device(device))}
 
@@ -332,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else "cpu"
         config = run_config(args, device)
         previous = read_appendable(args.out, config) if args.append else []  # checked before anything loads
-        target = TargetModel.from_pretrained(args.target, dtype=torch.float32, device=device)
+        target = TargetModel.from_pretrained(args.target, dtype=torch.float32, device=device,
+                                             fast_path=args.target_path == "auto")
         check_chat_template(target.tokenizer, not args.no_chat_template, args.target)
         methods = load_methods(args.drafter, target, args.num_draft_tokens, args.tree_budget)
         chains = [m for m in methods if m.tree_budget is None]  # schedules cut chains; trees ignore them

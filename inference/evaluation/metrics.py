@@ -20,6 +20,7 @@ part of `time_s.other`.
 from __future__ import annotations
 
 from inference.engine.generate import GenerateOutput
+from inference.engine.roofline import achieved_gb_per_s
 
 
 def merge_outputs(outputs: list[GenerateOutput]) -> GenerateOutput:
@@ -129,7 +130,8 @@ def accept_length_mean(rounds: int, accepted: int) -> float | None:
 
 def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str, category: str, drafter_name: str,
                  temperature: float, batch_size: int, num_prompts: int, greedy_exact_match: float | None,
-                 env: dict, max_draft_tokens: int | None = None) -> dict:
+                 env: dict, max_draft_tokens: int | None = None, roofline: dict | None = None,
+                 cost_profile: dict | None = None) -> dict:
     """One report record (a JSON-ready dict) for one dataset x category x drafter x k x temperature.
 
     Args:
@@ -139,6 +141,8 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
         greedy_exact_match: share of prompts whose output equals the plain greedy output (None when T > 0).
         max_draft_tokens: the drafter's longest proposal (Drafter.max_draft_tokens), None when unbounded; the
             recommended k never exceeds it.
+        roofline: {"target_path", "weight_bytes", "stream_gb_per_s"} of the target (see `roofline_keys`).
+        cost_profile: the drafter's profiled cost curves (adaptive.CostCurves.to_dict), kept in the record.
     """
     k = out.num_draft_tokens  # with adaptive k: the largest width it could choose
     counts = acceptance_counts(out)
@@ -172,11 +176,29 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
         "per_request_speedup": _ratio(per_request, per_request_ar),
         "draft_cost_per_round": d, "draft_cost_ratio": _ratio(d, k) if k and not out.adaptive else None,
         "verify_cost_ratio": v, "theoretical_speedup": theoretical, "predicted_speedup": None,
-        "cost_profile": None, "max_draft_tokens": max_draft_tokens,
+        "cost_profile": cost_profile, "max_draft_tokens": max_draft_tokens,
+        **roofline_keys(roofline, ar_step_time(ar), ar_step_time(out), cost_profile),
         "greedy_exact_match": greedy_exact_match,
         "recommended_num_draft_tokens": None, "recommendation_basis": None,
         "env": env,
     }
+
+
+def roofline_keys(roofline: dict | None, ar_step: float | None, verify_round: float | None,
+                  cost_profile: dict | None = None) -> dict:
+    """The record's roofline line: `achieved_gb_per_s` = weight bytes one forward reads / measured seconds, for the AR
+    step (`ar`), for this record's verify round (`verify`: seconds per verify forward with its accept and rollback,
+    the AR step itself at k = 0) and, with a cost profile, per verify width W = 0..K (`verify_by_width`), beside the
+    machine's `stream_gb_per_s` (probed at start-up) and the `target_path` that ran."""
+    roofline = roofline or {}
+    nbytes = roofline.get("weight_bytes")
+    by_width = None
+    if cost_profile and cost_profile.get("verify_seconds"):
+        by_width = [achieved_gb_per_s(nbytes, seconds) for seconds in cost_profile["verify_seconds"]]
+    return {"target_path": roofline.get("target_path"), "weight_bytes_per_forward": nbytes,
+            "stream_gb_per_s": roofline.get("stream_gb_per_s"),
+            "achieved_gb_per_s": {"ar": achieved_gb_per_s(nbytes, ar_step),
+                                  "verify": achieved_gb_per_s(nbytes, verify_round), "verify_by_width": by_width}}
 
 
 def recommend_num_draft_tokens(per_position_unconditional: list[float], d_of_k: dict[int, float],

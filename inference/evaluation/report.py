@@ -56,7 +56,19 @@ def format_table(records: list[dict]) -> str:
         cells = ["-" if record.get(key) is None else _histogram_cell(record[key]) if fmt is None
                  else fmt.format(record[key]) for _, key, fmt in TABLE_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    roofline = roofline_line(records)
+    return "\n".join(lines + ([""] + [roofline] if roofline else [])) + "\n"
+
+
+def roofline_line(records: list[dict]) -> str | None:
+    """One line per report: which target path ran and the AR step's achieved weight GB/s against the machine's
+    stream GB/s (the first baseline record that carries both), None when no record does."""
+    for record in records:
+        achieved, stream = (record.get("achieved_gb_per_s") or {}).get("ar"), record.get("stream_gb_per_s")
+        if achieved and stream:
+            return (f"roofline: target path {record.get('target_path')}, AR step reads weights at {achieved:.1f} "
+                    f"GB/s, {achieved / stream:.0%} of the {stream:.1f} GB/s stream probe")
+    return None
 
 
 def _stem(out_path: str) -> str:
