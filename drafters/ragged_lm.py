@@ -4,7 +4,8 @@ Used by the target (inference/engine/target.py) and by the draft-model drafter. 
 draft tokens, so the cache keeps one slot per token fed and a validity mask [B, L] over the slots: rejected slots
 stay in the cache as holes the attention mask hides, and trailing slots that no row kept are cropped. With batch size 1
 there are never holes: a rejection is a plain crop. Position ids count only a row's valid slots, so a row with holes
-sees exactly the positions it would have seen without them.
+sees exactly the positions it would have seen without them. What differs between model families (sliding windows
+applied by position, linear-attention states with no slots to leave holes in) is drafters/ragged_state.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import inspect
 
 import torch
 from transformers import DynamicCache
+
+from drafters.ragged_state import FamilyState
 
 
 class RaggedLM:
@@ -25,6 +28,8 @@ class RaggedLM:
         self.cache_arg = "cache" if "cache" in parameters else "past_key_values"
         self.cache: DynamicCache | None = None
         self.slot_mask: torch.Tensor | None = None  # [B, L] long, 1 = a token of the sequence
+        self.family = FamilyState(model)  # refuses a family it cannot roll back, naming what is missing
+        self.state_base: int | None = None  # the slot the linear-attention records start at (None: no records)
 
     @property
     def device(self) -> torch.device:
@@ -40,7 +45,8 @@ class RaggedLM:
         return 0 if self.slot_mask is None else self.slot_mask.shape[1]
 
     def reset(self) -> None:
-        self.cache, self.slot_mask = None, None
+        self.cache, self.slot_mask, self.state_base = None, None, None
+        self.family.clear()
 
     @torch.no_grad()
     def extend(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
@@ -63,35 +69,46 @@ class RaggedLM:
         # Padding slots reuse the position of the next real token; they are masked as keys, so it never matters.
         position_ids = start[:, None] + (valid.long().cumsum(-1) - 1).clamp(min=0)
         new_mask = valid.long()
-        if self.slot_mask is None:
-            self.cache = DynamicCache(config=self.model.config)
+        prefill = self.slot_mask is None
+        if prefill:
+            self.cache = self.family.new_cache()
             self.slot_mask = new_mask
         else:
+            if self.family.has_linear and self.state_base is None:
+                self.state_base = self.num_slots
             self.slot_mask = torch.cat([self.slot_mask, new_mask], dim=1)
-        out = self.model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=self.slot_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **{self.cache_arg: self.cache},
-        )
+            self.family.begin_block(self.cache, valid)
+        try:
+            out = self.model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=self.family.attention_mask(self.slot_mask, position_ids),
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **{self.cache_arg: self.cache},
+            )
+        finally:
+            self.family.end_block()
         return out.logits.float()
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` [B'] (long, increasing): the engine drops rows that finished, so later forwards
         cost what the remaining rows cost. Trailing slots none of them uses are cropped."""
         rows = rows.to(self.device)
-        self.cache.batch_select_indices(rows)
+        self.family.keep_rows(self.cache, rows)
+        self.family.select_recorded_rows(rows)
         self.slot_mask = self.slot_mask[rows]
         used = self.slot_mask.any(0)
         num_drop = self.slot_mask.shape[1] - (int(used.nonzero().max()) + 1 if bool(used.any()) else 0)
         if num_drop > 0:
-            self.cache.crop(-num_drop)
+            self.family.crop(self.cache, num_drop)
             self.slot_mask = self.slot_mask[:, : self.slot_mask.shape[1] - num_drop]
 
     def mark(self) -> int:
-        """The current number of cache slots, to roll back to with `keep_after`."""
+        """The current number of cache slots, to roll back to with `keep_after`. Linear-attention states recorded
+        before it are dropped: a rollback never goes further back than the last mark."""
+        self.family.clear()
+        self.state_base = None
         return self.num_slots
 
     def keep_after(self, mark: int, keep: torch.Tensor) -> None:
@@ -103,10 +120,18 @@ class RaggedLM:
         """
         new = self.slot_mask[:, mark:]
         rank = new.cumsum(-1)  # 1-based rank of each valid new slot
-        kept = (new == 1) & (rank <= keep.to(new.device)[:, None])
+        keep = keep.to(new.device)
+        kept = (new == 1) & (rank <= keep[:, None])
+        if self.state_base is not None:  # linear states: the record after the keep[b]-th valid new slot
+            if mark < self.state_base:
+                raise ValueError(f"keep_after({mark}): linear-attention states are recorded from slot "
+                                 f"{self.state_base} only (call mark() before the blocks to roll back)")
+            index = (rank < keep[:, None]).sum(-1) + (keep > 0).long() + (mark - self.state_base)
+            self.family.keep_states(self.cache, index)
+            self.state_base = None
         self.slot_mask = torch.cat([self.slot_mask[:, :mark], kept.long()], dim=1)
         last_kept = int(kept.any(0).nonzero().max()) + 1 if bool(kept.any()) else 0
         num_drop = new.shape[1] - last_kept
         if num_drop > 0:
-            self.cache.crop(-num_drop)
+            self.family.crop(self.cache, num_drop)
             self.slot_mask = self.slot_mask[:, : self.slot_mask.shape[1] - num_drop]

@@ -4,6 +4,15 @@ The builder writes an ordinary Hugging Face model directory (config.json, model.
 with a ChatML chat template, generation_config.json) into the draftsmith cache, so everything downstream treats it
 as any other target directory. Weights are seeded, so the same name always gives the same model; the directory is
 written under a temporary name and renamed into place, so concurrent processes (DDP ranks) never see half of it.
+
+One target per family the study's models belong to, each built from transformers' own config and model classes
+(hidden 64, 3-4 layers, the 260-token vocabulary): Llama; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (hybrids: gated-DeltaNet
+layers with a conv and a recurrent state, and gated full attention); Gemma 4 (sliding window 16 beside global
+layers, so any test sequence outgrows the window); gpt-oss (attention sinks, alternating windows, MoE); DeepSeek-V3
+(MLA and MoE). The Qwen ones also carry one randomly initialised native MTP module in their checkpoint, in the names
+vLLM's Qwen3-Next / Qwen3.5 MTP loaders read (`mtp.fc`, `mtp.pre_fc_norm_{embedding,hidden}`, `mtp.layers.0.*` = a
+full-attention decoder layer of the family, `mtp.norm`; config `mtp_num_hidden_layers: 1`), so `--drafter
+native-mtp` runs on them.
 """
 
 from __future__ import annotations
@@ -25,10 +34,35 @@ CHATML_TEMPLATE = (
 # ids 256..259. <|mask|> is reserved and never produced by text or the chat template, like the <|MASK|> row that
 # DFlash checkpoints use as their mask token.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+_ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_conv_kernel_dim=4, head_dim=16, layer_types=["linear_attention", "full_attention"] * 2)
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+# name -> model_type, config fields, seed, logit scale, whether a native MTP module ships in the checkpoint.
 DEBUG_TARGETS = {
-    "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=2048, seed=0, logit_scale=8.0),
+    "tiny-llama": dict(model_type="llama", seed=0, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, intermediate_size=128, num_hidden_layers=4)),
+    "tiny-qwen3-next": dict(model_type="qwen3_next", seed=1, logit_scale=8.0, mtp=True, config=dict(
+        _ATTENTION, **_LINEAR, **_QWEN_MOE, intermediate_size=128, num_hidden_layers=4)),
+    "tiny-qwen3.5": dict(model_type="qwen3_5_text", seed=2, logit_scale=8.0, mtp=True, config=dict(
+        _ATTENTION, **_LINEAR, intermediate_size=128, num_hidden_layers=4)),
+    "tiny-qwen3.5-moe": dict(model_type="qwen3_5_moe_text", seed=3, logit_scale=8.0, mtp=True, config=dict(
+        _ATTENTION, **_LINEAR, **_QWEN_MOE, num_hidden_layers=4)),
+    "tiny-gemma4": dict(model_type="gemma4_text", seed=4, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, intermediate_size=128, num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, final_logit_softcapping=30.0)),
+    "tiny-gpt-oss": dict(model_type="gpt_oss", seed=5, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, intermediate_size=64, num_hidden_layers=4, head_dim=16, sliding_window=16, num_local_experts=4,
+        num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=131072)),  # = its YaRN factor x original length, as gpt-oss ships
+    "tiny-deepseek-v3": dict(model_type="deepseek_v3", seed=6, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, num_key_value_heads=4, intermediate_size=128, num_hidden_layers=3, moe_intermediate_size=32,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16)),
 }
+MTP_LAYER = "full_attention"  # the layer type of a Qwen MTP module's decoder layer
 
 
 def is_debug_target(name_or_path: str) -> bool:
@@ -51,25 +85,79 @@ def build_tokenizer():
     return tokenizer
 
 
-def write_debug_target(name: str, directory: str) -> None:
-    """Write the debug target `name` (without the "debug:" prefix) as an HF model directory."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+def debug_config(name: str, tokenizer, num_layers: int | None = None):
+    """The transformers config of debug target `name` (optionally with another number of layers)."""
+    from transformers import AutoConfig
 
     if name not in DEBUG_TARGETS:
         raise ValueError(f"unknown debug target {DEBUG_PREFIX}{name}; choose one of "
                          f"{[DEBUG_PREFIX + known for known in DEBUG_TARGETS]}")
-    spec = dict(DEBUG_TARGETS[name])
-    seed, logit_scale = spec.pop("seed"), spec.pop("logit_scale")
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **spec)
+    spec = DEBUG_TARGETS[name]
+    fields = dict(spec["config"])
+    if num_layers is not None:  # a deeper donor for the MTP module: layer N is a full-attention layer
+        types = fields.get("layer_types")
+        if types is not None:
+            fields["layer_types"] = (list(types) + [MTP_LAYER] * num_layers)[:num_layers]
+        fields["num_hidden_layers"] = num_layers
+    if spec["mtp"]:
+        fields["mtp_num_hidden_layers"] = 1
+    return AutoConfig.for_model(spec["model_type"], vocab_size=len(tokenizer), tie_word_embeddings=False,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                bos_token_id=None, **fields)
+
+
+def _seeded_model(config, seed: int, logit_scale: float):
+    from transformers import AutoModelForCausalLM
+
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float().eval()
+    model = AutoModelForCausalLM.from_config(config).float().eval()
     torch.random.set_rng_state(generator_state)
     with torch.no_grad():  # sharper logits than the default init: random targets then write repetitive, learnable text
-        model.lm_head.weight.mul_(logit_scale)
-    model.save_pretrained(directory)
+        model.get_output_embeddings().weight.mul_(logit_scale)
+    return model
+
+
+def _mtp_tensors(name: str, tokenizer, directory: str) -> dict[str, torch.Tensor]:
+    """A model one layer deeper, seeded like the target, saved by transformers in the checkpoint's own names: its
+    first N layers, embedding, norm and head are the target, its layer N (full attention) is the MTP module's
+    decoder layer. Returns every tensor of the checkpoint: the target's under their names, the module's under mtp.*"""
+    from safetensors.torch import load_file
+
+    spec = DEBUG_TARGETS[name]
+    num_layers = spec["config"]["num_hidden_layers"]
+    donor = _seeded_model(debug_config(name, tokenizer, num_layers + 1), spec["seed"], spec["logit_scale"])
+    donor_dir = os.path.join(directory, ".donor")
+    donor.save_pretrained(donor_dir)
+    stored = load_file(os.path.join(donor_dir, "model.safetensors"))
+    shutil.rmtree(donor_dir)
+    layer = f"model.layers.{num_layers}."
+    tensors = {key: t for key, t in stored.items() if not key.startswith(layer)}
+    tensors.update({"mtp.layers.0." + key.removeprefix(layer): t for key, t in stored.items() if key.startswith(layer)})
+    hidden = donor.config.hidden_size
+    generator = torch.Generator().manual_seed(spec["seed"] + 1000)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):  # Qwen norms scale by 1 + w
+        tensors[f"mtp.{norm}.weight"] = 0.1 * torch.randn(hidden, generator=generator)
+    tensors["mtp.fc.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=generator)
+    return tensors
+
+
+def write_debug_target(name: str, directory: str) -> None:
+    """Write the debug target `name` (without the "debug:" prefix) as an HF model directory."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    tokenizer = build_tokenizer()
+    config = debug_config(name, tokenizer)
+    spec = DEBUG_TARGETS[name]
+    if spec["mtp"]:
+        os.makedirs(directory, exist_ok=True)
+        tensors = _mtp_tensors(name, tokenizer, directory)
+        config.save_pretrained(directory)
+        save_file({key: t.contiguous() for key, t in tensors.items()}, os.path.join(directory, "model.safetensors"),
+                  metadata={"format": "pt"})
+    else:
+        _seeded_model(config, spec["seed"], spec["logit_scale"]).save_pretrained(directory)
     generation = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     generation.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

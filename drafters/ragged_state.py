@@ -1,0 +1,293 @@
+"""What the ragged cache (drafters/ragged_lm.py) must know about a model family's layers to roll rows back exactly.
+
+Three kinds of decoder layer, read from the config's `layer_types` (or `sliding_window` without them):
+- full attention: K/V per slot; holes hidden by the mask, rollback a crop. Llama, Qwen3, DeepSeek-V3's MLA (transformers
+  caches its decompressed K/V), gpt-oss and MoE layers alike (routing is per token, nothing to roll back).
+- sliding-window attention (Gemma 4, gpt-oss, Mistral): the cache keeps every slot (a full DynamicLayer instead of
+  transformers' window-trimmed one, whose crop cannot go back once a sequence outgrows the window), and the mask
+  applies the window by POSITION (query position - key position < window), so a row with holes sees the same keys it
+  would see alone. Such models get a 4-D mask per layer type (sdpa: boolean, eager: additive).
+- linear attention (gated DeltaNet in Qwen3.5 / Qwen3.6 / Qwen3-Next): a conv state and a recurrent state with no
+  sequence axis, so no holes: after a verify every row needs exactly the state after its accepted tokens. Chosen by
+  measurement (docs/benchmarks.md, benchmarks/rollback_cost.py): during a forward after the prefill each mixer is
+  stepped one token at a time through transformers' own single-token path and the state after every position is
+  kept ("snapshot", as vLLM's hybrid spec decoding keeps per-position states); `keep_after` then copies each row's
+  state at its accepted count. Slots fed as invalid leave a row's state untouched. "rerun" (the block in one chunked
+  call, then the accepted prefix stepped again from a saved state) is kept for the measurement. Tree verification
+  steps the nodes in order, each from its parent's state, so every node's state is that of its root-to-node path.
+A layer type outside these (chunked or indexed attention, Mamba, short convolutions) is refused in one line naming
+the family and what is missing.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin, DummyLayer, DynamicLayer, LinearAttentionLayer
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+MASKABLE_ATTENTION = ("sdpa", "eager")
+MECHANISMS = ("snapshot", "rerun")
+
+
+def layer_types(config) -> list[str]:
+    """The decoder's layer types; configs without `layer_types` are all full or all sliding-window attention."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)[: config.num_hidden_layers]
+    windowed = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return ["sliding_attention" if windowed else "full_attention"] * config.num_hidden_layers
+
+
+class FamilyState:
+    """Per-model cache construction, masks and per-row rollback of the layers' states. Built once per RaggedLM.
+
+    Raises ValueError (one line: the family and what is missing) for a model the engine cannot roll back exactly.
+    """
+
+    def __init__(self, model, mechanism: str = "snapshot"):
+        config = model.config.get_text_config(decoder=True)
+        self.config, self.family = config, getattr(config, "model_type", type(model).__name__)
+        self.types = layer_types(config)
+        unknown = sorted(set(self.types) - set(SUPPORTED_LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"target family {self.family}: layer types {unknown} are not supported by the engine "
+                             f"(it rolls back {', '.join(SUPPORTED_LAYER_TYPES)} layers; missing: a per-row rollback "
+                             "of their cache)")
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"linear-attention rollback mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+        self.window = getattr(config, "sliding_window", None)
+        self.windowed = "sliding_attention" in self.types
+        self.kernel = getattr(config, "_attn_implementation", None) or "eager"
+        if self.windowed and self.kernel not in MASKABLE_ATTENTION:
+            raise ValueError(f"target family {self.family}: sliding-window layers need attn_implementation in "
+                             f"{MASKABLE_ATTENTION} (the engine passes position-windowed 4-D masks); the target uses "
+                             f"{self.kernel!r}: load it with attn_implementation='sdpa'")
+        self.recorders = self._install_recorders(model, mechanism)
+        self.dtype = model.dtype
+
+    def _install_recorders(self, model, mechanism: str) -> dict[int, "LinearStateRecorder"]:
+        indices = [i for i, kind in enumerate(self.types) if kind == "linear_attention"]
+        if not indices:
+            return {}
+        layers = model.get_decoder().layers
+        recorders = {}
+        for index in indices:
+            mixer = getattr(layers[index], "linear_attn", None)
+            if mixer is None or not hasattr(mixer, "conv1d"):
+                raise ValueError(f"target family {self.family}: layer {index} is linear attention but not a gated "
+                                 "DeltaNet mixer (`linear_attn` with a conv1d); missing: a per-row rollback of its state")
+            existing = getattr(mixer, "_draftsmith_recorder", None)
+            recorders[index] = existing if existing is not None else LinearStateRecorder(mixer, index)
+            recorders[index].mechanism = mechanism
+        return recorders
+
+    @property
+    def has_linear(self) -> bool:
+        return bool(self.recorders)
+
+    # ---- the cache ---------------------------------------------------------------------------------------------
+    def new_cache(self) -> DynamicCache:
+        """A DynamicCache of the model's layer kinds, sliding-window layers replaced by full ones (every slot kept)."""
+        cache = DynamicCache(config=self.config)
+        for index, layer in enumerate(cache.layers):
+            if type(layer).__name__ == "DynamicSlidingWindowLayer":
+                cache.layers[index] = DynamicLayer()
+            elif type(layer) not in (DynamicLayer, LinearAttentionLayer, DummyLayer):
+                raise ValueError(f"target family {self.family}: cache layer {index} is a {type(layer).__name__}; "
+                                 "missing: a per-row rollback of it in the engine")
+        return cache
+
+    @staticmethod
+    def crop(cache: DynamicCache, num_drop: int) -> None:
+        """Drop the last num_drop slots of every attention layer (linear layers have no slots)."""
+        for layer in cache.layers:
+            if isinstance(layer, CacheLayerMixin):
+                layer.crop(-num_drop)
+
+    def keep_rows(self, cache: DynamicCache, rows: torch.Tensor) -> None:
+        for layer in cache.layers:
+            if isinstance(layer, LinearAttentionLayer):
+                layer.reorder_cache(rows)
+            else:
+                layer.batch_select_indices(rows)
+        for recorder in self.recorders.values():
+            recorder.clear()
+
+    # ---- masks --------------------------------------------------------------------------------------------------
+    def attention_mask(self, slot_mask: torch.Tensor, position_ids: torch.Tensor):
+        """What the forward over the last S slots gets as attention_mask: the 2-D slot mask [B, L] for models without
+        windows, else {layer type: 4-D mask [B, 1, S, L]} with the window applied by position."""
+        if not self.windowed:
+            return slot_mask
+        valid = slot_mask.bool()
+        key_pos = valid.long().cumsum(-1) - 1  # [B, L]
+        num_new = position_ids.shape[1]
+        allowed = valid[:, None, :] & (key_pos[:, None, :] <= position_ids[:, :, None])  # [B, S, L]
+        own = torch.zeros_like(allowed)  # every query sees its own slot (a padding query would see nothing)
+        own[:, :, -num_new:] = torch.eye(num_new, dtype=torch.bool, device=own.device)
+        allowed = allowed | own
+        return self._per_type(allowed, position_ids[:, :, None] - key_pos[:, None, :])
+
+    def tree_attention_mask(self, slot_mask: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor):
+        """The mask of a tree forward: node i sees the row's valid slots and its ancestors (ancestors [B, N, N] bool,
+        itself included), windowed by position (node position = row length + depth). One 4-D tensor [B, 1, N, L + N]
+        for every layer type, or a dict when the windows differ between types."""
+        valid = slot_mask.bool()
+        num_nodes = ancestors.shape[1]
+        past = valid[:, None, :].expand(-1, num_nodes, -1)
+        allowed = torch.cat([past, ancestors.to(valid.device)], dim=-1)
+        if not self.windowed:
+            return self.to_kernel(allowed)
+        lengths = valid.long().sum(-1, keepdim=True)
+        key_pos = torch.cat([valid.long().cumsum(-1) - 1, lengths + depth.to(valid.device)], dim=-1)  # [B, L + N]
+        query_pos = lengths + depth.to(valid.device)  # [B, N]
+        return self._per_type(allowed, query_pos[:, :, None] - key_pos[:, None, :])
+
+    def _per_type(self, allowed: torch.Tensor, distance: torch.Tensor) -> dict:
+        masks = {}
+        for kind in set(self.types):
+            if kind == "sliding_attention":
+                masks[kind] = self.to_kernel(allowed & (distance < self.window))
+            elif kind == "full_attention":
+                masks[kind] = self.to_kernel(allowed)
+            else:  # linear attention reads no mask after the prefill (the recorder skips invalid slots itself)
+                masks[kind] = None
+        return masks
+
+    def to_kernel(self, allowed: torch.Tensor) -> torch.Tensor:
+        """[B, S, L] bool -> [B, 1, S, L] as the attention kernel reads it (sdpa: bool, eager: 0 / dtype min)."""
+        allowed = allowed[:, None]
+        if self.kernel == "sdpa":
+            return allowed
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(self.dtype).min)
+
+    # ---- linear-attention states --------------------------------------------------------------------------------
+    def begin_block(self, cache: DynamicCache, valid: torch.Tensor | None, parents: torch.Tensor | None = None):
+        """Before a forward after the prefill: the recorders append the states after each of its positions (tree:
+        each node, stepped from its parent's state). valid [B, S] (chain; None = all) marks the slots that advance a
+        row's state; parents [B, N] (tree, -1 at the root). The first block after `clear` also keeps the state
+        before it (index 0)."""
+        if valid is not None and bool(valid.all()):
+            valid = None
+        for recorder in self.recorders.values():
+            recorder.begin(cache, valid, parents)
+
+    def end_block(self) -> None:
+        for recorder in self.recorders.values():
+            recorder.recording = False
+
+    def keep_states(self, cache: DynamicCache, index: torch.Tensor) -> None:
+        """Row b's linear states become those recorded at index[b] (0 = before the first recorded block, i = after
+        its i-th position); the records are then dropped."""
+        for recorder in self.recorders.values():
+            recorder.select(cache, index)
+
+    def clear(self) -> None:
+        for recorder in self.recorders.values():
+            recorder.clear()
+
+    def select_recorded_rows(self, rows: torch.Tensor) -> None:
+        for recorder in self.recorders.values():
+            recorder.keep_rows(rows)
+
+
+class LinearStateRecorder:
+    """Wraps one gated-DeltaNet mixer's forward. Outside a recorded block it is the mixer itself.
+
+    snapshot: every recorded position is fed alone through the mixer's single-token path (transformers' own
+    causal_conv1d_update and recurrent gated delta rule) and the conv / recurrent state after it is kept.
+    rerun: the block runs as one chunked call; its inputs are kept, and `select` restores the state before and steps
+    the inputs again up to the furthest kept position.
+    """
+
+    def __init__(self, mixer, layer_idx: int):
+        self.mixer, self.layer_idx, self.original = mixer, layer_idx, mixer.forward
+        self.mechanism, self.recording = "snapshot", False
+        self.clear()
+        mixer.forward = self.forward
+        mixer._draftsmith_recorder = self
+
+    def clear(self) -> None:
+        self.conv: list[torch.Tensor] = []  # per position (0 = before): [B, C, K] conv state
+        self.recurrent: list[torch.Tensor] = []  # [B, H, d_k, d_v]
+        self.inputs: list[torch.Tensor] = []  # rerun: the mixer's inputs [B, S, D] per block
+        self.valids: list[torch.Tensor | None] = []
+        self.valid = self.parents = None
+        self.recording = False
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.conv = [state[rows] for state in self.conv]
+        self.recurrent = [state[rows] for state in self.recurrent]
+        self.inputs = [block[rows] for block in self.inputs]
+        self.valids = [None if valid is None else valid[rows] for valid in self.valids]
+
+    def _states(self, cache):
+        layer = cache.layers[self.layer_idx]
+        return layer.conv_states[0], layer.recurrent_states[0]
+
+    def begin(self, cache, valid, parents) -> None:
+        if cache.get_recurrent_state(self.layer_idx) is None:  # the prefill: nothing to roll back to
+            return
+        if not self.conv:
+            conv, recurrent = self._states(cache)
+            self.conv, self.recurrent = [conv.clone()], [recurrent.clone()]
+        self.valid, self.parents, self.recording = valid, parents, True
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        if not self.recording or cache is None:
+            return self.original(hidden_states=hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        if self.mechanism == "rerun" and self.parents is None:
+            self.inputs.append(hidden_states)
+            self.valids.append(self.valid)
+            return self.original(hidden_states=hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        return self._step(hidden_states, cache, self.valid, kwargs)
+
+    def _step(self, hidden_states, cache, valid, kwargs, upto: int | None = None):
+        """Feed positions one at a time through the mixer's single-token path, appending the state after each."""
+        conv, recurrent = self._states(cache)
+        outputs = []
+        for j in range(hidden_states.shape[1] if upto is None else upto):
+            if self.parents is not None:  # tree: start from the parent's state (record 0 = before the block)
+                self._load(cache, self.parents[:, j] + len(self.conv) - j)
+            before = (conv.clone(), recurrent.clone()) if valid is not None else None
+            outputs.append(self.original(hidden_states=hidden_states[:, j:j + 1], cache=cache, attention_mask=None,
+                                         **kwargs))
+            if before is not None:  # an invalid slot leaves the row's state as it was
+                keep = valid[:, j].to(conv.device)
+                conv.copy_(torch.where(keep[:, None, None], conv, before[0]))
+                recurrent.copy_(torch.where(keep[:, None, None, None], recurrent, before[1]))
+            self.conv.append(conv.clone())
+            self.recurrent.append(recurrent.clone())
+        return torch.cat(outputs, dim=1)
+
+    def _load(self, cache, index: torch.Tensor) -> None:
+        conv, recurrent = self._states(cache)
+        rows = torch.arange(conv.shape[0], device=conv.device)
+        index = index.to(conv.device)
+        conv.copy_(torch.stack(self.conv)[index, rows])
+        recurrent.copy_(torch.stack(self.recurrent)[index, rows])
+
+    def select(self, cache, index: torch.Tensor) -> None:
+        """Row b's state := record index[b]; then the records are dropped."""
+        if not self.conv:
+            return
+        if self.inputs:
+            self._rerun(cache, index)
+        self._load(cache, index)
+        self.clear()
+
+    def _rerun(self, cache, index: torch.Tensor) -> None:
+        """Restore the state before the blocks and step their inputs again up to the furthest kept position."""
+        conv, recurrent = self._states(cache)
+        conv.copy_(self.conv[0])
+        recurrent.copy_(self.recurrent[0])
+        inputs = torch.cat(self.inputs, dim=1)
+        valid = None if all(v is None for v in self.valids) else torch.cat(
+            [torch.ones(b.shape[:2], dtype=torch.bool, device=b.device) if v is None else v
+             for b, v in zip(self.inputs, self.valids)], dim=1)
+        self.inputs, self.valid = [], None
+        upto = int(index.max())
+        if upto > 0:
+            self._step(inputs, cache, valid, {}, upto=upto)
