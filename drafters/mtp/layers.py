@@ -55,7 +55,7 @@ class MTPConfig:
     loss: "soft" = cross-entropy against the target's distribution at the label (distillation, as EAGLE-3 here);
       "hard" = cross-entropy against the data token (DeepSeek-V3's objective).
     layout: the checkpoint family whose conventions the modules follow and into which they export natively:
-      "deepseek_v3", "qwen3_next", "mimo" or "speculators" (see the module docstring).
+      "deepseek_v3", "qwen3_next", "qwen3_5" (Qwen3.5 / 3.6), "mimo" or "speculators" (see the module docstring).
     init_from_native: before training (Drafter.init_from_data), import the MTP weights that ship in the target's own
       checkpoint (drafters/mtp/export.py) instead of starting from fresh modules; a fine-tune of the model's own MTP.
       Fresh modules start as the identity on the hidden path (see `init_module_`).
@@ -67,7 +67,7 @@ class MTPConfig:
     num_steps: int | None = None
     loss_weights: tuple[float, ...] = ()
     loss: Literal["soft", "hard"] = "soft"
-    layout: Literal["deepseek_v3", "qwen3_next", "mimo", "speculators"] = "deepseek_v3"
+    layout: Literal["deepseek_v3", "qwen3_next", "qwen3_5", "mimo", "speculators"] = "deepseek_v3"
     init_from_native: bool = False
     sample_drafts: bool = False
 
@@ -87,6 +87,7 @@ class Convention:
 LAYOUTS: dict[str, Convention] = {
     "deepseek_v3": Convention(embedding_first=True, mask_first_position=True, feed_back_normed=False),
     "qwen3_next": Convention(embedding_first=True, mask_first_position=False, feed_back_normed=True),
+    "qwen3_5": Convention(embedding_first=True, mask_first_position=False, feed_back_normed=True),  # Qwen3-Next's
     "mimo": Convention(embedding_first=False, mask_first_position=True, feed_back_normed=True),
     "speculators": Convention(embedding_first=True, mask_first_position=False, feed_back_normed=True),
 }

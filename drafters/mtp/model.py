@@ -21,7 +21,7 @@ the token k + 1 places after the anchor: label position i + k + 2 = a + 1 + k.
 - max_draft_tokens: num_modules, or None with `reuse`.
 - The target's embedding and lm_head come from TargetInfo and are never parameters.
 - Persistence: native (config + state dict), "speculators", and the target-checkpoint layouts "deepseek_v3",
-  "qwen3_next", "mimo" (drafters/mtp/export.py); `from_target` builds the target's own MTP modules, which
+  "qwen3_next", "qwen3_5", "mimo" (drafters/mtp/export.py); `from_target` builds the target's own MTP modules, which
   `draftsmith eval --drafter native-mtp` uses (drafters.load_drafter).
 
 Shapes: B batch, T sequence, N rows, K depths, P positions kept per row, D hidden, V vocab.
