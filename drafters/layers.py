@@ -59,6 +59,10 @@ def hf_layer_config(config: Any, target_info: TargetInfo, model_type: str,
     if heads % kv_heads:
         raise ValueError(f"drafter.num_key_value_heads {kv_heads} must divide num_attention_heads {heads}")
     intermediate = config.intermediate_size or target.get("intermediate_size")
+    if not intermediate and target.get("moe_intermediate_size") and target.get("num_experts_per_tok"):
+        # An MoE target with no dense width (Qwen3.5-MoE): the FFN width a token passes through, routed + shared.
+        intermediate = (int(target["moe_intermediate_size"]) * int(target["num_experts_per_tok"])
+                        + int(target.get("shared_expert_intermediate_size") or 0))
     if not intermediate:
         raise ValueError("drafter.intermediate_size: the target config has none; set it")
     rope = rope_parameters(target)
@@ -84,6 +88,16 @@ def hf_layer_config(config: Any, target_info: TargetInfo, model_type: str,
         **extra,
         "tie_word_embeddings": False,
     }
+
+
+def per_layer_overrides(config: Mapping[str, Any], new_types: list[str], first: int = 0) -> dict[str, Any]:
+    """Per-layer config overrides (transformers' `per_layer_config`, e.g. Gemma 4's full-attention head dim) for
+    layers `first`, `first + 1`, ... of types `new_types`: each copies the override of the target's last layer of
+    its type, so a drafter layer of a type has that type's shape in the target."""
+    overrides = config.get("per_layer_config") or {}
+    types = list(config.get("layer_types") or [])
+    by_type = {kind: overrides[str(j)] for j, kind in enumerate(types) if str(j) in overrides}
+    return {str(first + i): dict(by_type[kind]) for i, kind in enumerate(new_types) if kind in by_type}
 
 
 class RMSNorm(nn.Module):

@@ -456,7 +456,6 @@ def test_bad_input_names_the_field(tmp_path):
         (DFlashConfig(layer_ids=(1,), block_size=1, mask_token_id=MASK), info, r"drafter\.block_size"),
         (DFlashConfig(layer_ids=(1, 4), mask_token_id=MASK), info, r"drafter\.layer_ids.*\[0, 3\]"),
         (DFlashConfig(layer_ids=(-1, 2), mask_token_id=MASK), info, r"drafter\.layer_ids"),
-        (DFlashConfig(mask_token_id=MASK), info, r"drafter\.layer_ids.*too small"),
         (DFlashConfig(layer_ids=(1,)), info, r"drafter\.mask_token_id"),
         (DFlashConfig(layer_ids=(1,), mask_token_id=40), unused, r"drafter\.mask_token_id 40.*253, 254"),
         (DFlashConfig(layer_ids=(1,), mask_token_id=VOCAB), info, r"drafter\.mask_token_id"),
@@ -469,6 +468,8 @@ def test_bad_input_names_the_field(tmp_path):
     for config, target_info, message in cases:
         with pytest.raises(ValueError, match=message):
             DFlashDrafter(config, target_info)
+    # auto on a target too small for 5 distinct ids: its own ids 1..N-1, spread
+    assert DFlashDrafter(DFlashConfig(mask_token_id=MASK), info).layer_ids == (1, 2, 3)
     drafter = make_drafter(target)
     with pytest.raises(ValueError, match="before begin"):
         drafter.propose(2)

@@ -107,7 +107,8 @@ def build_trainer(recipe: Recipe) -> Trainer:
         scheduler=scheduler, progress=progress, data=data,
         train_features=feature_provider(recipe, "train", target, request, len(data.train), rank),
         eval_features=feature_provider(recipe, "eval", target, request, len(data.eval), rank),
-        eval_prompts=(load_eval_prompts(target.tokenizer, recipe.eval.prompts, recipe.eval.num_prompts)
+        eval_prompts=(load_eval_prompts(target.tokenizer, recipe.eval.prompts, recipe.eval.num_prompts,
+                                        recipe.data.chat_template, recipe.data.chat_template_kwargs)
                       if recipe.eval.num_prompts > 0 else []),
         pad_token_id=target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0)
     if resume is not None:

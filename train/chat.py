@@ -1,4 +1,4 @@
-"""Chat template rendering and the assistant-only loss mask.
+"""The assistant-only loss mask of a conversation rendered with the chat template.
 
 `tokenize_conversation` renders a conversation with the target tokenizer's chat template and marks which tokens the
 drafter is trained on: the content of every assistant turn plus the special token that closes it (<|im_end|>,
@@ -7,7 +7,8 @@ template injects), user turns, role headers such as "<|im_start|>assistant\\n", 
 empty "<think>\\n\\n</think>\\n\\n".
 
 How the spans are found: the conversation is rendered a second time with every message content replaced by a unique
-placeholder. The text between placeholders is what the template adds around each message (the "glue"); the glue is
+placeholder (both renderings through inference/evaluation/chat_template.render_text, with the recipe's template
+options). The text between placeholders is what the template adds around each message (the "glue"); the glue is
 then located in the real rendering in order, so a message's content is exactly the text between its own glue and the
 next, however short or repetitive it is. Tokens are assigned to spans by the tokenizer's character offsets, so the
 mask is right whatever the tokenizer merges.
@@ -16,38 +17,17 @@ mask is right whatever the tokenizer merges.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
+
+from inference.evaluation.chat_template import render_text
 
 Truncation = Literal["truncate", "drop"]
 _PLACEHOLDER = "\ue000{}\ue001"  # private-use code points: never in real text, passed through unchanged by jinja
 _PLACEHOLDER_RE = re.compile("\ue000(\\d+)\ue001")
 
 
-def require_chat_template(tokenizer: Any, chat_template: str | None = None) -> str:
-    """The template to render with: the override, else the tokenizer's own; ValueError when there is neither."""
-    template = chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise ValueError(f"the target tokenizer {name!r} has no chat template; set data.chat_template in the recipe "
-                         "(a jinja template string) to say how conversations are rendered")
-    if isinstance(template, dict):  # tokenizers may hold several named templates
-        if "default" not in template:
-            raise ValueError(f"the tokenizer has named chat templates {sorted(template)} but no 'default'; "
-                             "set data.chat_template")
-        template = template["default"]
-    return template
-
-
-def render(tokenizer: Any, messages: list[dict[str, str]], chat_template: str | None = None, *,
-           add_generation_prompt: bool = False) -> str:
-    """The conversation as text, exactly as the chat template writes it."""
-    template = require_chat_template(tokenizer, chat_template)
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
-
-
-def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], text: str,
-                    chat_template: str | None = None) -> list[tuple[int, int]]:
+def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], text: str, chat_template: str | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[tuple[int, int]]:
     """Character spans of `text` (the rendering of `messages`) that carry the loss.
 
     Returns:
@@ -55,7 +35,7 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], text: str,
         that directly follows it, if any.
     """
     placeholders = [dict(message, content=_PLACEHOLDER.format(i)) for i, message in enumerate(messages)]
-    skeleton = render(tokenizer, placeholders, chat_template)
+    skeleton = render_text(tokenizer, placeholders, chat_template, template_kwargs=template_kwargs)
     found = [(int(m.group(1)), m.start(), m.end()) for m in _PLACEHOLDER_RE.finditer(skeleton)]
     if [index for index, _, _ in found] != list(range(len(messages))):
         raise ValueError("the chat template drops, repeats or reorders message contents; cannot locate assistant "
@@ -113,8 +93,8 @@ def mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_length: int,
-                          chat_template: str | None = None,
-                          truncation: Truncation = "truncate") -> dict[str, Any] | None:
+                          chat_template: str | None = None, truncation: Truncation = "truncate",
+                          template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """Token ids and the assistant-only loss mask of one conversation.
 
     Args:
@@ -123,6 +103,7 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_le
         max_length: the longest sequence kept, in tokens.
         chat_template: jinja template overriding the tokenizer's own.
         truncation: "truncate" keeps the first `max_length` tokens; "drop" returns None for a longer conversation.
+        template_kwargs: template options (enable_thinking, ...), passed to both renderings.
     Returns:
         {"input_ids": [T] ints, "loss_mask": [T] ints in {0, 1}, "truncated": bool}, or None when dropped.
         A conversation without an assistant turn gets an all-zero loss mask.
@@ -131,8 +112,8 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_le
         raise ValueError(f"truncation must be 'truncate' or 'drop', got {truncation!r}")
     if max_length < 1:
         raise ValueError(f"max_length must be positive, got {max_length}")
-    text = render(tokenizer, messages, chat_template)
-    spans = assistant_spans(tokenizer, messages, text, chat_template)
+    text = render_text(tokenizer, messages, chat_template, template_kwargs=template_kwargs)
+    spans = assistant_spans(tokenizer, messages, text, chat_template, template_kwargs)
     try:
         # One token past max_length is enough to know that the conversation is too long (if the tokenizer
         # truncates on the right, which is what we keep).

@@ -19,13 +19,14 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import datasets
 import torch
 
-from train.chat import Truncation, require_chat_template, tokenize_conversation
+from inference.evaluation.chat_template import check_template_kwargs, require_chat_template
+from train.chat import Truncation, tokenize_conversation
 from train.conversations import Format, iter_conversations, resolve_source
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ class DataConfig:
     num_eval_samples: conversations held out for evaluation (taken before `num_samples`, so they do not move).
     seed: shuffle seed.
     chat_template: jinja template replacing the tokenizer's (required when the target has none).
+    chat_template_kwargs: options the template reads, passed to every rendering of this recipe (training data,
+        regeneration, the training probe), e.g. {enable_thinking: false} for Qwen3 / Qwen3.5 without thinking. Give
+        `draftsmith eval` the same through --chat-template-kwargs, or the drafter serves in another mode.
     system_prompt: system message put before conversations that have none (None = whatever the template does).
     max_skip_fraction: the run stops when more than this fraction of records is malformed.
     regenerated_path: a jsonl written by `draftsmith prepare` (train/regenerate.py).
@@ -70,6 +74,7 @@ class DataConfig:
     num_eval_samples: int = 64
     seed: int = 0
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     system_prompt: str | None = None
     max_skip_fraction: float = 0.1
     regenerated_path: str | None = None
@@ -102,6 +107,7 @@ def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
             or no conversation left to train on.
     """
     template = require_chat_template(tokenizer, config.chat_template)
+    check_template_kwargs(template, config.chat_template_kwargs, "data.chat_template_kwargs")
     if config.max_length < 2:
         raise ValueError(f"data.max_length must be at least 2, got {config.max_length}")
     if config.num_eval_samples < 0 or (config.num_samples is not None and config.num_samples < 1):
@@ -188,27 +194,30 @@ def _generate_rows(path: str, fmt: Format, stamp: str):
 
 def _tokenise(split: datasets.Dataset, tokenizer: Any, template: str, config: DataConfig) -> datasets.Dataset:
     settings = [split._fingerprint, tokenizer_fingerprint(tokenizer), template, config.max_length,
-                config.truncation, config.system_prompt, _TOKENIZE_VERSION]
+                config.truncation, config.system_prompt, sorted(config.chat_template_kwargs.items()),
+                _TOKENIZE_VERSION]
     fingerprint = hashlib.sha256(repr(settings).encode()).hexdigest()[:32]
     if len(split) == 0:  # map() on an empty dataset would not create the new columns
         return datasets.Dataset.from_dict({name: [] for name in _TOKENISED_FEATURES}, features=_TOKENISED_FEATURES)
     return split.map(
         _tokenise_batch, batched=True, batch_size=64, remove_columns=split.column_names, features=_TOKENISED_FEATURES,
         fn_kwargs={"tokenizer": tokenizer, "template": template, "max_length": config.max_length,
-                   "truncation": config.truncation, "system_prompt": config.system_prompt},
+                   "truncation": config.truncation, "system_prompt": config.system_prompt,
+                   "template_kwargs": config.chat_template_kwargs},
         num_proc=config.num_proc if config.num_proc > 1 and len(split) >= 2 * config.num_proc else None,
         new_fingerprint=fingerprint, desc="tokenising")
 
 
 def _tokenise_batch(batch: dict[str, list], tokenizer: Any, template: str, max_length: int,
-                    truncation: Truncation, system_prompt: str | None) -> dict[str, list]:
+                    truncation: Truncation, system_prompt: str | None,
+                    template_kwargs: dict[str, Any] | None = None) -> dict[str, list]:
     """Rows: input_ids, loss_mask and a status: ok, truncated, or dropped: too_long (truncation "drop"),
     no_assistant (no assistant turn), prompt_too_long (truncation left no assistant token)."""
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "status": []}
     for messages in batch["messages"]:
         if system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system_prompt}] + messages
-        sample = tokenize_conversation(tokenizer, messages, max_length, template, truncation)
+        sample = tokenize_conversation(tokenizer, messages, max_length, template, truncation, template_kwargs)
         if sample is None:
             status, sample = "too_long", {"input_ids": [], "loss_mask": []}
         elif not any(message["role"] == "assistant" for message in messages):

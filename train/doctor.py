@@ -30,7 +30,7 @@ import sys
 import torch
 
 from drafters import DRAFTERS, checkpoint_kind, load_drafter
-from inference.evaluation.eval import render_prompt
+from inference.evaluation.chat_template import check_chat_template, parse_template_kwargs, render_prompt
 from inference.engine.generate import speculative_generate
 from inference.evaluation.metrics import acceptance_counts
 from inference.evaluation.prompts import load_questions
@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", default="mt_bench", help="builtin prompt set or FastChat question file")
     parser.add_argument("--num-draft-tokens", type=int, default=3, help="k for the engine check")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt")
+    parser.add_argument("--chat-template-kwargs", default=None, metavar="NAME=VALUE,...",
+                        help="options the chat template reads, e.g. enable_thinking=false (the drafter's recipe's)")
     return parser
 
 
@@ -98,11 +100,13 @@ def run(args) -> int:
     kind = checkpoint_kind(args.drafter)
     if kind not in DRAFTERS:
         raise ValueError(f"{args.drafter}: drafter kind {kind!r} is not registered; known: {sorted(DRAFTERS)}")
+    template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
     _, questions = load_questions(args.prompts, num_prompts=5)
     target = TargetModel.from_pretrained(args.target, dtype=torch.float32)
     info = target.target_info()
     use_template = bool(getattr(target.tokenizer, "chat_template", None))
-    prompts = [render_prompt(target.tokenizer, q.turns[:1], [], use_template) for q in questions]
+    check_chat_template(target.tokenizer, use_template, args.target, template_kwargs)
+    prompts = [render_prompt(target.tokenizer, q.turns[:1], [], use_template, template_kwargs) for q in questions]
     print(f"draftsmith doctor: {args.drafter} (drafter kind {kind}) for target {args.target}")
     checks = getattr(DRAFTERS[kind], "export_checks", None)
     rows = [tuple(row) for row in checks(args.drafter, info)] if checks else [

@@ -3,7 +3,7 @@
 Formats by drafter kind (`--help` lists them from the registry; each drafter's `save` refuses, naming the reader
 and the alternative, what its layout cannot carry): EAGLE-3 speculators | eagle3 (plain, vLLM) | sglang (SGLang /
 SpecForge); DFlash dflash (z-lab, read by the dflash package, transformers and vLLM) | speculators; DSpark
-speculators | deepspec; MTP deepseek_v3 | qwen3_next | mimo | speculators; every drafter native.
+speculators | deepspec; MTP deepseek_v3 | qwen3_next | qwen3_5 | mimo | speculators; every drafter native.
 
     draftsmith export runs/smollm2_eagle3/final --format speculators --out runs/smollm2_eagle3/speculators \
         --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from inference.engine.generate import speculative_generate
+from inference.evaluation.chat_template import render_text
 from inference.evaluation.metrics import accept_length_mean, acceptance_counts
 from inference.evaluation.prompts import load_questions
 
@@ -77,13 +78,16 @@ class RunLog:
             self.accelerator.print(f"step {step}: {shown}")
 
 
-def load_eval_prompts(tokenizer, prompts: str, num_prompts: int) -> list[list[int]]:
-    """The first turn of `num_prompts` questions of a prompt set, rendered with the chat template."""
+def load_eval_prompts(tokenizer, prompts: str, num_prompts: int, chat_template: str | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
+    """The first turn of `num_prompts` questions of a prompt set, rendered with the recipe's chat template and
+    template options (data.chat_template, data.chat_template_kwargs), as the training data is."""
     _, questions = load_questions(prompts, num_prompts=num_prompts)
     rendered = []
     for question in questions:
         messages = [{"role": "user", "content": question.turns[0]}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = render_text(tokenizer, messages, chat_template, add_generation_prompt=True,
+                           template_kwargs=template_kwargs)
         rendered.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return rendered
 

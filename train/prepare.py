@@ -62,7 +62,7 @@ def regenerate_share(recipe: Recipe, model, tokenizer, rank: int, num_processes:
                       max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
                       batch_size=settings.batch_size, max_prompt_tokens=settings.max_prompt_tokens,
                       seed=settings.seed + rank, chat_template=recipe.data.chat_template,
-                      use_vllm=settings.use_vllm)
+                      template_kwargs=recipe.data.chat_template_kwargs, use_vllm=settings.use_vllm)
 
 
 def regeneration_model(recipe: Recipe, state: PartialState):

@@ -26,7 +26,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from train.chat import render, require_chat_template
+from inference.evaluation.chat_template import (check_template_kwargs, render_text, require_chat_template,
+                                                 thinking_mismatch)
 
 Generate = Callable[[list[list[int]]], list[tuple[str, int]]]  # prompt ids -> [(answer text, generated tokens)]
 
@@ -34,7 +35,7 @@ Generate = Callable[[list[list[int]]], list[tuple[str, int]]]  # prompt ids -> [
 def regenerate(model: Any, tokenizer: Any, conversations: list[dict[str, Any]], out_path: str, *,
                max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16,
                max_prompt_tokens: int = 2048, seed: int = 0, chat_template: str | None = None,
-               use_vllm: bool = False) -> dict[str, float]:
+               template_kwargs: dict[str, Any] | None = None, use_vllm: bool = False) -> dict[str, float]:
     """Answer every conversation's user turns with the target and append the results to `out_path`.
 
     Args:
@@ -47,6 +48,8 @@ def regenerate(model: Any, tokenizer: Any, conversations: list[dict[str, Any]], 
         max_prompt_tokens: a conversation stops before a turn whose prompt would be longer.
         seed: sampling seed; group g uses seed + g, so a resumed run draws what an uninterrupted one would.
         chat_template: jinja template overriding the tokenizer's.
+        template_kwargs: template options (data.chat_template_kwargs, e.g. enable_thinking) for every prompt; an
+            answer that does not match the mode they ask for (a <think> with thinking off) stops the run.
     Returns:
         {"conversations": written this run, "generated_tokens": ..., "seconds": ..., "tokens_per_second": ...}
     """
@@ -56,6 +59,7 @@ def regenerate(model: Any, tokenizer: Any, conversations: list[dict[str, Any]], 
     if len(set(ids)) != len(ids):
         raise ValueError("conversation ids must be unique (resuming skips by id)")
     template = require_chat_template(tokenizer, chat_template)
+    check_template_kwargs(template, template_kwargs, "data.chat_template_kwargs")
     generate = (_vllm_generator(model, max_new_tokens, temperature, top_p) if use_vllm else
                 _hf_generator(model, tokenizer, max_new_tokens, temperature, top_p))
     done = written_ids(out_path)
@@ -69,7 +73,8 @@ def regenerate(model: Any, tokenizer: Any, conversations: list[dict[str, Any]], 
             if not todo:
                 continue
             torch.manual_seed(seed + group_index)
-            records, num_tokens = _answer_group(generate, tokenizer, template, todo, max_prompt_tokens)
+            records, num_tokens = _answer_group(generate, tokenizer, template, todo, max_prompt_tokens,
+                                                template_kwargs)
             out.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
             out.flush()
             stats["conversations"] += len(records)
@@ -80,7 +85,8 @@ def regenerate(model: Any, tokenizer: Any, conversations: list[dict[str, Any]], 
 
 
 def _answer_group(generate: Generate, tokenizer: Any, template: str, group: list[dict[str, Any]],
-                  max_prompt_tokens: int) -> tuple[list[dict[str, Any]], int]:
+                  max_prompt_tokens: int, template_kwargs: dict[str, Any] | None = None
+                  ) -> tuple[list[dict[str, Any]], int]:
     """Answer a group turn by turn; returns the records to write and the number of generated tokens."""
     histories = [[m for m in c["messages"][:1] if m["role"] == "system"] for c in group]
     questions = [[m["content"] for m in c["messages"] if m["role"] == "user"] for c in group]
@@ -92,7 +98,7 @@ def _answer_group(generate: Generate, tokenizer: Any, template: str, group: list
             if not active[row] or turn >= len(questions[row]):
                 continue
             asked = history + [{"role": "user", "content": questions[row][turn]}]
-            text = render(tokenizer, asked, template, add_generation_prompt=True)
+            text = render_text(tokenizer, asked, template, add_generation_prompt=True, template_kwargs=template_kwargs)
             prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(prompt) > max_prompt_tokens:
                 active[row] = False
@@ -103,6 +109,11 @@ def _answer_group(generate: Generate, tokenizer: Any, template: str, group: list
             break
         for row, (answer, generated) in zip(rows, generate(prompts)):
             num_tokens += generated
+            problem = thinking_mismatch(answer, template_kwargs)
+            if problem:  # the mode never reached the model: training on these answers trains the other mode
+                raise ValueError(f"the regenerated answer to conversation {group[row]['id']!r}, turn {turn + 1}, "
+                                 f"does not match data.chat_template_kwargs: {problem}; check that the chat "
+                                 "template applies the option")
             if not answer:  # an empty answer cannot be trained on, and the next turn would not follow from it
                 active[row] = False
                 continue

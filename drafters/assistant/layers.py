@@ -13,6 +13,8 @@ W assistant width, D target hidden, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from drafters.base import TargetInfo
-from drafters.layers import RMSNorm, SwiGLU, apply_rope, attention
+from drafters.layers import RMSNorm, SwiGLU, apply_rope, attention, per_layer_overrides
 
 
 @dataclass(kw_only=True)
@@ -74,6 +76,24 @@ def text_config(target_info: TargetInfo) -> Mapping[str, Any]:
     if "hidden_size" not in config and isinstance(config.get("text_config"), Mapping):
         config = config["text_config"]
     return config
+
+
+def with_family_layers(config: AssistantConfig, target_info: TargetInfo) -> AssistantConfig:
+    """A fresh assistant for a Gemma 4 target gets Gemma 4's own layers (as Google's assistants have): a
+    gemma4_config derived from the target's text config at the assistant's width, its layers sliding-window but the
+    last (full attention), every layer reusing target K/V, dense MLP. Other targets and imports are left as they are."""
+    target = text_config(target_info)
+    if config.gemma4_config is not None or not str(target.get("model_type") or "").startswith("gemma4"):
+        return config
+    width = int(config.hidden_size or target_info.hidden_size)
+    intermediate = int(config.intermediate_size or target.get("intermediate_size") or 4 * width)
+    types = ["sliding_attention"] * (config.num_layers - 1) + ["full_attention"]
+    derived = {key: value for key, value in target.items() if key not in ("per_layer_config", "architectures")}
+    derived.update(model_type="gemma4_text", hidden_size=width, intermediate_size=intermediate,
+                   num_hidden_layers=config.num_layers, num_kv_shared_layers=config.num_layers, layer_types=types,
+                   per_layer_config=per_layer_overrides(target, types) or None, hidden_size_per_layer_input=0,
+                   vocab_size_per_layer_input=0, enable_moe_block=False)
+    return dataclasses.replace(config, hidden_size=width, intermediate_size=intermediate, gemma4_config=derived)
 
 
 def target_layer_weight(target_info: TargetInfo, layer: int, suffix: str) -> torch.Tensor | None:
@@ -140,6 +160,10 @@ def check_kv_shapes(target_info: TargetInfo, kv_layers: tuple[int, ...], shapes:
 def attention_shape(target_info: TargetInfo) -> AttentionShape:
     """The target's head counts and head dim (its config), which Llama-style assistant layers mirror."""
     config = text_config(target_info)
+    if config.get("kv_lora_rank"):  # MLA caches keys as [no-RoPE part ; decoupled RoPE part] of their own widths
+        raise ValueError(f"drafter: the assistant's plain multi-head queries cannot read the MLA cache of a "
+                         f"{config.get('model_type')} target (compressed K/V, decoupled RoPE keys); train mtp or "
+                         "eagle3 for it")
     heads = int(config.get("num_attention_heads") or 0)
     if heads < 1:
         raise ValueError("drafter: the target config has no num_attention_heads; the assistant mirrors its heads")

@@ -45,6 +45,7 @@ from drafters.assistant.layers import (
     gemma4_text_config,
     resolve_kv_layers,
     text_config,
+    with_family_layers,
 )
 from drafters.base import (DraftContext, Drafter, DraftOutput, FeatureRequest, Proposal, TargetInfo,
                            full_vocab_log_probs)
@@ -62,6 +63,7 @@ class AssistantDrafter(Drafter):
     export_module = assistant_export  # Gemma 4's gemma4_assistant layout (save / load in drafters/base.py)
 
     def __init__(self, config: AssistantConfig, target_info: TargetInfo):
+        config = with_family_layers(config, target_info)
         super().__init__(config, target_info)
         if config.num_steps < 1:
             raise ValueError(f"drafter.num_steps must be >= 1, got {config.num_steps}")

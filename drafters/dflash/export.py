@@ -188,6 +188,7 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
     ours = {k: v for k, v in (header.get(_OURS) or {}).items() if k in _TRAINING_FIELDS and k in known}
     # A foreign checkpoint's mask row is whatever it was trained with; ours records the choice.
     ours.setdefault("allow_text_mask_token", True)
+    ours.setdefault("allow_linear_attention_ids", True)  # and its layer ids (z-lab's Qwen3.5 ones read GDN layers)
     rope = rope_parameters(layer)
     config = DFlashConfig(
         **ours,

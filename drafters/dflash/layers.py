@@ -41,6 +41,7 @@ from torch import nn
 
 from drafters.base import DraftContext, TargetInfo
 from drafters.dflash.anchors import block_attention_mask, block_positions
+from drafters.layer_ids import AUTO, LayerIds, auto_layer_ids, check_hybrid_ids, is_auto, nearest_distinct
 from drafters.layers import (
     KVCache,
     RMSNorm,
@@ -60,7 +61,10 @@ NUM_DEFAULT_LAYER_IDS = 5
 class DFlashConfig:
     """The `drafter:` section of a recipe for kind "dflash". None = derive (see the module docstring).
 
-    layer_ids: target features by our layer ids, () = the z-lab default converted. num_layers: draft layers.
+    layer_ids: target features by our layer ids, or "auto": the z-lab default converted (on a small target every
+      id of [1, N-1] when there are at most 5; on a hybrid moved onto full-attention layers' outputs; see
+      drafters/layer_ids.py).
+      allow_linear_attention_ids keeps ids that read a hybrid's linear-attention layers. num_layers: draft layers.
     block_size: S tokens per block (the anchor + S-1 masked slots); a proposal is at most S-1 tokens.
     num_anchors: blocks per training sequence, redrawn every epoch. loss_decay_gamma: depth decay of the loss.
     mask_token_id / allow_text_mask_token: the mask row of the target vocabulary.
@@ -72,7 +76,8 @@ class DFlashConfig:
     intermediate_size ... rope_theta: the draft layers' shapes, None = mirror the target.
     """
 
-    layer_ids: tuple[int, ...] = ()
+    layer_ids: LayerIds = AUTO
+    allow_linear_attention_ids: bool = False
     num_layers: int = 5
     block_size: int = 16
     num_anchors: int = 512
@@ -94,22 +99,23 @@ def default_layer_ids(num_target_layers: int, count: int = NUM_DEFAULT_LAYER_IDS
     return tuple(round(1 + i * (n - 4) / (count - 1)) + 1 for i in range(count))
 
 
-def resolve_layer_ids(config: DFlashConfig, num_target_layers: int) -> tuple[int, ...]:
-    """The configured ids or the default; every id must lie in [0, N-1]."""
-    n = num_target_layers
-    if config.layer_ids:
+def resolve_layer_ids(config: DFlashConfig, target_info: TargetInfo) -> tuple[int, ...]:
+    """The configured ids or `auto`; every id must lie in [0, N-1], and on a hybrid read a full-attention layer."""
+    n = target_info.num_layers
+    if not is_auto(config.layer_ids):
         layer_ids = tuple(int(i) for i in config.layer_ids)
-    else:
-        layer_ids = default_layer_ids(n)
-        if len(set(layer_ids)) < len(layer_ids) or not all(0 <= i < n for i in layer_ids):
-            raise ValueError(f"drafter.layer_ids: a {n}-layer target is too small for {NUM_DEFAULT_LAYER_IDS} "
-                             f"distinct default ids (got {list(layer_ids)}); set drafter.layer_ids explicitly, "
-                             f"ids in [0, {n - 1}]")
-    bad = [i for i in layer_ids if not 0 <= i < n]
-    if bad:
-        raise ValueError(f"drafter.layer_ids {list(layer_ids)}: ids {bad} are outside [0, {n - 1}] (id k = the input "
-                         f"of decoder layer k; id {n}, the final pre-norm output, is not allowed)")
-    return layer_ids
+        bad = [i for i in layer_ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"drafter.layer_ids {list(layer_ids)}: ids {bad} are outside [0, {n - 1}] (id k = the "
+                             f"input of decoder layer k; id {n}, the final pre-norm output, is not allowed)")
+        check_hybrid_ids(layer_ids, target_info.config, n - 1, "drafter.layer_ids", config.allow_linear_attention_ids)
+        return layer_ids
+    layer_ids = default_layer_ids(n)
+    if len(set(layer_ids)) < len(layer_ids) or not all(0 <= i < n for i in layer_ids):
+        if n < 2:
+            raise ValueError(f"drafter.layer_ids: a {n}-layer target has no id in [1, {n - 1}]; set drafter.layer_ids")
+        layer_ids = nearest_distinct(layer_ids, list(range(1, n)))  # a small (debug) target: its own ids, spread
+    return auto_layer_ids(layer_ids, target_info.config, n - 1, "drafter.layer_ids")
 
 
 def resolve_mask_token_id(config: DFlashConfig, target_info: TargetInfo) -> int:

@@ -83,7 +83,7 @@ class DFlashDrafter(Drafter):
     def __init__(self, config: DFlashConfig, target_info: TargetInfo):
         super().__init__(config, target_info)
         check_config(config, target_info.vocab_size)
-        self.layer_ids = resolve_layer_ids(config, target_info.num_layers)
+        self.layer_ids = resolve_layer_ids(config, target_info)
         self.mask_token_id = resolve_mask_token_id(config, target_info)
         # The drafter's own copy names the resolved ids, so checkpoints carry them explicitly.
         self.config = dataclasses.replace(config, layer_ids=self.layer_ids, mask_token_id=self.mask_token_id)

@@ -175,6 +175,7 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
     rope = rope_parameters(layer)
     config = DSparkConfig(
         layer_ids=tuple(layer_ids),
+        allow_linear_attention_ids=True,  # a foreign checkpoint's ids are what it was trained on
         num_layers=int(layer["num_hidden_layers"]),
         block_size=int(header["block_size"]),
         mask_token_id=int(header["mask_token_id"]),

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from drafters.dflash.layers import DFlashConfig
+from drafters.layer_ids import AUTO, LayerIds
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn", "none")
 
@@ -40,7 +41,8 @@ MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn", "none")
 class DSparkConfig:
     """The `drafter:` section of a recipe for kind "dspark". None = derive as DFlash does.
 
-    Backbone (DFlash's; see DFlashConfig): layer_ids, num_layers, mask_token_id, allow_text_mask_token,
+    Backbone (DFlash's; see DFlashConfig): layer_ids ("auto" or ids), allow_linear_attention_ids, num_layers,
+      mask_token_id, allow_text_mask_token,
       intermediate_size ... rope_theta. block_size: S inputs [anchor, MASK x (S-1)] give S drafts (slot k predicts
       the token anchor + k + 1, the anchor slot included), so a proposal is at most S tokens. num_anchors: blocks per
       training sequence, redrawn every epoch.
@@ -52,7 +54,8 @@ class DSparkConfig:
       () = uncalibrated.
     """
 
-    layer_ids: tuple[int, ...] = ()
+    layer_ids: LayerIds = AUTO
+    allow_linear_attention_ids: bool = False
     num_layers: int = 5
     block_size: int = 7
     num_anchors: int = 512
@@ -76,7 +79,8 @@ class DSparkConfig:
 
 def backbone_config(config: DSparkConfig) -> DFlashConfig:
     """The DFlash backbone DSpark runs on (DFlash's resolve / shape rules then apply unchanged)."""
-    return DFlashConfig(layer_ids=config.layer_ids, num_layers=config.num_layers, block_size=config.block_size,
+    return DFlashConfig(layer_ids=config.layer_ids, allow_linear_attention_ids=config.allow_linear_attention_ids,
+                        num_layers=config.num_layers, block_size=config.block_size,
                         num_anchors=config.num_anchors, mask_token_id=config.mask_token_id,
                         allow_text_mask_token=config.allow_text_mask_token,
                         intermediate_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,

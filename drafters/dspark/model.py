@@ -81,7 +81,7 @@ class DSparkDrafter(Drafter):
         if config.num_layers < 1 or config.num_anchors < 1:
             raise ValueError(f"drafter.num_layers ({config.num_layers}) and drafter.num_anchors ({config.num_anchors})"
                              " must be >= 1")
-        self.layer_ids = resolve_layer_ids(backbone, target_info.num_layers)
+        self.layer_ids = resolve_layer_ids(backbone, target_info)
         self.mask_token_id = resolve_mask_token_id(backbone, target_info)
         self.config = dataclasses.replace(config, layer_ids=self.layer_ids, mask_token_id=self.mask_token_id,
                                           confidence_temperatures=tuple(map(float, config.confidence_temperatures)))

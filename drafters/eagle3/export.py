@@ -239,6 +239,7 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
         raise ValueError(f"{directory}: {err}") from None
     config = Eagle3Config(
         layer_ids=layer_ids,
+        allow_linear_attention_ids=True,  # a foreign checkpoint's ids are what it was trained on
         num_layers=int(layer["num_hidden_layers"]),
         draft_vocab_size=draft_vocab_size,
         ttt_steps=int(ours.get("ttt_steps") or proposals[0].get("speculative_tokens", 7)),

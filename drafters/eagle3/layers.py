@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from drafters.base import TargetInfo
+from drafters.layer_ids import AUTO, LayerIds, auto_layer_ids, check_hybrid_ids, is_auto
 from drafters.layers import RMSNorm, SwiGLU, apply_rope, hf_layer_config
 
 @dataclass(kw_only=True)
@@ -25,9 +26,12 @@ class Eagle3Config:
       its random init, so the token path trains exactly as from scratch (zeros there would also train, since the
       hidden half is non-zero, but random keeps the token visible from step one).
     sample_drafts: propose by sampling from the draft distribution q and return it (sampling runs); else argmax.
+    layer_ids: target layer ids (vLLM convention) or "auto": (2, N//2, N-3), on a hybrid moved onto full-attention
+      layers' outputs (drafters/layer_ids.py); allow_linear_attention_ids keeps ids that read linear-attention layers.
     """
 
-    layer_ids: tuple[int, ...] = ()
+    layer_ids: LayerIds = AUTO
+    allow_linear_attention_ids: bool = False
     num_layers: int = 1
     draft_vocab_size: int = 8192
     ttt_steps: int = 7
@@ -50,24 +54,28 @@ def default_layer_ids(num_target_layers: int) -> tuple[int, ...]:
     return (2, n // 2, n - 3)
 
 
-def resolve_layer_ids(config: Eagle3Config, num_target_layers: int) -> tuple[int, ...]:
+def resolve_layer_ids(config: Eagle3Config, target_info: TargetInfo) -> tuple[int, ...]:
     """The target layer ids the drafter reads, sorted and unique, every id in [0, N] (vLLM convention).
 
     vLLM captures each aux layer once, in increasing id order, and concatenates the features in that order
     (`sorted(set(ids))`), so the drafter orders its fc input the same way: a configured list is sorted, and a
     configured id listed twice is an error (it would give the fc a block vLLM never fills). The default
-    (2, N//2, N-3) repeats ids on targets of fewer than 8 layers; it is de-duplicated, as vLLM does.
+    (2, N//2, N-3) repeats ids on targets of fewer than 8 layers; it is de-duplicated, as vLLM does. On a hybrid
+    target the ids must read full-attention layers (drafters/layer_ids.py).
     """
-    n = num_target_layers
-    layer_ids = tuple(int(i) for i in config.layer_ids) or default_layer_ids(n)
+    n, auto = target_info.num_layers, is_auto(config.layer_ids)
+    layer_ids = default_layer_ids(n) if auto else tuple(int(i) for i in config.layer_ids)
     bad = [i for i in layer_ids if not 0 <= i <= n]
     if bad:
-        source = "" if config.layer_ids else f" (the default (2, N//2, N-3) for N={n}; set it explicitly)"
+        source = f" (the default (2, N//2, N-3) for N={n}; set it explicitly)" if auto else ""
         raise ValueError(f"drafter.layer_ids {list(layer_ids)}{source}: ids {bad} are outside [0, {n}]")
     repeated = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
-    if repeated and config.layer_ids:
+    if repeated and not auto:
         raise ValueError(f"drafter.layer_ids {list(layer_ids)}: ids {repeated} are listed more than once; vLLM captures"
                          " each layer once (sorted, unique), so list each id once")
+    if auto:
+        return auto_layer_ids(tuple(sorted(set(layer_ids))), target_info.config, n, "drafter.layer_ids")
+    check_hybrid_ids(layer_ids, target_info.config, n, "drafter.layer_ids", config.allow_linear_attention_ids)
     return tuple(sorted(set(layer_ids)))
 
 

@@ -39,6 +39,7 @@ from drafters.eagle3.layers import (
     resolve_layer_ids,
 )
 from drafters.eagle3.tree import DraftTree
+from drafters.layer_ids import is_auto
 from drafters.layers import (
     FrozenTargetTensors,
     KVCache,
@@ -71,7 +72,7 @@ class Eagle3Drafter(Drafter):
             raise ValueError(f"drafter.draft_vocab_size {config.draft_vocab_size} must be in [1, {vocab_size}]")
         if config.num_layers < 1 or config.ttt_steps < 1:
             raise ValueError("drafter.num_layers and drafter.ttt_steps must be >= 1")
-        self.layer_ids = resolve_layer_ids(config, target_info.num_layers)
+        self.layer_ids = resolve_layer_ids(config, target_info)
         self.layer_config = draft_layer_config(config, target_info)
         self.fc = nn.Linear(len(self.layer_ids) * hidden, hidden, bias=False)
         self.layers = nn.ModuleList(
@@ -385,7 +386,7 @@ class Eagle3Drafter(Drafter):
         fc blocks in the configured order (the default (2, N//2, N-3) included): they are folded into sorted unique
         order, which computes exactly the same function."""
         config, state = super().read_native(directory, header, target_info)
-        listed = tuple(config.layer_ids) or default_layer_ids(target_info.num_layers)
+        listed = default_layer_ids(target_info.num_layers) if is_auto(config.layer_ids) else tuple(config.layer_ids)
         if "fc.weight" in state and state["fc.weight"].shape[1] == len(listed) * target_info.hidden_size:
             layer_ids, state["fc.weight"] = fold_fc_columns(state["fc.weight"], listed, target_info.hidden_size)
             config = dataclasses.replace(config, layer_ids=layer_ids)

@@ -3,7 +3,7 @@
 Reference: algorithms_eagle3_mtp.md B.1-B.4 and formats_and_serving.md 2.2. Layouts (k = 0 .. D-1, N = the target's
 number of decoder layers; "block" = the module's decoder layer under the layer prefix, in the checkpoint's own names):
 
-| ours (per module) | deepseek_v3: model.layers.{N+k}. | qwen3_next (D = 1): mtp.     | mimo: model.mtp_layers.{k}. |
+| ours (per module) | deepseek_v3: model.layers.{N+k}. | qwen3_next, qwen3_5: mtp.    | mimo: model.mtp_layers.{k}. |
 | enorm.weight      | enorm.weight                     | pre_fc_norm_embedding.weight | token_layernorm.weight      |
 | hnorm.weight      | hnorm.weight                     | pre_fc_norm_hidden.weight    | hidden_layernorm.weight     |
 | eh_proj.weight    | eh_proj.weight                   | fc.weight                    | input_proj.weight           |
@@ -11,6 +11,12 @@ number of decoder layers; "block" = the module's decoder layer under the layer p
 | block.*           | (same prefix).*                  | mtp.layers.{k}.*             | (same prefix).*             |
 DeepSeek-V3 also stores a copy of the shared embedding and head per module (embed_tokens.weight,
 shared_head.head.weight); draftsmith uses the target's own tensors and refuses a checkpoint whose copies differ.
+Qwen3.5 / 3.6 (dense and MoE) use Qwen3-Next's names and conventions; what differs is the config key that counts the
+modules (`mtp_num_hidden_layers`, in text_config for the multimodal checkpoints, where vLLM's Qwen3.5 MTP reads it;
+Qwen3-Next: `num_nextn_predict_layers`) and that its MoE experts may be stored fused (experts.gate_up_proj) or one by
+one: an export keeps the form the source stores. The two are told apart by the target's model_type, since their
+tensor names are the same. Both hold one fc and one set of norms for all their decoder layers (vLLM applies them at
+every step), so an export carries exactly one module (ours has its own fc and norms per module).
 
 - Import (`find_native`, `read_native`): the layout is recognised from the tensor names alone; the target's model_type
   and the drafter's `layout` must agree with it. Fused experts: checkpoints store experts one by one
@@ -46,14 +52,17 @@ from drafters.base import TargetInfo, check_target_match
 from drafters.mtp.layers import LAYOUTS, MTPConfig, target_text_config
 from drafters.speculators import speculators_section
 
-NATIVE_LAYOUTS = ("deepseek_v3", "qwen3_next", "mimo")
+NATIVE_LAYOUTS = ("deepseek_v3", "qwen3_next", "qwen3_5", "mimo")
 EXPORT_FORMATS = NATIVE_LAYOUTS + ("speculators",)
 SPECULATORS_VERSION = "0.3.0"
 MTP_SHARD = "model-mtp.safetensors"
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # Target model types whose checkpoints ship MTP weights in a known layout (a mismatch is an error).
 FAMILY_LAYOUTS = {"deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "glm4_moe": "deepseek_v3",
-                  "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_next", "qwen3_5_moe": "qwen3_next", "mimo": "mimo"}
+                  "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5",
+                  "qwen3_5_moe_text": "qwen3_5", "mimo": "mimo"}
+# The config key that counts the MTP modules, per layout (qwen3_5: in text_config when there is one).
+COUNT_KEYS = {"qwen3_5": "mtp_num_hidden_layers"}
 _FIXED = {  # our module-local name -> the layout's name under its module prefix
     "deepseek_v3": {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
                     "final_norm.weight": "shared_head.norm.weight"},
@@ -63,6 +72,7 @@ _FIXED = {  # our module-local name -> the layout's name under its module prefix
              "eh_proj.weight": "input_proj.weight", "final_norm.weight": "final_layernorm.weight"},
 }
 _FIXED["speculators"] = _FIXED["mimo"]
+_FIXED["qwen3_5"] = _FIXED["qwen3_next"]
 _SHARED = {"embed_tokens.weight": "embed_weight", "shared_head.head.weight": "lm_head_weight"}  # deepseek_v3 copies
 _MARKERS = {  # tensor-name pattern that marks a layout, with the module index as group 1
     "deepseek_v3": r"model\.layers\.(\d+)\.eh_proj\.weight",
@@ -77,7 +87,7 @@ def module_prefix(layout: str, num_layers: int, k: int) -> tuple[str, str]:
     """(prefix of the fixed names, prefix of the block) of module k in `layout`."""
     if layout == "deepseek_v3":
         return (f"model.layers.{num_layers + k}.",) * 2
-    if layout == "qwen3_next":
+    if layout in ("qwen3_next", "qwen3_5"):
         return "mtp.", f"mtp.layers.{k}."
     if layout == "mimo":
         return (f"model.mtp_layers.{k}.",) * 2
@@ -146,6 +156,8 @@ def find_native(directory: str, num_layers: int, model_type: str | None = None) 
     if len(found) > 1:
         raise ValueError(f"{directory}: MTP tensors of several layouts ({', '.join(found)}); cannot tell which to use")
     layout, indices = next(iter(found.items()))
+    if layout == "qwen3_next" and FAMILY_LAYOUTS.get(model_type or "") == "qwen3_5":
+        layout = "qwen3_5"  # the same names: the family decides
     if indices != list(range(len(indices))):
         raise ValueError(f"{directory}: {layout} MTP modules numbered {indices} (relative to the {num_layers} target"
                          " layers); expected 0..D-1")
@@ -226,7 +238,7 @@ def _is_mtp(name: str, layout: str, num_layers: int) -> bool:
     if layout == "deepseek_v3":
         match = re.match(r"model\.layers\.(\d+)\.", name)
         return bool(match) and int(match.group(1)) >= num_layers
-    return name.startswith("mtp.") if layout == "qwen3_next" else name.startswith("model.mtp_layers.")
+    return name.startswith("mtp.") if layout in ("qwen3_next", "qwen3_5") else name.startswith("model.mtp_layers.")
 
 
 def _check_shared_copies(directory, index, prefix: str, target_info: TargetInfo) -> None:
@@ -251,20 +263,26 @@ def check_exportable(drafter, fmt: str) -> None:
         raise ValueError(f"--format {fmt}: servers run that layout with other conventions ({theirs.describe()}) than"
                          f" this drafter was trained with (drafter.layout {drafter.config.layout!r}: "
                          f"{ours.describe()}); train with drafter.layout: {fmt} to export it there")
-    if fmt in ("qwen3_next", "speculators") and drafter.config.num_modules != 1:
+    expected = FAMILY_LAYOUTS.get(str(target_text_config(drafter.target_info).get("model_type") or ""))
+    if fmt in NATIVE_LAYOUTS and expected is not None and expected != fmt:
+        raise ValueError(f"--format {fmt}: the target's family ships its MTP weights in the {expected} layout, which "
+                         f"is what its servers read; export with --format {expected} (train with drafter.layout: "
+                         f"{expected})")
+    if fmt in ("qwen3_next", "qwen3_5", "speculators") and drafter.config.num_modules != 1:
         raise ValueError(f"--format {fmt} carries exactly one MTP module; drafter.num_modules is "
                          f"{drafter.config.num_modules}")
 
 
-def layout_tensors(drafter, layout: str) -> dict[str, torch.Tensor]:
-    """The drafter's modules under `layout`'s names (block experts split for the checkpoint layouts)."""
+def layout_tensors(drafter, layout: str, fused_experts: bool = False) -> dict[str, torch.Tensor]:
+    """The drafter's modules under `layout`'s names (block experts split for the checkpoint layouts, unless
+    `fused_experts`: a Qwen3.5 source that stores them fused)."""
     num_layers, out = drafter.target_info.num_layers, {}
     for k, module in enumerate(drafter.layers):
         state = {name: t.detach().cpu() for name, t in module.state_dict().items()}
         fixed_prefix, block_prefix = module_prefix(layout, num_layers, k)
         out.update({fixed_prefix + theirs: state[ours] for ours, theirs in _FIXED[layout].items()})
         block = {name.removeprefix("block."): t for name, t in state.items() if name.startswith("block.")}
-        if layout != "speculators":
+        if layout != "speculators" and not fused_experts:
             block = split_experts(block)
         out.update({block_prefix + name: t for name, t in block.items()})
         if layout == "deepseek_v3":
@@ -297,8 +315,9 @@ def write_native_layout(drafter, directory: str, layout: str) -> None:
     num_layers = drafter.target_info.num_layers
     old = {name for name in index if any(_is_mtp(name, known, num_layers) for known in NATIVE_LAYOUTS)}
     dtype = _stored_dtype(source, index)
+    fused = any(_is_mtp(name, layout, num_layers) and name.endswith("experts.gate_up_proj") for name in index)
     ours = {name: t.to(dtype if t.is_floating_point() else t.dtype).contiguous()
-            for name, t in layout_tensors(drafter, layout).items()}
+            for name, t in layout_tensors(drafter, layout, fused).items()}
     os.makedirs(directory, exist_ok=True)
     weight_map = {name: file for name, file in index.items() if name not in old}
     for file in sorted(os.listdir(source)):
@@ -317,7 +336,10 @@ def write_native_layout(drafter, directory: str, layout: str) -> None:
         json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     with open(os.path.join(source, "config.json")) as f:
         config = json.load(f)
-    config["num_nextn_predict_layers"] = drafter.config.num_modules
+    key = COUNT_KEYS.get(layout, "num_nextn_predict_layers")
+    counted = config["text_config"] if key in COUNT_KEYS.values() and isinstance(config.get("text_config"),
+                                                                                  dict) else config
+    counted[key] = drafter.config.num_modules
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
 

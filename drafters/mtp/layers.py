@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import TargetInfo
+from drafters.layers import per_layer_overrides
 
 
 @dataclass(kw_only=True)
@@ -54,7 +55,7 @@ class MTPConfig:
     loss: "soft" = cross-entropy against the target's distribution at the label (distillation, as EAGLE-3 here);
       "hard" = cross-entropy against the data token (DeepSeek-V3's objective).
     layout: the checkpoint family whose conventions the modules follow and into which they export natively:
-      "deepseek_v3", "qwen3_next", "mimo" or "speculators" (see the module docstring).
+      "deepseek_v3", "qwen3_next", "qwen3_5" (Qwen3.5 / 3.6), "mimo" or "speculators" (see the module docstring).
     init_from_native: before training (Drafter.init_from_data), import the MTP weights that ship in the target's own
       checkpoint (drafters/mtp/export.py) instead of starting from fresh modules; a fine-tune of the model's own MTP.
       Fresh modules start as the identity on the hidden path (see `init_module_`).
@@ -66,7 +67,7 @@ class MTPConfig:
     num_steps: int | None = None
     loss_weights: tuple[float, ...] = ()
     loss: Literal["soft", "hard"] = "soft"
-    layout: Literal["deepseek_v3", "qwen3_next", "mimo", "speculators"] = "deepseek_v3"
+    layout: Literal["deepseek_v3", "qwen3_next", "qwen3_5", "mimo", "speculators"] = "deepseek_v3"
     init_from_native: bool = False
     sample_drafts: bool = False
 
@@ -86,6 +87,7 @@ class Convention:
 LAYOUTS: dict[str, Convention] = {
     "deepseek_v3": Convention(embedding_first=True, mask_first_position=True, feed_back_normed=False),
     "qwen3_next": Convention(embedding_first=True, mask_first_position=False, feed_back_normed=True),
+    "qwen3_5": Convention(embedding_first=True, mask_first_position=False, feed_back_normed=True),  # Qwen3-Next's
     "mimo": Convention(embedding_first=False, mask_first_position=True, feed_back_normed=True),
     "speculators": Convention(embedding_first=True, mask_first_position=False, feed_back_normed=True),
 }
@@ -150,7 +152,11 @@ def family_classes(model_type: str) -> FamilyClasses:
     if not layer_names:
         raise ValueError(f"target model_type {model_type!r}: no decoder layer class found in {module.__name__}")
     prefix = layer_names[0].removesuffix("DecoderLayer")
-    classes = [getattr(module, n, None) for n in (layer_names[0], prefix + "RMSNorm", prefix + "RotaryEmbedding")]
+    family = prefix.removesuffix("Text")  # Gemma4TextDecoderLayer beside Gemma4RMSNorm
+    names = (layer_names[0], *(next((n for n in (prefix + part, family + part, family + "Text" + part)
+                                     if getattr(module, n, None) is not None), prefix + part)
+                               for part in ("RMSNorm", "RotaryEmbedding")))
+    classes = [getattr(module, n, None) for n in names]  # Qwen3.5: Qwen3_5RMSNorm, Qwen3_5TextRotaryEmbedding
     if any(c is None for c in classes):
         raise ValueError(f"target model_type {model_type!r}: {module.__name__} lacks one of {prefix}DecoderLayer, "
                          f"{prefix}RMSNorm, {prefix}RotaryEmbedding, which the MTP block is built from")
@@ -166,14 +172,16 @@ def block_config(target_info: TargetInfo, num_modules: int):
     values = target_text_config(target_info)
     model_type = values.pop("model_type", None) or "llama"
     family = BLOCK_FAMILY_ALIASES.get(model_type, model_type)
+    num_layers, total = target_info.num_layers, target_info.num_layers + num_modules
+    layer_types = values.get("layer_types")
+    if isinstance(layer_types, (list, tuple)):  # families with per-layer settings (Gemma 4) size them by layer count
+        added = ["full_attention"] * (total - len(layer_types))
+        per_layer = {**(values.get("per_layer_config") or {}), **per_layer_overrides(values, added, len(layer_types))}
+        values.update(layer_types=(list(layer_types) + added)[:total], num_hidden_layers=total,
+                      **({"per_layer_config": per_layer} if per_layer else {}))
     config = AutoConfig.for_model(family, **values)
     config._attn_implementation = "sdpa"
     config._experts_implementation = "eager"  # MoE blocks: transformers' exact per-expert loop
-    num_layers = target_info.num_layers
-    layer_types = getattr(config, "layer_types", None)
-    if isinstance(layer_types, (list, tuple)) and len(layer_types) < num_layers + num_modules:
-        extra = num_layers + num_modules - len(layer_types)
-        config.layer_types = list(layer_types) + ["full_attention"] * extra
     return config
 
 
@@ -195,14 +203,16 @@ class MTPModule(nn.Module):
         self.final_norm = classes.norm(hidden, eps)
         parameters = inspect.signature(self.block.forward).parameters
         self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
+        self._shares_kv = "shared_kv_states" in parameters  # Gemma 4 layers write into a dict a later layer reads
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
                 position_embeddings, cache=None) -> torch.Tensor:
         """embeds, hidden [B, n, D]; mask [B or 1, 1, n, C] bool; position_ids [B, n] -> pre-norm output [B, n, D]."""
         parts = [self.enorm(embeds), self.hnorm(hidden)]
         x = self.eh_proj(torch.cat(parts if self.embedding_first else parts[::-1], dim=-1))
+        extra = {"shared_kv_states": {}} if self._shares_kv else {}
         out = self.block(x, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings,
-                         **{self._cache_arg: cache})
+                         **{self._cache_arg: cache}, **extra)
         return out[0] if isinstance(out, tuple) else out
 
 

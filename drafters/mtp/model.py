@@ -21,7 +21,7 @@ the token k + 1 places after the anchor: label position i + k + 2 = a + 1 + k.
 - max_draft_tokens: num_modules, or None with `reuse`.
 - The target's embedding and lm_head come from TargetInfo and are never parameters.
 - Persistence: native (config + state dict), "speculators", and the target-checkpoint layouts "deepseek_v3",
-  "qwen3_next", "mimo" (drafters/mtp/export.py); `from_target` builds the target's own MTP modules, which
+  "qwen3_next", "qwen3_5", "mimo" (drafters/mtp/export.py); `from_target` builds the target's own MTP modules, which
   `draftsmith eval --drafter native-mtp` uses (drafters.load_drafter).
 
 Shapes: B batch, T sequence, N rows, K depths, P positions kept per row, D hidden, V vocab.
@@ -29,6 +29,7 @@ Shapes: B batch, T sequence, N rows, K depths, P positions kept per row, D hidde
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -91,6 +92,9 @@ class MTPDrafter(Drafter):
         self.layers = nn.ModuleList(MTPModule(self.block_config, num_layers + k, classes, first)
                                     for k in range(config.num_modules))
         self.rotary = classes.rotary(self.block_config)
+        # Families with one RoPE per attention type (Gemma 4) take the type: the MTP block is full attention.
+        self._rope_kind = (("full_attention",) if "layer_type" in inspect.signature(self.rotary.forward).parameters
+                           else ())
         self._frozen = FrozenTargetTensors(target_info)
         self._depths: list[_Depth] = []
         self._generator = None
@@ -165,7 +169,7 @@ class MTPDrafter(Drafter):
         if self.convention.mask_first_position:
             embeds = embeds.masked_fill((position_ids == 0).unsqueeze(-1), 0.0)
         if position_embeddings is None:
-            position_embeddings = self.rotary(embeds, position_ids)
+            position_embeddings = self.rotary(embeds, position_ids, *self._rope_kind)
         pre = module(embeds, hidden.to(embeds.dtype), mask, position_ids, position_embeddings, cache)
         normed = module.final_norm(pre)
         return (normed if self.convention.feed_back_normed else pre), normed
@@ -188,7 +192,7 @@ class MTPDrafter(Drafter):
         batch_index, position, label_position, depth_valid = position_cells(batch, steps)
         hidden = batch["target_last_hidden"]
         positions = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-        position_embeddings = self.rotary(hidden.to(self.layers[0].eh_proj.weight.dtype), positions)
+        position_embeddings = self.rotary(hidden.to(self.layers[0].eh_proj.weight.dtype), positions, *self._rope_kind)
         mask = causal_mask(seq_len, device)
         tokens = F.pad(input_ids, (0, steps + 1))  # depth k at position i reads tokens[i + k + 1]
         normed_rows = []

@@ -4,7 +4,7 @@ The readers are vLLM (`vllm serve DIR`: method mtp, the architecture picked from
 num_nextn_predict_layers 1 only) and speculators. An MTP module reads the target's final hidden state, so there are
 no layer ids; what can go wrong silently is a verifier config that is not the target's (another family picks another
 MTP architecture, other sizes another model), a module tensor missing (a reader keeps it at a random init), or
-tensors the readers do not expect. The target-checkpoint layouts (deepseek_v3, qwen3_next, mimo) are target
+tensors the readers do not expect. The target-checkpoint layouts (deepseek_v3, qwen3_next, qwen3_5, mimo) are target
 directories that `draftsmith eval --drafter native-mtp` reads; they are not drafter directories.
 """
 

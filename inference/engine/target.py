@@ -167,7 +167,10 @@ class TargetModel:
         are monotonic, so this is the model's own argmax. The forward always runs to the end: training serves the
         final hidden state (the teacher) and the argmax with every batch."""
         self.check_request(FeatureRequest(layer_ids=tuple(layer_ids), kv_layers=tuple(kv_layers)))
-        cache = {self.runner.cache_arg: DynamicCache()} if kv_layers else {}
+        # A hybrid's linear-attention layers need their own state slots in the cache; other layers stay full length.
+        types = getattr(self.model.config.get_text_config(decoder=True), "layer_types", None) or ()
+        fresh = DynamicCache(config=self.model.config) if "linear_attention" in types else DynamicCache()
+        cache = {self.runner.cache_arg: fresh} if kv_layers else {}
         keep = {} if return_logits else {"logits_to_keep": 1}
         with self.capture(layer_ids, want_last_hidden=True) as captured:
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=bool(kv_layers),

@@ -25,7 +25,8 @@ import torch
 from drafters import load_drafter
 from drafters.dspark.calibration import NUM_BINS, TEMPERATURE_GRID, calibration_report, check_rounds, fit_sts
 from drafters.files import write_json_atomic
-from inference.evaluation.eval import _split, check_chat_template, load_prompt_sets, render_prompt
+from inference.evaluation.chat_template import check_chat_template, parse_template_kwargs, render_prompt
+from inference.evaluation.eval import _split, load_prompt_sets
 from inference.engine.generate import speculative_generate
 from inference.engine.target import TargetModel
 
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompts as plain text")
+    parser.add_argument("--chat-template-kwargs", default=None, metavar="NAME=VALUE,...",
+                        help="options the chat template reads, e.g. enable_thinking=false (the drafter's recipe's)")
     parser.add_argument("--out", required=True, help="directory for calibration.json and reliability.png")
     return parser
 
@@ -112,17 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.prompts = _split(args.prompts)
+    args.chat_template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
     args.categories = _split(args.categories) if args.categories else None
     prompt_sets = load_prompt_sets(args)
     target = TargetModel.from_pretrained(args.target, dtype=torch.float32)
-    check_chat_template(target.tokenizer, not args.no_chat_template, args.target)
+    check_chat_template(target.tokenizer, not args.no_chat_template, args.target, args.chat_template_kwargs)
     drafter = load_drafter(args.drafter, target.target_info())
     store = getattr(drafter, "store_confidence_temperatures", None)
     if drafter is None or store is None or drafter.max_draft_tokens() is None:
         raise ValueError(f"--drafter {args.drafter!r}: not a drafter with a confidence head (DSpark) that stores "
                          "calibration temperatures")
     drafter = drafter.eval()
-    prompts = [render_prompt(target.tokenizer, q.turns[:1], [], not args.no_chat_template)
+    prompts = [render_prompt(target.tokenizer, q.turns[:1], [], not args.no_chat_template, args.chat_template_kwargs)
                for _, questions in prompt_sets for q in questions]
     logits, labels, valid = collect(target, drafter, prompts, args)
     check_rounds(valid)

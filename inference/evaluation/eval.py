@@ -32,6 +32,7 @@ import transformers
 from tqdm import tqdm
 
 from inference.engine.costs import profile_costs
+from inference.evaluation.chat_template import check_chat_template, parse_template_kwargs, render_prompt
 from inference.engine.generate import GenerateOutput
 from inference.evaluation.methods import Method, generate, load_methods
 from inference.evaluation.metrics import annotate_recommendations, build_record, merge_outputs
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="add the records to the report at --out (refused unless it has this run's configuration)")
     parser.add_argument("--outputs", default=None, help="jsonl of generated answers, one line per prompt and turn")
     parser.add_argument("--no-chat-template", action="store_true", help="feed turns as plain text")
+    parser.add_argument("--chat-template-kwargs", default=None, metavar="NAME=VALUE,...",
+                        help="options the chat template reads, e.g. enable_thinking=false (give the drafter's "
+                             "data.chat_template_kwargs: a drafter served in another mode than it was trained in "
+                             "accepts far less)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--target-path", default="auto", choices=("auto", "hf"),
                         help="auto: the target's linears laid out for small row counts where supported "
@@ -114,6 +119,9 @@ def validate(args: argparse.Namespace) -> None:
     args.categories = _split(args.categories) if args.categories else None
     args.schedule = parse_schedule_specs(args.schedule)
     args.tree_budget = _numbers(args.tree_budget, "--tree-budget", int) if args.tree_budget else []
+    args.chat_template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
+    if args.chat_template_kwargs and args.no_chat_template:
+        raise ValueError("--chat-template-kwargs: the prompts are plain text (--no-chat-template); drop one of them")
     for budget in args.tree_budget:
         try:
             check_budget(budget)
@@ -148,26 +156,6 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def check_chat_template(tokenizer, use_chat_template: bool, target_name: str) -> None:
-    if use_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"target {target_name!r} has no chat template in its tokenizer; pass --no-chat-template to "
-                         "feed the prompts as plain text")
-
-
-def render_prompt(tokenizer, turns: list[str], answers: list[str], use_chat_template: bool) -> list[int]:
-    """Token ids of the conversation so far: turns[i] answered by answers[i], the last turn not yet answered."""
-    if not use_chat_template:
-        parts = [text for pair in zip(turns, answers + [None]) for text in pair if text is not None]
-        return tokenizer("\n\n".join(parts))["input_ids"]
-    messages = []
-    for turn, answer in zip(turns, answers + [None]):
-        messages.append({"role": "user", "content": turn})
-        if answer is not None:
-            messages.append({"role": "assistant", "content": answer})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 @dataclass
 class RunResult:
     """One method over one prompt set: GenerateOutputs per category, token ids per (question index, turn)."""
@@ -194,7 +182,7 @@ def run_methods(target, methods: list[Method], questions: list, args, temperatur
                 batch = active[start: start + batch_size]
                 for method, result, history, sink in zip(methods, results, answers, sinks):
                     prompts = [render_prompt(target.tokenizer, questions[i].turns[: turn + 1], history[i],
-                                             not args.no_chat_template) for i in batch]
+                                             not args.no_chat_template, args.chat_template_kwargs) for i in batch]
                     out = generate(target, method, prompts, max_new_tokens=args.max_new_tokens,
                                    temperature=temperature, top_p=args.top_p, top_k=args.top_k,
                                    seed=args.seed + calls, eos_token_ids=eos)
@@ -259,7 +247,8 @@ def load_prompt_sets(args) -> list[tuple[str, list]]:
 
 def warm_up(target, methods: list[Method], questions: list, args) -> None:
     """One short untimed generation per drafter so one-time costs do not land in the first timed run."""
-    prompt = [render_prompt(target.tokenizer, questions[0].turns[:1], [], not args.no_chat_template)]
+    prompt = [render_prompt(target.tokenizer, questions[0].turns[:1], [], not args.no_chat_template,
+                            args.chat_template_kwargs)]
     eos = target.target_info().eos_token_ids
     seen = set()
     for method in [Method("none", None, 0)] + methods:
@@ -273,7 +262,8 @@ def profile_drafters(target, methods: list[Method], questions: list, args, batch
     """Cost profile of every drafter at this batch size (inference/engine/costs.profile_costs, on the first question
     repeated batch_size times) up to its widest method; gives it to each method (auto's AdaptiveK, the prefix
     scheduler). Returns {id(drafter): the profile in AR steps and seconds} for the records."""
-    prompt = render_prompt(target.tokenizer, questions[0].turns[:1], [], not args.no_chat_template)
+    prompt = render_prompt(target.tokenizer, questions[0].turns[:1], [], not args.no_chat_template,
+                           args.chat_template_kwargs)
     widest: dict[int, tuple] = {}
     for method in (m for m in methods if m.tree_budget is None):  # trees need no chain profile
         previous = widest.get(id(method.drafter), (method.drafter, 0))[1]
@@ -315,6 +305,7 @@ def run_config(args, device) -> dict:
     return {"target": args.target, "max_new_tokens": args.max_new_tokens, "top_p": args.top_p,
             "top_k": args.top_k, "seed": args.seed, "chat_template": not args.no_chat_template,
             "target_path": args.target_path,
+            "chat_template_kwargs": args.chat_template_kwargs or None,
             "num_prompts": args.num_prompts, "categories": args.categories,
             "environment": environment(torch.device(device))}
 
@@ -342,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         previous = read_appendable(args.out, config) if args.append else []  # checked before anything loads
         target = TargetModel.from_pretrained(args.target, dtype=torch.float32, device=device,
                                              fast_path=args.target_path == "auto")
-        check_chat_template(target.tokenizer, not args.no_chat_template, args.target)
+        check_chat_template(target.tokenizer, not args.no_chat_template, args.target, args.chat_template_kwargs)
         methods = load_methods(args.drafter, target, args.num_draft_tokens, args.tree_budget)
         chains = [m for m in methods if m.tree_budget is None]  # schedules cut chains; trees ignore them
         if args.schedule != ["fixed"] and chains:

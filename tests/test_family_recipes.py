@@ -1,0 +1,87 @@
+"""Every debug recipe trains on the study's families by target name alone (`draftsmith train recipes/debug/X.yaml
+target.name_or_path=debug:NAME`): all recipes on a hybrid (Qwen3.5: gated DeltaNet + full attention), one recipe
+on every family; one step each, with the in-training speculative probe through the engine. On a hybrid the served
+layer ids are full-attention outputs (drafters/layer_ids.py), and a linear-attention id is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from drafters.layer_ids import attention_output_ids, auto_layer_ids, nearest_distinct
+from inference.assets.debug_target import DEBUG_TARGETS
+from train.cli import main as cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = ["eagle3", "dflash", "dspark", "mtp", "medusa", "assistant"]
+HYBRID = "tiny-qwen3.5"
+RUNS = [(recipe, HYBRID) for recipe in RECIPES] + [("eagle3", name) for name in DEBUG_TARGETS if name != HYBRID]
+# The assistant's queries are plain multi-head attention; MLA's compressed cache is refused by name.
+REFUSED = {("assistant", "tiny-deepseek-v3"): "cannot read the MLA cache of a deepseek_v3 target"}
+SHORT = ["train.max_steps=1", "train.epochs=null", "data.num_samples=4", "data.num_eval_samples=2",
+         "train.batch_size=2", "train.eval_every=null", "train.save_every=null", "train.phases=[]",
+         "eval.num_batches=1", "eval.num_prompts=1", "eval.max_new_tokens=4"]
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
+    records = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Tell me about the number {i}."},
+                                            {"role": "assistant", "content": f"The number {i} is a number. " * 6}]}
+               for i in range(6)]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return str(path)
+
+
+def train(recipe: str, target: str, out: str, chats: str, *extra: str) -> int:
+    return cli(["train", os.path.join(ROOT, "recipes", "debug", f"tiny_{recipe}.yaml"),
+                f"target.name_or_path=debug:{target}", f"output.dir={out}", f"data.path={chats}", *SHORT, *extra])
+
+
+@pytest.mark.parametrize("recipe,target", RUNS + list(REFUSED))
+def test_debug_recipe_trains_on_the_family(recipe, target, chats, tmp_path, capsys):
+    status = train(recipe, target, str(tmp_path / "run"), chats)
+    if (recipe, target) in REFUSED:
+        err = capsys.readouterr().err
+        assert status == 2 and "Traceback" not in err and REFUSED[(recipe, target)] in err
+        return
+    assert status == 0, capsys.readouterr().err[-2000:]
+    with open(tmp_path / "run" / "final" / "config.json") as f:
+        header = json.load(f)
+    assert header["target"]["name_or_path"].endswith(f"debug-{target}-v2")
+    with open(os.path.join(header["target"]["name_or_path"], "config.json")) as f:
+        target_config = json.load(f)
+    allowed = attention_output_ids(target_config, header["target"]["num_layers"])
+    assert (allowed is None) == (target not in ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"))
+    if allowed is not None:  # every id a hybrid's drafter reads is a full-attention layer's output
+        assert set(header["target_layer_ids"]) <= set(allowed), header["target_layer_ids"]
+
+
+@pytest.mark.parametrize("recipe,ids,message", [
+    ("eagle3", "[1,4]", r"id 1 reads the output of layer 0 \(linear_attention\) of this hybrid target; a served "
+                        r"drafter reads full-attention layers' outputs, ids \[2, 4\]"),
+    ("dflash", "[3]", r"id 3 reads the output of layer 2 \(linear_attention\).*ids \[2\]"),
+    ("dspark", "[0,2]", r"id 0 reads the embeddings of this hybrid target"),
+])
+def test_a_linear_attention_layer_id_is_refused_in_one_line(recipe, ids, message, chats, tmp_path, capsys):
+    import re
+
+    assert train(recipe, HYBRID, str(tmp_path / "run"), chats, f"drafter.layer_ids={ids}") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and re.search(f"drafter.layer_ids: {message}", err), err[-600:]
+    extra = [f"drafter.layer_ids={ids}", "drafter.allow_linear_attention_ids=true"]  # the opt-out trains
+    assert train(recipe, HYBRID, str(tmp_path / "kept"), chats, *extra) == 0
+
+
+def test_auto_moves_the_published_defaults_onto_full_attention_outputs():
+    qwen35_27b = {"layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16}  # 64 layers
+    assert attention_output_ids(qwen35_27b, 64) == list(range(4, 65, 4))
+    assert auto_layer_ids((2, 32, 61), qwen35_27b, 64, "f") == (4, 32, 60)  # EAGLE-3's (2, N//2, N-3)
+    assert auto_layer_ids((2, 17, 32, 47, 62), qwen35_27b, 63, "f") == (4, 16, 32, 48, 60)  # DFlash, ids < N
+    assert auto_layer_ids((2, 18, 34), {"layer_types": ["full_attention"] * 36}, 36, "f") == (2, 18, 34)
+    assert nearest_distinct([5, 5, 5], [4, 8]) == (4, 8)  # fewer candidates than targets: each used once
+    with pytest.raises(ValueError, match="no full-attention layer"):
+        auto_layer_ids((1,), {"layer_types": ["linear_attention", "full_attention"]}, 1, "f")
