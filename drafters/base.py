@@ -270,6 +270,9 @@ class Drafter(nn.Module):
     # `export_module` is a kind's export.py, or None for a native-only kind. It provides EXPORT_FORMATS (the layouts
     # it writes besides native), detect_format(header) -> one of them or None, write(drafter, directory, fmt) and
     # read(directory, header, fmt, target_info) -> (config, state dict); save / load / detect_format dispatch to it.
+    # Two more members, each None where the kind has none: export_checks(directory, target_info) -> the
+    # `draftsmith doctor` rows (drafters/readers.Check) for a checkpoint in any of its formats, and
+    # store_confidence_temperatures(directory, temperatures) writes `draftsmith calibrate`'s fit into one.
     export_module: ClassVar[ModuleType | None] = None
 
     @classmethod

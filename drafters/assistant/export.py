@@ -88,3 +88,6 @@ def write(drafter, directory: str, fmt: str) -> None:
             tensors[theirs] = tensor.detach().contiguous().cpu()
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
+
+export_checks = None  # no format checks modelled for its readers (drafters/base.py: the export module's contract)
+store_confidence_temperatures = None  # no confidence head

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from drafters.base import TargetInfo
-from drafters.eagle3.readers import Check
+from drafters.readers import Check
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ discarded. So one drafter forward proposes S-1 tokens.
 - Persistence: native (config.json with draftsmith_kind + model.safetensors); the resolved layer ids and mask token
   id are written into the saved config, so a checkpoint names them explicitly. Serving layouts (z-lab,
   speculators) live in drafters/dflash/export.py (`export_module`, to which the base class's `save` / `load`
-  dispatch); `export_checks` (drafters/dflash/readers.py, `draftsmith doctor`) says which readers load an export
-  correctly.
+  dispatch); its `export_checks` (drafters/dflash/readers.py, `draftsmith doctor`) says which readers load an
+  export correctly.
 
 Parameter names (fixed: the export reads them): fc.weight, hidden_norm.weight, norm.weight,
 layers.{i}.{input_layernorm,post_attention_layernorm}.weight, layers.{i}.self_attn.{q,k,v,o}_proj.weight,
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
-from drafters.dflash import export, readers
+from drafters.dflash import export
 from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.layers import (
     DFlashConfig,
@@ -263,9 +263,3 @@ class DFlashDrafter(Drafter):
         return Proposal(tokens=drafts if draft_ids is None else draft_ids[drafts],
                         log_probs=full_vocab_log_probs(logits, draft_ids, self.target_info.vocab_size))
 
-    # ---- persistence (save / load / detect_format: drafters/base.py, through export_module) ----------------------
-    @staticmethod
-    def export_checks(directory: str, target_info: TargetInfo) -> list:
-        """What `draftsmith doctor` checks in a checkpoint of this kind: Check(name, status, detail) rows saying
-        which readers load it correctly (drafters/dflash/readers.py)."""
-        return readers.export_checks(directory, target_info)

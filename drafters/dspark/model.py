@@ -21,8 +21,8 @@ contract's terms depth k = slot k, label position a + 1 + k.
   rejection sampling with that q is lossless. The confidence logits (computed before each draw) and the calibration
   temperatures come with the proposal; the engine may schedule from them (inference/engine/schedule.py).
 - Persistence: native (config.json with draftsmith_kind + model.safetensors); speculators' "dspark" layout and
-  DeepSpec's layout live in drafters/dspark/export.py. `store_confidence_temperatures` writes the temperatures
-  `draftsmith calibrate` fitted into a checkpoint of any of the three formats.
+  DeepSpec's layout live in drafters/dspark/export.py, whose `store_confidence_temperatures` writes the
+  temperatures `draftsmith calibrate` fitted into a checkpoint of any of the three formats.
 
 Parameter names: fc, hidden_norm, norm, layers.{i}.* (as DFlash), markov_head.markov_w1 (Embedding V x r),
 markov_head.markov_w2 (Linear r -> V), markov_head.gate_proj (gated) / joint_proj (rnn), confidence_head.proj.
@@ -53,7 +53,7 @@ from drafters.dflash.layers import (
     resolve_layer_ids,
     resolve_mask_token_id,
 )
-from drafters.dspark import export, readers
+from drafters.dspark import export
 from drafters.dspark.layers import (
     ConfidenceHead,
     DSparkConfig,
@@ -287,12 +287,3 @@ class DSparkDrafter(Drafter):
         check_config(config)
         self.config = config
 
-    @staticmethod
-    def store_confidence_temperatures(directory: str, temperatures) -> None:
-        """Write STS temperatures into the checkpoint at `directory` (native, speculators or DeepSpec layout)."""
-        export.store_confidence_temperatures(directory, [float(t) for t in temperatures])
-
-    @staticmethod
-    def export_checks(directory: str, target_info: TargetInfo) -> list:
-        """What `draftsmith doctor` checks in a checkpoint of this kind (drafters/dspark/readers.py)."""
-        return readers.export_checks(directory, target_info)

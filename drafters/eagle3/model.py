@@ -12,7 +12,7 @@ that. A new LM head over a reduced draft vocabulary (d2t / t2d, drafters/vocab.p
 - Building blocks (config, decoder layer): drafters/eagle3/layers.py.
 - Export: native, "speculators" (vLLM speculators config), "eagle3" (plain LlamaForCausalLMEagle3, for vLLM) and
   "sglang" (SGLang / SpecForge), see drafters/eagle3/export.py; `Eagle3Drafter.load` reads all four, and
-  `export_checks` says which servers read a checkpoint right (drafters/eagle3/readers.py, `draftsmith doctor`).
+  its `export_checks` says which servers read a checkpoint right (drafters/eagle3/readers.py, `draftsmith doctor`).
 
 Parameter names follow the speculators checkpoint (fc, layers.0.self_attn.q_proj, ..., norm, lm_head, d2t, t2d).
 The target's embedding is used directly from TargetInfo and is never a parameter or a persistent buffer.
@@ -29,7 +29,6 @@ from torch import nn
 
 from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
 from drafters.eagle3 import export as export_eagle3
-from drafters.eagle3 import readers as eagle3_readers
 from drafters.eagle3.layers import (
     Eagle3Config,
     Eagle3DecoderLayer,
@@ -369,12 +368,6 @@ class Eagle3Drafter(Drafter):
         return Proposal(tokens=torch.stack(tokens, dim=1), probs=full, log_probs=log_probs)
 
     # ---- persistence (save / load / detect_format: drafters/base.py, through export_module) ----------------------
-    @staticmethod
-    def export_checks(directory: str, target_info: TargetInfo) -> list:
-        """What `draftsmith doctor` checks in a checkpoint of this kind: Check(name, status, detail) rows saying
-        which servers read it correctly (drafters/eagle3/readers.py)."""
-        return eagle3_readers.export_checks(directory, target_info)
-
     def checkpoint_config(self) -> Eagle3Config:
         """The native header names the resolved (sorted, unique) ids: the order of the fc input blocks."""
         return dataclasses.replace(self.config, layer_ids=self.layer_ids)

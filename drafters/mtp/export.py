@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 
 from drafters.base import TargetInfo, check_target_match
 from drafters.mtp.layers import LAYOUTS, MTPConfig, target_text_config
+from drafters.mtp.readers import CHECKS
 from drafters.speculators import speculators_section
 
 NATIVE_LAYOUTS = ("deepseek_v3", "qwen3_next", "mimo")
@@ -388,3 +389,12 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
         inverse = {theirs: ours for ours, theirs in _FIXED["speculators"].items()}
         state["layers.0." + inverse.get(local, "block." + local)] = tensor
     return config, state
+
+
+# ---- the doctor (drafters/base.py: the export module's contract) ------------------------------------------------
+def export_checks(directory: str, target_info: TargetInfo) -> list:
+    """Check an MTP checkpoint directory (speculators layout) against `target_info` the way its readers will."""
+    return CHECKS.run(directory, target_info, detect_format, read)
+
+
+store_confidence_temperatures = None  # no confidence head
