@@ -11,7 +11,8 @@ Reference: algorithms_dflash_dspark.md section 1.1-1.3 (DFlash, Chen et al. 2026
   sit, the anchors, the mask and the supervised cells: drafters/dflash/anchors.py), and `block_embeddings`;
 - the inference-time context caches: `new_context_caches`, `absorb_context` (project verified tokens' features into
   every layer's cache) and `cached_block_forward` (one block against the caches, its own keys/values dropped), so
-  that a drafter on this backbone (DSpark) drafts with them instead of re-implementing them.
+  that a drafter on this backbone drafts with them; drafters/dflash/backbone.BlockBackbone wires them once for DFlash
+  and DSpark.
 
 Decisions:
 - Layer ids use our (vLLM) convention: id k = residual stream entering decoder layer k = HF hidden_states[k]. The

@@ -49,13 +49,13 @@ from drafters.layers import (
     rope_inverse_frequencies,
 )
 from drafters.losses import decayed_sum, output_metrics, soft_cross_entropy
-from drafters.vocab import DraftVocab
+from drafters.vocab import DraftHead
 
 
 _QKV_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(DraftHead, Drafter):
     """EAGLE-3 drafter. See the module docstring for the training, inference and export contracts."""
 
     kind = "eagle3"
@@ -77,11 +77,8 @@ class Eagle3Drafter(Drafter):
             Eagle3DecoderLayer(self.layer_config, i == 0, config.norm_before_residual) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(hidden, self.layer_config["rms_norm_eps"])
-        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.add_draft_head(hidden, config.draft_vocab_size)  # until init_from_data / load: the first V_d target ids
         self.rotary = RotaryEmbedding(*rope_inverse_frequencies(self.layer_config))
-        # Until init_from_data / load: the first draft_vocab_size target ids (d2t all zero).
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.arange(vocab_size) < config.draft_vocab_size)
         self._frozen = FrozenTargetTensors(target_info)
         self._caches: list[KVCache] = []
         self._state: dict[str, torch.Tensor] = {}
@@ -100,28 +97,14 @@ class Eagle3Drafter(Drafter):
     # ---- vocabulary and warm starts ------------------------------------------------------------------------
     def init_from_data(self, token_counts: torch.Tensor) -> None:
         """Pick the draft vocab (top draft_vocab_size by count, ties to the smaller id) and warm-start the head."""
-        if token_counts.numel() != self.target_info.vocab_size:
-            raise ValueError(f"token_counts has {token_counts.numel()} entries, target vocab is {self.t2d.numel()}")
-        self.set_vocab(DraftVocab.from_counts(token_counts.cpu(), self.config.draft_vocab_size))
+        self.pick_draft_vocab(token_counts)
         self._init_head()
-
-    def set_vocab(self, vocab: DraftVocab) -> None:
-        """Install a draft vocabulary (its size must equal draft_vocab_size)."""
-        if vocab.size != self.config.draft_vocab_size or vocab.target_vocab_size != self.t2d.numel():
-            raise ValueError(f"vocab of size {vocab.size} / target {vocab.target_vocab_size} does not fit this drafter")
-        self.d2t.copy_(vocab.d2t.to(self.d2t.device))
-        self.t2d.copy_(vocab.t2d.to(self.t2d.device))
-
-    def draft_ids(self) -> torch.Tensor:
-        """int64 [V_d]: the target id of each draft id."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
     @torch.no_grad()
     def _init_head(self) -> None:
         if not self.config.init_head_from_target:
             return
-        head = self.target_info.lm_head_weight
-        self.lm_head.weight.copy_(head.index_select(0, self.draft_ids().to(head.device)))
+        self.copy_target_rows()
         if self.target_info.final_norm_weight is not None:
             self.norm.weight.copy_(self.target_info.final_norm_weight)
 
