@@ -44,11 +44,6 @@ class DraftVocab:
         order = torch.sort(token_counts.reshape(-1).double(), descending=True, stable=True).indices
         return cls(torch.sort(order[:size]).values.long(), vocab_size)
 
-    @classmethod
-    def from_d2t(cls, d2t: torch.Tensor, target_vocab_size: int) -> "DraftVocab":
-        """Rebuild from the offset table d2t [V_d]."""
-        return cls(torch.arange(d2t.numel(), device=d2t.device) + d2t.long(), target_vocab_size)
-
     @property
     def d2t(self) -> torch.Tensor:
         """int64 [V_d] offsets: target_id = draft_id + d2t[draft_id]."""
@@ -61,20 +56,11 @@ class DraftVocab:
         mask[self.draft_ids] = True
         return mask
 
-    def to_target(self, draft_index: torch.Tensor) -> torch.Tensor:
-        """Draft ids (any shape) -> target ids."""
-        return self.draft_ids[draft_index]
-
     def to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Target ids (any shape) -> draft ids, -1 where the id is outside the draft vocab."""
         index = torch.searchsorted(self.draft_ids, target_ids.clamp(0, self.target_vocab_size - 1))
         index = index.clamp(max=self.size - 1)
         return torch.where(self.draft_ids[index] == target_ids, index, -1)
-
-
-def draft_to_target(draft_index: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
-    """Draft ids -> target ids with the offset table d2t [V_d] (no DraftVocab needed on the hot path)."""
-    return draft_index + d2t[draft_index]
 
 
 class DraftHead:

@@ -43,7 +43,7 @@ def _ours(name: str) -> str | None:
 
 def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: TargetInfo):
     """(AssistantConfig, state dict) of a gemma4_assistant checkpoint for `target_info`."""
-    from drafters.assistant.layers import AssistantConfig
+    from drafters.assistant.config import AssistantConfig
 
     text = dict(header.get("text_config") or {})
     if not text:

@@ -19,8 +19,8 @@ from typing import Any, Mapping
 import torch
 
 from drafters.base import DraftContext, Drafter, TargetInfo
+from drafters.dflash.config import DFlashConfig
 from drafters.dflash.layers import (
-    DFlashConfig,
     absorb_context,
     advance_anchors,
     anchored_blocks,

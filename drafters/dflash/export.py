@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafters.base import TargetInfo, check_target_match
-from drafters.dflash.layers import DFlashConfig
+from drafters.dflash.config import DFlashConfig
 from drafters.dflash.readers import CHECKS, ZLAB_DEFAULT_BLOCK_SIZE, zlab_default_layer_ids
 from drafters.layers import rope_parameters
 from drafters.speculators import speculators_section

@@ -50,7 +50,8 @@ from drafters.base import DraftOutput, Proposal, TargetInfo, full_vocab_log_prob
 from drafters.dflash import export
 from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.backbone import BlockBackbone
-from drafters.dflash.layers import DFlashConfig, check_config, decay_gamma
+from drafters.dflash.config import DFlashConfig
+from drafters.dflash.layers import check_config, decay_gamma
 from drafters.losses import global_mean, output_metrics
 from drafters.vocab import DraftHead, DraftVocab
 

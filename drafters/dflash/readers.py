@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from drafters.base import TargetInfo
-from drafters.dflash.checks import Layout, backbone_checks, field, layer_config, meant_layer_ids
+from drafters.dflash.checks import Layout, at_path, backbone_checks, layer_config, meant_layer_ids
 from drafters.readers import Check, Checkpoint, FormatChecks, d2t_problem, meant_for, reader_verdict
 
 READERS = {
@@ -109,15 +109,15 @@ def draft_vocab_check(header, shapes, index, directory: str, vocab: int) -> Chec
 
 def block_check(fmt: str, header: Mapping[str, Any]) -> Check:
     """block_size >= 2, the same in every place, and (speculators) the proposal length block_size - 1."""
-    block = header.get("block_size", field(header, "dflash_config.block_size"))
+    block = header.get("block_size", at_path(header, "dflash_config.block_size"))
     if block is None:
         return Check("block", "fail", "no block_size (readers default to 8 or 16)")
     problems = [f"block_size {block} < 2"] if int(block) < 2 else []
-    nested = field(header, "dflash_config.block_size")
+    nested = at_path(header, "dflash_config.block_size")
     if nested is not None and int(nested) != int(block):
         problems.append(f"dflash_config.block_size {nested} != block_size {block}")
     if fmt == "speculators":
-        tokens = (field(header, "speculators_config.proposal_methods") or [{}])[0].get("speculative_tokens")
+        tokens = (at_path(header, "speculators_config.proposal_methods") or [{}])[0].get("speculative_tokens")
         if tokens is not None and int(tokens) != int(block) - 1:
             problems.append(f"speculative_tokens {tokens} != block_size - 1 = {int(block) - 1} (vLLM proposes it)")
         if header.get("sample_from_anchor"):
@@ -251,9 +251,9 @@ def _header_view(fmt: str, header: Mapping[str, Any], shapes: Mapping[str, tuple
     """What the file means when our reader refuses it: the ids it was trained with (checks.meant_layer_ids), the
     first mask token and block size written (None when absent), and the head it holds."""
     layout = LAYOUTS[fmt]
-    masks = [field(header, path) for path in layout.mask_places if field(header, path) is not None]
+    masks = [at_path(header, path) for path in layout.mask_places if at_path(header, path) is not None]
     return {"layer_ids": meant_layer_ids(layout, header), "mask_token_id": masks[0] if masks else None,
-            "block_size": header.get("block_size", field(header, "dflash_config.block_size")), "attention": "full",
+            "block_size": header.get("block_size", at_path(header, "dflash_config.block_size")), "attention": "full",
             "anchor_slot": "the bonus token", "draft_head": _head(shapes.get("lm_head.weight", (None,))[0])}
 
 

@@ -36,7 +36,8 @@ from safetensors.torch import save_file
 
 from drafters.base import NATIVE_KIND_KEY, TargetInfo, check_target_match
 from drafters.dflash.export import check_layer_shapes, check_supported, dtype_name, load_weights
-from drafters.dspark.layers import DSparkConfig, backbone_config
+from drafters.dspark.config import DSparkConfig
+from drafters.dspark.layers import backbone_config
 from drafters.dspark.readers import CHECKS
 from drafters.files import write_json_atomic
 from drafters.layers import rope_parameters

@@ -42,9 +42,9 @@ from drafters.base import DraftContext, DraftOutput, Proposal, TargetInfo, full_
 from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.backbone import BlockBackbone
 from drafters.dspark import export
+from drafters.dspark.config import DSparkConfig
 from drafters.dspark.layers import (
     ConfidenceHead,
-    DSparkConfig,
     MarkovHead,
     backbone_config,
     check_config,

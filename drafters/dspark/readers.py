@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from drafters.base import TargetInfo
-from drafters.dflash.checks import Layout, backbone_checks, field
+from drafters.dflash.checks import Layout, at_path, backbone_checks
 from drafters.readers import Check, Checkpoint, FormatChecks
 
 _HEADS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
@@ -48,7 +48,7 @@ def block_check(fmt: str, header: Mapping[str, Any]) -> Check:
         return Check("block", "fail", "no block_size")
     problems = [f"block_size {block} < 1"] if int(block) < 1 else []
     if fmt == "speculators":
-        tokens = (field(header, "speculators_config.proposal_methods") or [{}])[0].get("speculative_tokens")
+        tokens = (at_path(header, "speculators_config.proposal_methods") or [{}])[0].get("speculative_tokens")
         if tokens is not None and int(tokens) != int(block):
             problems.append(f"speculative_tokens {tokens} != block_size {block} (the anchor slot drafts too)")
         if header.get("sample_from_anchor") is False:

@@ -34,7 +34,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafters.base import TargetInfo, check_target_match
-from drafters.eagle3.layers import Eagle3Config, fold_fc_columns
+from drafters.eagle3.config import Eagle3Config
+from drafters.eagle3.layers import fold_fc_columns
 from drafters.eagle3.readers import CHECKS, listed_layer_ids, nested_layer_ids
 from drafters.layers import rope_parameters
 from drafters.speculators import speculators_section

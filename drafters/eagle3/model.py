@@ -9,7 +9,7 @@ that. A new LM head over a reduced draft vocabulary (d2t / t2d, drafters/vocab.p
   `ttt_steps` is read from `self.config` at every forward, so a trainer may change it between steps
   (e.g. `drafter.config.ttt_steps = 1` for a cheap first phase, then 7).
 - Inference: a stateful chain proposer with its own per-row KV cache (`begin` / `propose` / `commit`).
-- Building blocks (config, decoder layer): drafters/eagle3/layers.py.
+- Config: drafters/eagle3/config.py; building blocks (decoder layer): drafters/eagle3/layers.py.
 - Export: native, "speculators" (vLLM speculators config), "eagle3" (plain LlamaForCausalLMEagle3, for vLLM) and
   "sglang" (SGLang / SpecForge), see drafters/eagle3/export.py; `Eagle3Drafter.load` reads all four, and
   its `export_checks` says which servers read a checkpoint right (drafters/eagle3/readers.py, `draftsmith doctor`).
@@ -29,15 +29,15 @@ from torch import nn
 
 from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
 from drafters.eagle3 import export as export_eagle3
+from drafters.eagle3.config import Eagle3Config
 from drafters.eagle3.layers import (
-    Eagle3Config,
     Eagle3DecoderLayer,
     default_layer_ids,
     draft_layer_config,
     fold_fc_columns,
     resolve_layer_ids,
 )
-from drafters.eagle3.tree import DraftTree
+from drafters.eagle3.tree import ExpansionTree
 from drafters.layers import (
     FrozenTargetTensors,
     KVCache,
@@ -303,7 +303,7 @@ class Eagle3Drafter(DraftHead, Drafter):
         if bool((parents < 0).all()):  # the root
             for cache in self._caches:
                 cache.rewind()
-            self._tree = DraftTree.root(self._state["hidden"], self._caches[0].lengths)
+            self._tree = ExpansionTree.root(self._state["hidden"], self._caches[0].lengths)
             return full_vocab_log_probs(self._state["logits"][:, None], self.draft_ids(), vocab_size)
         tree = self._tree
         parent_hidden = tree.parent_hidden(parents)

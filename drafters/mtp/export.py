@@ -43,7 +43,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from drafters.base import TargetInfo, check_target_match
-from drafters.mtp.layers import LAYOUTS, MTPConfig, target_text_config
+from drafters.mtp.config import MTPConfig
+from drafters.mtp.layers import LAYOUTS, target_text_config
 from drafters.mtp.readers import CHECKS
 from drafters.speculators import speculators_section
 
@@ -391,10 +392,9 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
     return config, state
 
 
-# ---- the doctor (drafters/base.py: the export module's contract) ------------------------------------------------
+store_confidence_temperatures = None  # no confidence head (drafters/base.py: the export module's contract)
+
+
 def export_checks(directory: str, target_info: TargetInfo) -> list:
-    """Check an MTP checkpoint directory (speculators layout) against `target_info` the way its readers will."""
+    """`draftsmith doctor`'s checks of an MTP checkpoint directory (speculators layout) against `target_info`."""
     return CHECKS.run(directory, target_info, detect_format, read)
-
-
-store_confidence_temperatures = None  # no confidence head

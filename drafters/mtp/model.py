@@ -41,10 +41,10 @@ from drafters.base import (DraftContext, Drafter, DraftOutput, FeatureRequest, P
 from drafters.layers import FrozenTargetTensors, draw_drafts
 from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss
 from drafters.mtp import export as mtp_export
+from drafters.mtp.config import MTPConfig
 from drafters.mtp.layers import (
     LAYOUTS,
     BlockCache,
-    MTPConfig,
     MTPModule,
     block_config,
     causal_mask,
