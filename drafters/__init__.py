@@ -32,12 +32,6 @@ DRAFTERS: dict[str, type[Drafter]] = {
 NAMED_DRAFTERS = {"native-mtp": MTPDrafter.from_target}
 
 
-def build_drafter(kind: str, config, target_info: TargetInfo) -> Drafter:
-    if kind not in DRAFTERS:
-        raise ValueError(f"unknown drafter kind {kind!r}; choose one of {sorted(DRAFTERS)}")
-    return DRAFTERS[kind](config, target_info)
-
-
 def checkpoint_kind(directory: str) -> str:
     """Which registered drafter reads `directory`: the native header names it, else each class's `detect_format`."""
     path = os.path.join(directory, "config.json")
@@ -73,5 +67,4 @@ def load_drafter(spec: str, target_info: TargetInfo) -> Drafter | None:
     return DRAFTERS[kind].load(spec, target_info)
 
 
-__all__ = ["DRAFTERS", "DraftContext", "DraftOutput", "Drafter", "Proposal", "TargetInfo", "build_drafter",
-           "load_drafter"]
+__all__ = ["DRAFTERS", "DraftContext", "DraftOutput", "Drafter", "Proposal", "TargetInfo", "load_drafter"]

@@ -118,7 +118,7 @@ class FeatureRequest:
 class Proposal:
     """tokens [B, K] in target ids; probs [B, K, V] draft distribution in target vocab, or None for deterministic
     (argmax / lookup) drafts, which verification treats as one-hot q. `num_valid` [B] lets a row propose fewer than K
-    (an n-gram miss); positions past it are never accepted. `parents` is reserved for trees (None = chain).
+    (an n-gram miss); positions past it are never accepted.
     confidence_logits [B, K]: the drafter's logit that draft j is accepted given that drafts < j were (DSpark's
     confidence head), computed before draft j is drawn; confidence_temperature [K]: the calibration that makes
     sigmoid(logit / temperature) honest, None = uncalibrated. The engine schedules verification from them
@@ -130,7 +130,6 @@ class Proposal:
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     num_valid: torch.Tensor | None = None
-    parents: torch.Tensor | None = None
     confidence_logits: torch.Tensor | None = None
     confidence_temperature: torch.Tensor | None = None
     log_probs: torch.Tensor | None = None
@@ -270,6 +269,9 @@ class Drafter(nn.Module):
     # `export_module` is a kind's export.py, or None for a native-only kind. It provides EXPORT_FORMATS (the layouts
     # it writes besides native), detect_format(header) -> one of them or None, write(drafter, directory, fmt) and
     # read(directory, header, fmt, target_info) -> (config, state dict); save / load / detect_format dispatch to it.
+    # Two more members, each None where the kind has none: export_checks(directory, target_info) -> the
+    # `draftsmith doctor` rows (drafters/readers.Check) for a checkpoint in any of its formats, and
+    # store_confidence_temperatures(directory, temperatures) writes `draftsmith calibrate`'s fit into one.
     export_module: ClassVar[ModuleType | None] = None
 
     @classmethod

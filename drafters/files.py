@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -73,10 +73,14 @@ def write_json_atomic(path: str, data: Any, indent: int | None = None) -> None:
 
 
 @contextlib.contextmanager
-def replace_directory(final_dir: str) -> Iterator[str]:
+def replace_directory(final_dir: str, keep: Callable[[str], bool] | None = None) -> Iterator[str]:
     """Yield a fresh temporary directory next to `final_dir`; when the block succeeds it replaces `final_dir`, when it
     raises the temporary directory is removed and `final_dir` is left exactly as it was (a full disk is reported
-    as a DiskFullError naming `final_dir`)."""
+    as a DiskFullError naming `final_dir`).
+
+    keep: for a cache that several processes may fill at once with the same content (DDP ranks building one
+    model): a `final_dir` that keep(final_dir) accepts as complete is left in place and ours is discarded, so a
+    process already reading it never sees it replaced."""
     parent = os.path.dirname(os.path.abspath(final_dir))
     os.makedirs(parent, exist_ok=True)
     tmp_dir = _temporary_name(final_dir)
@@ -84,11 +88,17 @@ def replace_directory(final_dir: str) -> Iterator[str]:
     try:
         with disk_full_reported(final_dir):
             yield tmp_dir
+        if keep is not None and keep(final_dir):
+            return
         old = None
         if os.path.isdir(final_dir):
             old = _temporary_name(final_dir)
             os.rename(final_dir, old)
-        os.rename(tmp_dir, final_dir)
+        try:
+            os.rename(tmp_dir, final_dir)
+        except OSError:  # another process renamed its complete copy into place first
+            if keep is None or not keep(final_dir):
+                raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     finally:

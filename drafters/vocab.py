@@ -3,6 +3,7 @@
 Two tables describe it, exactly as the speculators / vLLM checkpoints store them:
 - d2t  int64 [V_d]: offsets, target_id = draft_id + d2t[draft_id];
 - t2d  bool  [V]:   whether a target id is in the draft vocab.
+`DraftHead` is the LM head over it that EAGLE-3 and DFlash share.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -42,11 +44,6 @@ class DraftVocab:
         order = torch.sort(token_counts.reshape(-1).double(), descending=True, stable=True).indices
         return cls(torch.sort(order[:size]).values.long(), vocab_size)
 
-    @classmethod
-    def from_d2t(cls, d2t: torch.Tensor, target_vocab_size: int) -> "DraftVocab":
-        """Rebuild from the offset table d2t [V_d]."""
-        return cls(torch.arange(d2t.numel(), device=d2t.device) + d2t.long(), target_vocab_size)
-
     @property
     def d2t(self) -> torch.Tensor:
         """int64 [V_d] offsets: target_id = draft_id + d2t[draft_id]."""
@@ -59,10 +56,6 @@ class DraftVocab:
         mask[self.draft_ids] = True
         return mask
 
-    def to_target(self, draft_index: torch.Tensor) -> torch.Tensor:
-        """Draft ids (any shape) -> target ids."""
-        return self.draft_ids[draft_index]
-
     def to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Target ids (any shape) -> draft ids, -1 where the id is outside the draft vocab."""
         index = torch.searchsorted(self.draft_ids, target_ids.clamp(0, self.target_vocab_size - 1))
@@ -70,6 +63,42 @@ class DraftVocab:
         return torch.where(self.draft_ids[index] == target_ids, index, -1)
 
 
-def draft_to_target(draft_index: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
-    """Draft ids -> target ids with the offset table d2t [V_d] (no DraftVocab needed on the hot path)."""
-    return draft_index + d2t[draft_index]
+class DraftHead:
+    """A reduced-vocabulary LM head, mixed into a drafter (an nn.Module): `lm_head` [V_d, D] plus the `d2t` / `t2d`
+    buffers, warm-started from the target's rows of the draft ids. It lives on the drafter itself, not in a child
+    module, so lm_head.weight, d2t and t2d stay the top-level names every serving layout stores. A drafter whose
+    lm_head is None uses the target's full vocabulary (draft_ids None)."""
+
+    lm_head: nn.Linear | None  # set by the drafter: None, or by add_draft_head
+
+    def add_draft_head(self, hidden_size: int, draft_vocab_size: int) -> None:
+        """Create the head; until `pick_draft_vocab` or a load it covers the first draft_vocab_size target ids."""
+        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(self.target_info.vocab_size) < draft_vocab_size)
+
+    def draft_ids(self) -> torch.Tensor | None:
+        """int64 [V_d]: the target id of each draft index, or None for the full target vocabulary."""
+        if self.lm_head is None:
+            return None
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def pick_draft_vocab(self, token_counts: torch.Tensor) -> None:
+        """The V_d most frequent tokens of token_counts [V] (ties to the smaller id) become the draft vocabulary."""
+        if token_counts.numel() != self.target_info.vocab_size:
+            raise ValueError(f"token_counts has {token_counts.numel()} entries, target vocab is "
+                             f"{self.target_info.vocab_size}")
+        self.set_vocab(DraftVocab.from_counts(token_counts.cpu(), self.d2t.numel()))
+
+    def set_vocab(self, vocab: DraftVocab) -> None:
+        """Install a draft vocabulary (its size must equal the head's)."""
+        if vocab.size != self.d2t.numel() or vocab.target_vocab_size != self.t2d.numel():
+            raise ValueError(f"vocab of size {vocab.size} / target {vocab.target_vocab_size} does not fit this drafter")
+        self.d2t.copy_(vocab.d2t.to(self.d2t.device))
+        self.t2d.copy_(vocab.t2d.to(self.t2d.device))
+
+    @torch.no_grad()
+    def copy_target_rows(self) -> None:
+        """Warm-start the head from the target's lm_head rows of the draft ids."""
+        head = self.target_info.lm_head_weight
+        self.lm_head.weight.copy_(head.index_select(0, self.draft_ids().to(head.device)))

@@ -1,4 +1,4 @@
-"""Sequential Temperature Scaling and the confidence metrics (drafters/dspark/calibration.py): STS recovers a known
+"""Sequential Temperature Scaling and the confidence metrics (drafters/calibration.py): STS recovers a known
 per-position miscalibration and ECE falls while the ranking is kept; ECE, AUROC and Brier against naive
 definitions; too few rounds is refused naming how many are needed. (`draftsmith calibrate` end to end on a trained
 debug drafter: tests/test_dspark.py.)"""
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from drafters.dspark.calibration import (
+from drafters.calibration import (
     MIN_ROUNDS_PER_BIN,
     NUM_BINS,
     auroc,

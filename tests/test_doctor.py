@@ -182,7 +182,7 @@ def test_dflash_good_export_passes(dflash_exports, capsys, fmt):
 
 def test_dflash_reduced_vocab_warns_for_the_zlab_readers(dflash_exports):
     target = TargetModel.from_pretrained(TARGET)
-    rows = {row.name: row for row in DFlashDrafter.export_checks(str(dflash_exports / "reduced"),
+    rows = {row.name: row for row in DFlashDrafter.export_module.export_checks(str(dflash_exports / "reduced"),
                                                                    target.target_info())}
     assert all(rows[name].status == "pass" for name in DFLASH_FIELD_CHECKS), rows
     for reader in ("dflash", "transformers"):  # they always use the target's lm_head
@@ -236,6 +236,6 @@ def test_dflash_text_mask_token_fails(dflash_exports, tmp_path):
         return config
 
     target = TargetModel.from_pretrained(TARGET)
-    rows = {row.name: row for row in DFlashDrafter.export_checks(
+    rows = {row.name: row for row in DFlashDrafter.export_module.export_checks(
         str(broken_copy(dflash_exports, tmp_path, "speculators", edit_config=text_token)), target.target_info())}
     assert rows["mask token"].status == "fail" and "uses for text" in rows["mask token"].detail

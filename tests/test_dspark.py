@@ -399,7 +399,7 @@ def test_exports_load_back_with_identical_logits_and_temperatures(tmp_path, fmt)
     if fmt == "deepspec":
         assert header["architectures"] == ["Qwen3DSparkModel"] and header["target_layer_ids"] == [0, 1, 2]
         assert header["block_size"] == 4 and header["num_target_layers"] == 4 and header["enable_confidence_head"]
-    DSparkDrafter.store_confidence_temperatures(str(tmp_path), [1.0, 2.0, 0.5, 3.0])
+    DSparkDrafter.export_module.store_confidence_temperatures(str(tmp_path), [1.0, 2.0, 0.5, 3.0])
     loaded = load_drafter(str(tmp_path), target32.target_info())
     assert isinstance(loaded, DSparkDrafter) and loaded.config.confidence_temperatures == (1.0, 2.0, 0.5, 3.0)
     assert loaded.config.markov_head_type == "rnn" and loaded.layer_ids == (1, 2, 3)
@@ -417,7 +417,8 @@ def test_doctor_checks_pass_a_good_export_and_name_the_broken_field(tmp_path, fm
     make_drafter(target, markov_head_type="gated").float().save(str(tmp_path / "good"), fmt)
 
     def checks(directory):
-        return {row.name: row for row in DSparkDrafter.export_checks(str(directory), target.target_info())}
+        rows = DSparkDrafter.export_module.export_checks(str(directory), target.target_info())
+        return {row.name: row for row in rows}
 
     good = checks(tmp_path / "good")
     assert {name: row.status for name, row in good.items()} == {

@@ -140,7 +140,7 @@ def test_missing_chat_template_is_an_error_unless_disabled(dirs, tmp_path, capsy
 def test_k_beyond_a_block_drafter_is_refused_naming_the_limit(dirs, tmp_path, capsys):
     """A DFlash checkpoint with block 4 drafts at most 3 tokens: --num-draft-tokens 5 is an input error."""
     from drafters.dflash import DFlashDrafter
-    from drafters.dflash.layers import DFlashConfig
+    from drafters.dflash.config import DFlashConfig
     from inference.engine.target import TargetModel
 
     target = TargetModel.from_pretrained(str(dirs / "target"))
@@ -191,7 +191,7 @@ def test_tree_budgets_run_beside_chains_and_a_budget_below_one_is_refused(dirs, 
     """--tree-budget adds a "<drafter>@tree" method per budget (DDTree for a DFlash block drafter): greedy output
     unchanged, records carry tree_budget and the chain k of equal verify budget, and no chain recommendation."""
     from drafters.dflash import DFlashDrafter
-    from drafters.dflash.layers import DFlashConfig
+    from drafters.dflash.config import DFlashConfig
     from inference.engine.target import TargetModel
 
     info = TargetModel.from_pretrained(str(dirs / "target")).target_info()

@@ -411,7 +411,7 @@ def test_doctor_checks_of_the_speculators_layout(tmp_path):
         str(tmp_path / "good"), "speculators")
 
     def checks(directory):
-        return {row.name: row for row in MTPDrafter.export_checks(str(directory), target.target_info())}
+        return {row.name: row for row in MTPDrafter.export_module.export_checks(str(directory), target.target_info())}
 
     good = checks(tmp_path / "good")
     assert [row.status for row in good.values()] == ["pass"] * 4, good

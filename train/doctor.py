@@ -3,8 +3,8 @@
     draftsmith doctor runs/smollm2_eagle3/speculators --target smollm2-135m-instruct
 
 Two kinds of checks, each printed as PASS / FAIL / WARN / INFO with what to fix:
-1. The format checks the drafter's kind provides (`export_checks(directory, target_info)` on its registered class:
-   drafters/eagle3/readers.py, drafters/dflash/readers.py, drafters/dspark/readers.py, drafters/mtp/readers.py):
+1. The format checks the drafter's kind provides (its export module's `export_checks(directory, target_info)`,
+   drafters/readers.py, over drafters/{eagle3,dflash,dspark,mtp}/readers.py):
    required fields present and explicit, layer ids in range, sorted, unique and the same in every place a reader
    looks, the mask token (block drafters), sizes and vocabulary matching the target, and which readers load the
    file correctly and which would misread it.
@@ -108,8 +108,8 @@ def run(args) -> int:
     check_chat_template(target.tokenizer, use_template, args.target, template_kwargs)
     prompts = [render_prompt(target.tokenizer, q.turns[:1], [], use_template, template_kwargs) for q in questions]
     print(f"draftsmith doctor: {args.drafter} (drafter kind {kind}) for target {args.target}")
-    checks = getattr(DRAFTERS[kind], "export_checks", None)
-    rows = [tuple(row) for row in checks(args.drafter, info)] if checks else [
+    module = DRAFTERS[kind].export_module
+    rows = [tuple(row) for row in module.export_checks(args.drafter, info)] if module and module.export_checks else [
         ("format", "info", f"drafter kind {kind!r} provides no format checks")]
     try:
         drafter = load_drafter(args.drafter, info).eval()

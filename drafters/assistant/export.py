@@ -43,7 +43,7 @@ def _ours(name: str) -> str | None:
 
 def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: TargetInfo):
     """(AssistantConfig, state dict) of a gemma4_assistant checkpoint for `target_info`."""
-    from drafters.assistant.layers import AssistantConfig
+    from drafters.assistant.config import AssistantConfig
 
     text = dict(header.get("text_config") or {})
     if not text:
@@ -88,3 +88,6 @@ def write(drafter, directory: str, fmt: str) -> None:
             tensors[theirs] = tensor.detach().contiguous().cpu()
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
+
+export_checks = None  # no format checks modelled for its readers (drafters/base.py: the export module's contract)
+store_confidence_temperatures = None  # no confidence head

@@ -1,4 +1,4 @@
-"""KV-sharing assistant building blocks: the recipe config, the target's attention shape, and the query-only layer.
+"""KV-sharing assistant building blocks (config: config.py): the target's attention shape, and the query-only layer.
 
 Reference: algorithms_eagle3_mtp.md section B.6 (Gemma 4 "assistant" drafters). An assistant layer has no K/V
 projections: its queries attend over the K/V the TARGET cached for one of its own layers (already normed and rotated
@@ -16,48 +16,14 @@ from __future__ import annotations
 import dataclasses
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
+from drafters.assistant.config import AssistantConfig
 from drafters.base import TargetInfo
 from drafters.layers import RMSNorm, SwiGLU, apply_rope, attention, per_layer_overrides
-
-
-@dataclass(kw_only=True)
-class AssistantConfig:
-    """The `drafter:` section of a recipe for kind "assistant".
-
-    num_layers: assistant decoder layers (Gemma 4's assistants have 4).
-    hidden_size: the assistant's own width W; None = the target's hidden size.
-    intermediate_size: its MLP width; None = the target's intermediate size.
-    kv_layers: target decoder layer read by each assistant layer (one entry per layer); () = every assistant layer
-      reads the target's last layer (Gemma 4 maps each layer to the last target layer of its attention type; a
-      Llama/Qwen target has one type).
-    num_steps: K, the draft steps trained per position (step k >= 1 reads step k-1's post-projected state and the
-      ground-truth token, at the same query position and over the same target K/V as step 0).
-    loss_weights: per-step weights of the per-step mean losses; () = 1/K each.
-    loss: "soft" = cross-entropy against the target's distribution at the label; "hard" = against the data token.
-    embed_scale: factor on the target's token embedding before the pre-projection; None = the scale the target itself
-      applies to its embeddings (sqrt(D) for Gemma families, 1 otherwise), i.e. the "scaled target embedding".
-    sample_drafts: propose by sampling each step's distribution (returned as probs); else argmax drafts.
-    gemma4_config: the assistant's own Gemma 4 text config, as a `gemma4_assistant` checkpoint stores it under
-      `text_config` (set by that import, drafters/assistant/export.py). Then the layers are Gemma 4's own decoder
-      layers with KV reuse (sandwich norms, layer scalar, GELU MLP, unit attention scale, per-type head dim, RoPE and
-      sliding window), and num_layers / hidden_size / intermediate_size must agree with it. None = Llama layers.
-    """
-
-    num_layers: int = 2
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    kv_layers: tuple[int, ...] = ()
-    num_steps: int = 3
-    loss_weights: tuple[float, ...] = ()
-    loss: Literal["soft", "hard"] = "soft"
-    embed_scale: float | None = None
-    sample_drafts: bool = False
-    gemma4_config: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.assistant import export as assistant_export
+from drafters.assistant.config import AssistantConfig
 from drafters.assistant.layers import (
-    AssistantConfig,
     AssistantLayer,
     Gemma4Layer,
     attention_shape,

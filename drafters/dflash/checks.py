@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from drafters.base import TargetInfo
-from drafters.eagle3.readers import Check
+from drafters.readers import Check
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Layout:
     required: tuple[tuple[str, str], ...]
 
 
-def field(header: Mapping[str, Any], path: str) -> Any:
+def at_path(header: Mapping[str, Any], path: str) -> Any:
     """The value at a dotted path of a config dict, or None."""
     value: Any = header
     for key in path.split("."):
@@ -55,7 +55,7 @@ def backbone_checks(layout: Layout, header: Mapping[str, Any], shapes: Mapping[s
 
 
 def fields_check(layout: Layout, header: Mapping[str, Any]) -> Check:
-    missing = [f"{path} ({consequence})" for path, consequence in layout.required if field(header, path) is None]
+    missing = [f"{path} ({consequence})" for path, consequence in layout.required if at_path(header, path) is None]
     if not missing:
         return Check("fields", "pass", "every field a reader looks for is explicit")
     return Check("fields", "fail", "missing: " + "; ".join(missing)
@@ -66,7 +66,7 @@ def _id_lists(layout: Layout, header: Mapping[str, Any]) -> dict[str, tuple[list
     """{field: (ids as written, the same in our convention)} of every id list present."""
     found = {}
     for path, offset in layout.id_places:
-        value = field(header, path)
+        value = at_path(header, path)
         if isinstance(value, (list, tuple)):
             found[path] = ([int(i) for i in value], [int(i) + offset for i in value])
     return found
@@ -118,7 +118,7 @@ def layer_ids_check(layout: Layout, header: Mapping[str, Any], num_layers: int) 
 
 def mask_check(layout: Layout, header: Mapping[str, Any], info: TargetInfo) -> Check:
     """The mask token: written, the same everywhere, in the vocabulary and not a token the tokenizer uses for text."""
-    written = {path: field(header, path) for path in layout.mask_places}
+    written = {path: at_path(header, path) for path in layout.mask_places}
     present = {path: int(value) for path, value in written.items() if value is not None}
     if not present:
         return Check("mask token", "fail", f"no {' / '.join(layout.mask_places)}: the drafter cannot be used without"
@@ -133,7 +133,7 @@ def mask_check(layout: Layout, header: Mapping[str, Any], info: TargetInfo) -> C
         return Check("mask token", "info", f"{where} {mask}; the target has no tokenizer, so whether it is a text"
                      " token is unknown")
     if mask not in unused:
-        allowed = bool(field(header, "draftsmith.allow_text_mask_token"))
+        allowed = bool(at_path(header, "draftsmith.allow_text_mask_token"))
         return Check("mask token", "warn" if allowed else "fail", f"{where} {mask} is a token the target's tokenizer"
                      f" uses for text, so a masked slot looks like that token; unused ids: {list(unused[:8])}"
                      + (" (the checkpoint records allow_text_mask_token: true)" if allowed else ""))

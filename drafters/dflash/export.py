@@ -39,13 +39,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafters.base import TargetInfo, check_target_match
-from drafters.dflash.layers import DFlashConfig
+from drafters.dflash.config import DFlashConfig
+from drafters.dflash.readers import CHECKS, ZLAB_DEFAULT_BLOCK_SIZE, zlab_default_layer_ids
 from drafters.layers import rope_parameters
 from drafters.speculators import speculators_section
 
 EXPORT_FORMATS = ("dflash", "speculators")
 SPECULATORS_VERSION = "0.9.0"  # the speculators schema this writer follows
-ZLAB_DEFAULT_BLOCK_SIZE = 16  # what dflash.model.DFlashDraftModel assumes when a config has none
 SPECULATORS_DEFAULT_BLOCK_SIZE = 8  # DFlashSpeculatorConfig's default
 _OURS = "draftsmith"  # our own keys (training settings no standard key holds); engines ignore unknown keys
 _DROPPED_WEIGHTS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
@@ -260,15 +260,6 @@ def _read_speculators_header(directory, header, target_info):
     return layer, layer_ids, int(header["mask_token_id"]), int(block_size)
 
 
-def zlab_default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """z-lab's rule when a config lists no ids (z-lab convention, layer outputs): the middle layer for one draft
-    layer, else one id per draft layer spread uniformly from 1 to L - 3."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
 def _check_ids(directory, field, written, ours, num_layers, offset):
     """Our ids must lie in [0, N-1] (id N, the final pre-norm output, would be read post-norm by HF readers)."""
     if not ours or len(set(ours)) != len(ours):
@@ -358,3 +349,12 @@ def _read_tensors(directory: str, vocab_size: int) -> dict[str, torch.Tensor]:
         state["t2d"][torch.arange(draft_vocab) + state["d2t"]] = True
     state["t2d"] = state["t2d"].bool()
     return state
+
+
+# ---- the doctor (drafters/base.py: the export module's contract) ------------------------------------------------
+def export_checks(directory: str, target_info: TargetInfo) -> list:
+    """Check a DFlash checkpoint directory against `target_info` the way each reader will read it."""
+    return CHECKS.run(directory, target_info, detect_format, read)
+
+
+store_confidence_temperatures = None  # no confidence head

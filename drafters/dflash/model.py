@@ -2,7 +2,7 @@
 algorithms_dflash_dspark.md sections 1.1-1.3).
 
 A block is [x_a, MASK x (S-1)] at positions a..a+S-1 (S = block_size, a the anchor). A few Qwen3-style layers
-(drafters/dflash/layers.py) run over the block with bidirectional attention inside it; every layer also attends to
+(drafters/dflash/layers.py, wired in drafters/dflash/backbone.py) run over the block with bidirectional attention inside it; every layer also attends to
 the target's features of all tokens strictly before the anchor, projected into keys/values by the same k/v
 projections ("KV injection"). Slot k (1..S-1) predicts the token at its own position, x_{a+k}; slot 0's output is
 discarded. So one drafter forward proposes S-1 tokens.
@@ -27,8 +27,8 @@ discarded. So one drafter forward proposes S-1 tokens.
 - Persistence: native (config.json with draftsmith_kind + model.safetensors); the resolved layer ids and mask token
   id are written into the saved config, so a checkpoint names them explicitly. Serving layouts (z-lab,
   speculators) live in drafters/dflash/export.py (`export_module`, to which the base class's `save` / `load`
-  dispatch); `export_checks` (drafters/dflash/readers.py, `draftsmith doctor`) says which readers load an export
-  correctly.
+  dispatch); its `export_checks` (drafters/dflash/readers.py, `draftsmith doctor`) says which readers load an
+  export correctly.
 
 Parameter names (fixed: the export reads them): fc.weight, hidden_norm.weight, norm.weight,
 layers.{i}.{input_layernorm,post_attention_layernorm}.weight, layers.{i}.self_attn.{q,k,v,o}_proj.weight,
@@ -45,67 +45,34 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
-from drafters.dflash import export, readers
+from drafters.base import DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.dflash import export
 from drafters.dflash.anchors import batch_anchors, block_cells
-from drafters.dflash.layers import (
-    DFlashConfig,
-    absorb_context,
-    advance_anchors,
-    anchored_blocks,
-    backbone_modules,
-    block_embeddings,
-    cached_block_forward,
-    check_config,
-    committed_rows,
-    decay_gamma,
-    draft_layer_config,
-    fuse_context,
-    new_context_caches,
-    resolve_layer_ids,
-    resolve_mask_token_id,
-)
-from drafters.layers import FrozenTargetTensors, KVCache
+from drafters.dflash.backbone import BlockBackbone
+from drafters.dflash.config import DFlashConfig
+from drafters.dflash.layers import check_config, decay_gamma
 from drafters.losses import global_mean, output_metrics
-from drafters.vocab import DraftVocab
+from drafters.vocab import DraftHead, DraftVocab
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(DraftHead, BlockBackbone):
     """DFlash drafter. See the module docstring for the training, inference and persistence contracts."""
 
     kind = "dflash"
-    row_state = ("_caches", "_state")  # per-row inference state (drafters/base.py keep_rows)
     Config = DFlashConfig
     export_module = export  # the serving layouts dflash (z-lab), speculators (save / load in drafters/base.py)
 
     def __init__(self, config: DFlashConfig, target_info: TargetInfo):
-        super().__init__(config, target_info)
         check_config(config, target_info.vocab_size)
-        self.layer_ids = resolve_layer_ids(config, target_info)
-        self.mask_token_id = resolve_mask_token_id(config, target_info)
+        super().__init__(config, target_info, config)
         # The drafter's own copy names the resolved ids, so checkpoints carry them explicitly.
         self.config = dataclasses.replace(config, layer_ids=self.layer_ids, mask_token_id=self.mask_token_id)
-        self.layer_config = draft_layer_config(config, target_info)
-        hidden = target_info.hidden_size
-        self.fc, self.hidden_norm, self.layers, self.norm, self.rotary = backbone_modules(
-            self.layer_config, len(self.layer_ids), config.num_layers)  # the final norm starts at ones (module doc)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head = None
         if config.draft_vocab_size is not None:
-            self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
-            # Until init_from_data / load: the first draft_vocab_size target ids (d2t all zero).
-            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-            self.register_buffer("t2d", torch.arange(target_info.vocab_size) < config.draft_vocab_size)
-        self._frozen = FrozenTargetTensors(target_info)
-        self._caches: list[KVCache] = []
-        self._state: dict[str, torch.Tensor] = {}
+            self.add_draft_head(target_info.hidden_size, config.draft_vocab_size)
         if not self.fc.weight.is_meta:  # a meta-device build (shape checks) has nothing to initialise
             self._init_head()
-
-    # ---- what the drafter needs from the target ----------------------------------------------------------------
-    def target_layer_ids(self) -> tuple[int, ...]:
-        return self.layer_ids
 
     def max_draft_tokens(self) -> int:
         return self.config.block_size - 1
@@ -116,29 +83,12 @@ class DFlashDrafter(Drafter):
         warm-start the head from the target's rows. A full-vocabulary drafter has nothing to pick."""
         if self.lm_head is None:
             return
-        if token_counts.numel() != self.target_info.vocab_size:
-            raise ValueError(f"token_counts has {token_counts.numel()} entries, target vocab is "
-                             f"{self.target_info.vocab_size}")
-        vocab = DraftVocab.from_counts(token_counts.cpu(), self.config.draft_vocab_size)
-        self.d2t.copy_(vocab.d2t.to(self.d2t.device))
-        self.t2d.copy_(vocab.t2d.to(self.t2d.device))
+        self.pick_draft_vocab(token_counts)
         self._init_head()
 
-    def draft_ids(self) -> torch.Tensor | None:
-        """int64 [V_d]: the target id of each draft index, or None for the full target vocabulary."""
-        if self.lm_head is None:
-            return None
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
-
-    @torch.no_grad()
     def _init_head(self) -> None:
         if self.lm_head is not None:
-            head = self.target_info.lm_head_weight
-            self.lm_head.weight.copy_(head.index_select(0, self.draft_ids().to(head.device)))
-
-    def _target_tensor(self, name: str) -> torch.Tensor:
-        """A frozen TargetInfo tensor on this drafter's device/dtype (drafters/layers.FrozenTargetTensors)."""
-        return self._frozen.get(name, self.fc.weight)
+            self.copy_target_rows()
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [..., D] -> logits [..., V_d] (the frozen target head unless the vocab is reduced)."""
@@ -146,11 +96,6 @@ class DFlashDrafter(Drafter):
         if self.lm_head is not None:
             return self.lm_head(normed)
         return F.linear(normed, self._target_tensor("lm_head_weight"))
-
-    def _block_embeds(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
-        """anchor_tokens [...] -> embeddings [..., S, D] of the blocks [x_a, MASK x (S-1)]."""
-        return block_embeddings(anchor_tokens, self.config.block_size, self.mask_token_id,
-                                self._target_tensor("embed_weight"))
 
     # ---- training ------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Any]) -> DraftOutput:
@@ -170,12 +115,7 @@ class DFlashDrafter(Drafter):
             [N, S-1] (label inside the sequence, a real loss token, and inside the draft vocabulary when it is
             reduced), draft_ids.
         """
-        input_ids = batch["input_ids"]
-        anchors = anchors.to(input_ids.device)
-        anchor_valid = torch.ones_like(anchors, dtype=torch.bool) if anchor_valid is None else anchor_valid.bool()
-        context = fuse_context(batch["target_hidden"], self.layer_ids, self.fc, self.hidden_norm)  # [B, T, D]
-        h = anchored_blocks(self.layers, self.rotary, context, self._block_embeds(input_ids.gather(1, anchors)),
-                            anchors, anchor_valid, batch["attention_mask"].bool())  # [B, A, S, D]
+        anchors, anchor_valid, h = self.block_states(batch, anchors, anchor_valid)  # h [B, A, S, D]
         rows, columns, label_position, depth_valid = block_cells(
             anchors, anchor_valid, self.config.block_size - 1, batch["attention_mask"], batch["loss_mask"])
         logits = self._logits(h[rows, columns, 1:])  # [N, S-1, V_d]: slots 1..S-1 only
@@ -217,55 +157,17 @@ class DFlashDrafter(Drafter):
         _, metrics = output_metrics(output, batch, cell_ce)
         return loss, metrics
 
-    # ---- inference: a stateful block proposer --------------------------------------------------------------
-    @torch.no_grad()
-    def begin(self, context: DraftContext) -> None:
-        """Project the valid prompt positions into the context caches; the target's next token is the first
-        anchor (the bonus: it has no target feature until the next verify forward)."""
-        self._caches = new_context_caches(self.layers, context, self.fc.weight, self.config.block_size)
-        self._state = {}
-        self._absorb(context, None)
-
-    @torch.no_grad()
-    def commit(self, num_accepted: torch.Tensor, context: DraftContext) -> None:
-        """context covers the verify forward [previous bonus, d_1..d_k]; row b keeps its first num_accepted[b] + 1
-        positions (none for a finished row). Their features join the context; the new bonus is next_tokens."""
-        if not self._caches:
-            raise ValueError("commit() called before begin()")
-        self._absorb(context, committed_rows(num_accepted, context))
-
-    def _absorb(self, context: DraftContext, active: torch.Tensor | None) -> None:
-        """Append the projected context K/V of context.valid positions; the bonus token becomes the next anchor."""
-        features = fuse_context(context.hidden, self.layer_ids, self.fc, self.hidden_norm)
-        absorb_context(self.layers, self._caches, features, self.rotary(context.position_ids, features.dtype),
-                       context.valid)
-        advance_anchors(self._state, context, active)
-
+    # ---- inference: a stateful block proposer (begin / commit: drafters/dflash/backbone.py) --------------------
     @torch.no_grad()
     def propose(self, num_tokens: int) -> Proposal:
         """One forward of the block [bonus, MASK x (S-1)] at positions pos..pos+S-1; the argmax of slots
         1..num_tokens (target ids), probs None."""
-        block_size = self.config.block_size
-        if num_tokens > block_size - 1:
-            raise ValueError(f"propose: {num_tokens} tokens asked for, but a block of block_size {block_size} "
-                             f"drafts at most {block_size - 1}")
-        if not self._state:
-            raise ValueError("propose() called before begin()")
-        bonus, position = self._state["anchor"], self._state["position"]
+        bonus = self.check_proposal(num_tokens)
         if num_tokens <= 0:
             return Proposal(tokens=bonus.new_zeros(bonus.shape[0], 0))
-        h = self._block_embeds(bonus)  # [B, S, D]
-        rope = self.rotary(position.unsqueeze(1) + torch.arange(block_size, device=position.device), h.dtype)
-        h = cached_block_forward(self.layers, self._caches, h, rope)  # block keys/values are never kept
-        logits = self._logits(h[:, 1 : num_tokens + 1])  # [B, k, V_d]
+        logits = self._logits(self.next_block_states()[:, 1 : num_tokens + 1])  # [B, k, V_d]
         drafts = logits.argmax(dim=-1)  # [B, k]
         draft_ids = self.draft_ids()
         return Proposal(tokens=drafts if draft_ids is None else draft_ids[drafts],
                         log_probs=full_vocab_log_probs(logits, draft_ids, self.target_info.vocab_size))
 
-    # ---- persistence (save / load / detect_format: drafters/base.py, through export_module) ----------------------
-    @staticmethod
-    def export_checks(directory: str, target_info: TargetInfo) -> list:
-        """What `draftsmith doctor` checks in a checkpoint of this kind: Check(name, status, detail) rows saying
-        which readers load it correctly (drafters/dflash/readers.py)."""
-        return readers.export_checks(directory, target_info)

@@ -17,10 +17,10 @@ Readers modelled (the source lines are in docs/benchmarks.md, "DFlash: independe
 - speculators 0.9 (`DFlashDraftModel`): aux_hidden_state_layer_ids (our ids, distinct, in [0, N]), mask_token_id,
   block_size (default 8); the verifier's lm_head for a full vocabulary, the file's head and d2t for a reduced one.
 
-`export_checks(directory, target_info)` returns Check rows (drafters/eagle3/readers.py). A fail: a field missing,
-out of range, inconsistent between the places readers look, or not matching the target; a reader the layout is
-meant for that would misread or refuse it. A warn: another reader that would misread it, or one of the z-lab
-readers, which cannot apply a reduced draft vocabulary at all. The field checks common to the backbone's layouts
+`CHECKS` (drafters/readers.py; run by drafters/dflash/export.py `export_checks`) gives Check rows. A fail: a field
+missing, out of range, inconsistent between the places readers look, or not matching the target; a reader the
+layout is meant for that would misread or refuse it. A warn: another reader that would misread it, or one of the
+z-lab readers, which cannot apply a reduced draft vocabulary at all. The field checks common to the backbone's layouts
 are drafters/dflash/checks.py.
 """
 
@@ -29,9 +29,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from drafters.base import TargetInfo
-from drafters.dflash.checks import Layout, backbone_checks, field, layer_config, meant_layer_ids
-from drafters.dflash.export import ZLAB_DEFAULT_BLOCK_SIZE, detect_format, read, zlab_default_layer_ids
-from drafters.eagle3.readers import Check, d2t_problem, open_checkpoint, our_reader, reader_verdict
+from drafters.dflash.checks import Layout, at_path, backbone_checks, layer_config, meant_layer_ids
+from drafters.readers import Check, Checkpoint, FormatChecks, d2t_problem, meant_for, reader_verdict
 
 READERS = {
     "draftsmith": "draftsmith's engine",
@@ -49,6 +48,7 @@ NO_DRAFT_HEAD = ("dflash", "transformers")  # readers that always use the target
 SPECULATORS_DEFAULT_BLOCK_SIZE = 8
 TRANSFORMERS_DEFAULTS = {"target_layer_ids": [1, 13, 25, 37, 49], "mask_token_id": 201818, "block_size": 16}
 TARGET_HEAD = "the target's lm_head"
+ZLAB_DEFAULT_BLOCK_SIZE = 16  # what dflash.model.DFlashDraftModel assumes when a config has none
 
 
 LAYOUTS = {
@@ -109,15 +109,15 @@ def draft_vocab_check(header, shapes, index, directory: str, vocab: int) -> Chec
 
 def block_check(fmt: str, header: Mapping[str, Any]) -> Check:
     """block_size >= 2, the same in every place, and (speculators) the proposal length block_size - 1."""
-    block = header.get("block_size", field(header, "dflash_config.block_size"))
+    block = header.get("block_size", at_path(header, "dflash_config.block_size"))
     if block is None:
         return Check("block", "fail", "no block_size (readers default to 8 or 16)")
     problems = [f"block_size {block} < 2"] if int(block) < 2 else []
-    nested = field(header, "dflash_config.block_size")
+    nested = at_path(header, "dflash_config.block_size")
     if nested is not None and int(nested) != int(block):
         problems.append(f"dflash_config.block_size {nested} != block_size {block}")
     if fmt == "speculators":
-        tokens = (field(header, "speculators_config.proposal_methods") or [{}])[0].get("speculative_tokens")
+        tokens = (at_path(header, "speculators_config.proposal_methods") or [{}])[0].get("speculative_tokens")
         if tokens is not None and int(tokens) != int(block) - 1:
             problems.append(f"speculative_tokens {tokens} != block_size - 1 = {int(block) - 1} (vLLM proposes it)")
         if header.get("sample_from_anchor"):
@@ -148,6 +148,15 @@ def reader_view(reader: str, fmt: str, header: Mapping[str, Any], shapes: Mappin
     if fc is not None and fc[1] != num_fc * hidden:
         return f"it builds fc for {num_fc} target features; the file's fc.weight takes {fc[1] // hidden}"
     return view
+
+
+def zlab_default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's rule when a config lists no ids (z-lab convention, layer outputs): the middle layer for one draft
+    layer, else one id per draft layer spread uniformly from 1 to L - 3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
 def _zlab_view(reader: str, header: Mapping[str, Any], n: int) -> dict[str, Any] | str:
@@ -242,9 +251,9 @@ def _header_view(fmt: str, header: Mapping[str, Any], shapes: Mapping[str, tuple
     """What the file means when our reader refuses it: the ids it was trained with (checks.meant_layer_ids), the
     first mask token and block size written (None when absent), and the head it holds."""
     layout = LAYOUTS[fmt]
-    masks = [field(header, path) for path in layout.mask_places if field(header, path) is not None]
+    masks = [at_path(header, path) for path in layout.mask_places if at_path(header, path) is not None]
     return {"layer_ids": meant_layer_ids(layout, header), "mask_token_id": masks[0] if masks else None,
-            "block_size": header.get("block_size", field(header, "dflash_config.block_size")), "attention": "full",
+            "block_size": header.get("block_size", at_path(header, "dflash_config.block_size")), "attention": "full",
             "anchor_slot": "the bonus token", "draft_head": _head(shapes.get("lm_head.weight", (None,))[0])}
 
 
@@ -263,21 +272,23 @@ def _reader_check(reader: str, fmt: str, header, shapes, ours: dict[str, Any], n
 
 
 # ---- the doctor's entry point --------------------------------------------------------------------------------------
-def export_checks(directory: str, target_info: TargetInfo) -> list[Check]:
-    """Check a DFlash checkpoint directory against `target_info` the way each reader will read it."""
-    opened = open_checkpoint(directory, "dflash", detect_format, "`draftsmith export DIR --format dflash` (vLLM,"
-                             " the dflash package, transformers) or `--format speculators` (vLLM, speculators)")
-    if isinstance(opened, Check):
-        return [opened]
+def _body(directory: str, opened: Checkpoint, target_info: TargetInfo) -> list[Check]:
     fmt, header, index = opened
     shapes = opened.shapes
-    n, vocab = target_info.num_layers, target_info.vocab_size
-    checks = [Check("layout", "pass", f"{fmt} layout, meant for "
-                    + ", ".join(READERS[r] for r in INTENDED_READERS[fmt] if r != "draftsmith"))]
-    checks += backbone_checks(LAYOUTS[fmt], header, shapes, target_info)
-    checks += [draft_vocab_check(header, shapes, index, directory, vocab), block_check(fmt, header)]
-    row, read_back = our_reader(lambda: read(directory, header, fmt, target_info))
-    checks.append(row)
-    ours = _header_view(fmt, header, shapes) if read_back is None else _our_view(read_back[0])
-    return checks + [_reader_check(reader, fmt, header, shapes, ours, n, vocab) for reader in READERS
-                     if reader != "draftsmith"]
+    return [*backbone_checks(LAYOUTS[fmt], header, shapes, target_info),
+            draft_vocab_check(header, shapes, index, directory, target_info.vocab_size), block_check(fmt, header)]
+
+
+def _reader_rows(opened: Checkpoint, target_info: TargetInfo, outcome) -> list[Check]:
+    """Every reader's row against what the file means: what our reader read, else what its header says."""
+    fmt, header, _ = opened
+    shapes = opened.shapes
+    ours = _header_view(fmt, header, shapes) if outcome is None else _our_view(outcome[1][0])
+    return [_reader_check(reader, fmt, header, shapes, ours, target_info.num_layers, target_info.vocab_size)
+            for reader in READERS if reader != "draftsmith"]
+
+
+CHECKS = FormatChecks(
+    "dflash", "`draftsmith export DIR --format dflash` (vLLM, the dflash package, transformers) or `--format"
+    " speculators` (vLLM, speculators)", layout=lambda fmt: meant_for(fmt, READERS, INTENDED_READERS), body=_body,
+    readers=_reader_rows)

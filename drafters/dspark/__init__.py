@@ -1,7 +1,8 @@
-"""DSpark: model.py (the drafter), layers.py (config, sequential and confidence heads), export.py (serving layouts),
-calibration.py (Sequential Temperature Scaling and the confidence metrics). The backbone is DFlash's."""
+"""DSpark: model.py (the drafter), config.py (its recipe section), layers.py (sequential and confidence heads),
+export.py (serving layouts). The backbone is DFlash's (drafters/dflash/backbone.py); calibration of its confidences
+is drafters/calibration.py."""
 
-from drafters.dspark.layers import DSparkConfig
+from drafters.dspark.config import DSparkConfig
 from drafters.dspark.model import DSparkDrafter
 
 __all__ = ["DSparkConfig", "DSparkDrafter"]

@@ -36,7 +36,9 @@ from safetensors.torch import save_file
 
 from drafters.base import NATIVE_KIND_KEY, TargetInfo, check_target_match
 from drafters.dflash.export import check_layer_shapes, check_supported, dtype_name, load_weights
-from drafters.dspark.layers import DSparkConfig, backbone_config
+from drafters.dspark.config import DSparkConfig
+from drafters.dspark.layers import backbone_config
+from drafters.dspark.readers import CHECKS
 from drafters.files import write_json_atomic
 from drafters.layers import rope_parameters
 from drafters.speculators import speculators_section
@@ -238,3 +240,9 @@ def _read_tensors(directory: str, target_info: TargetInfo) -> dict[str, torch.Te
             raise ValueError(f"{directory}: {name} has shape {list(state[name].shape)}, the target's is "
                              f"{list(expected)}")
     return {name: tensor for name, tensor in state.items() if name not in _DROPPED_WEIGHTS}
+
+
+# ---- the doctor (drafters/base.py: the export module's contract) ------------------------------------------------
+def export_checks(directory: str, target_info: TargetInfo) -> list:
+    """Check a DSpark checkpoint directory against `target_info` the way its readers will read it."""
+    return CHECKS.run(directory, target_info, detect_format, read)

@@ -1,10 +1,11 @@
 """DSpark drafter: the DFlash backbone with a sequential head and a confidence head (Cheng et al. 2026, DeepSpec;
 reference algorithms_dflash_dspark.md sections 2.1-2.3 and 5.2).
 
-Composed from the DFlash backbone (drafters/dflash/layers.py: config rules, context fusion, decoder layers, block
-mask, anchor sampler, context caches), with one change: the anchor slot is the first prediction slot. A block is
-[x_a, MASK x (S-1)] at positions a..a+S-1 and slot k (0..S-1) predicts x_{a+k+1}: S inputs give S drafts. In the
-contract's terms depth k = slot k, label position a + 1 + k.
+Built on the DFlash backbone (drafters/dflash/backbone.BlockBackbone: context fusion, decoder layers, context
+caches, anchors; its layers and rules in drafters/dflash/layers.py, the anchor sampler in anchors.py), with one
+change: the anchor slot is the first prediction slot. A block is [x_a, MASK x (S-1)] at positions a..a+S-1 and
+slot k (0..S-1) predicts x_{a+k+1}: S inputs give S drafts. In the contract's terms depth k = slot k, label
+position a + 1 + k.
 
 - Training (`forward` / `block_outputs`): anchors as DFlash (uniform among positions whose token and next token are
   loss tokens, redrawn per epoch from (seed, epoch, sample index)); all blocks of a row in one backbone forward.
@@ -21,8 +22,8 @@ contract's terms depth k = slot k, label position a + 1 + k.
   rejection sampling with that q is lossless. The confidence logits (computed before each draw) and the calibration
   temperatures come with the proposal; the engine may schedule from them (inference/engine/schedule.py).
 - Persistence: native (config.json with draftsmith_kind + model.safetensors); speculators' "dspark" layout and
-  DeepSpec's layout live in drafters/dspark/export.py. `store_confidence_temperatures` writes the temperatures
-  `draftsmith calibrate` fitted into a checkpoint of any of the three formats.
+  DeepSpec's layout live in drafters/dspark/export.py, whose `store_confidence_temperatures` writes the
+  temperatures `draftsmith calibrate` fitted into a checkpoint of any of the three formats.
 
 Parameter names: fc, hidden_norm, norm, layers.{i}.* (as DFlash), markov_head.markov_w1 (Embedding V x r),
 markov_head.markov_w2 (Linear r -> V), markov_head.gate_proj (gated) / joint_proj (rnn), confidence_head.proj.
@@ -37,58 +38,37 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.base import DraftContext, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
 from drafters.dflash.anchors import batch_anchors, block_cells
-from drafters.dflash.layers import (
-    absorb_context,
-    advance_anchors,
-    anchored_blocks,
-    backbone_modules,
-    block_embeddings,
-    cached_block_forward,
-    committed_rows,
-    draft_layer_config,
-    fuse_context,
-    new_context_caches,
-    resolve_layer_ids,
-    resolve_mask_token_id,
-)
-from drafters.dspark import export, readers
+from drafters.dflash.backbone import BlockBackbone
+from drafters.dspark import export
+from drafters.dspark.config import DSparkConfig
 from drafters.dspark.layers import (
     ConfidenceHead,
-    DSparkConfig,
     MarkovHead,
     backbone_config,
     check_config,
     depth_weights,
 )
-from drafters.layers import FrozenTargetTensors
 from drafters.losses import global_mean, output_metrics
 
 
-class DSparkDrafter(Drafter):
+class DSparkDrafter(BlockBackbone):
     """DSpark drafter. See the module docstring for the training, inference and persistence contracts."""
 
     kind = "dspark"
-    row_state = ("_caches", "_state")  # per-row inference state (drafters/base.py keep_rows)
     Config = DSparkConfig
     export_module = export  # the serving layouts speculators, deepspec (save / load in drafters/base.py)
 
     def __init__(self, config: DSparkConfig, target_info: TargetInfo):
-        super().__init__(config, target_info)
         check_config(config)
-        backbone = backbone_config(config)
         if config.num_layers < 1 or config.num_anchors < 1:
             raise ValueError(f"drafter.num_layers ({config.num_layers}) and drafter.num_anchors ({config.num_anchors})"
                              " must be >= 1")
-        self.layer_ids = resolve_layer_ids(backbone, target_info)
-        self.mask_token_id = resolve_mask_token_id(backbone, target_info)
+        super().__init__(config, target_info, backbone_config(config))
         self.config = dataclasses.replace(config, layer_ids=self.layer_ids, mask_token_id=self.mask_token_id,
                                           confidence_temperatures=tuple(map(float, config.confidence_temperatures)))
-        self.layer_config = draft_layer_config(backbone, target_info)
         hidden = target_info.hidden_size
-        self.fc, self.hidden_norm, self.layers, self.norm, self.rotary = backbone_modules(
-            self.layer_config, len(self.layer_ids), config.num_layers)  # the final norm starts at ones (module doc)
         self.markov_head: MarkovHead | None = None
         if config.markov_head_type != "none":
             self.markov_head = MarkovHead(config.markov_head_type, target_info.vocab_size, config.markov_rank, hidden)
@@ -96,25 +76,9 @@ class DSparkDrafter(Drafter):
         if config.enable_confidence_head:
             with_markov = config.confidence_head_with_markov
             self.confidence_head = ConfidenceHead(hidden + (config.markov_rank if with_markov else 0))
-        self._frozen = FrozenTargetTensors(target_info)
-        self._caches = []
-        self._state: dict[str, Any] = {}
-
-    # ---- what the drafter needs from the target ----------------------------------------------------------------
-    def target_layer_ids(self) -> tuple[int, ...]:
-        return self.layer_ids
 
     def max_draft_tokens(self) -> int:
         return self.config.block_size
-
-    def _target_tensor(self, name: str) -> torch.Tensor:
-        """A frozen TargetInfo tensor on this drafter's device/dtype (drafters/layers.FrozenTargetTensors)."""
-        return self._frozen.get(name, self.fc.weight)
-
-    def _block_embeds(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
-        """anchor_tokens [...] -> embeddings [..., S, D] of the blocks [x_a, MASK x (S-1)]."""
-        return block_embeddings(anchor_tokens, self.config.block_size, self.mask_token_id,
-                                self._target_tensor("embed_weight"))
 
     def _markov_embedding(self, previous: torch.Tensor) -> torch.Tensor | None:
         return None if self.markov_head is None else self.markov_head.embed(previous)
@@ -144,11 +108,7 @@ class DSparkDrafter(Drafter):
             slot 0), hidden [N, S, D] after the final norm (what the heads read).
         """
         input_ids = batch["input_ids"]
-        anchors = anchors.to(input_ids.device)
-        anchor_valid = torch.ones_like(anchors, dtype=torch.bool) if anchor_valid is None else anchor_valid.bool()
-        context = fuse_context(batch["target_hidden"], self.layer_ids, self.fc, self.hidden_norm)  # [B, T, D]
-        h = anchored_blocks(self.layers, self.rotary, context, self._block_embeds(input_ids.gather(1, anchors)),
-                            anchors, anchor_valid, batch["attention_mask"].bool())  # [B, A, S, D]
+        anchors, anchor_valid, h = self.block_states(batch, anchors, anchor_valid)  # h [B, A, S, D]
         rows, columns, label_position, supervised = block_cells(
             anchors, anchor_valid, self.config.block_size, batch["attention_mask"], batch["loss_mask"])
         hidden = self.norm(h[rows, columns])  # [N, S, D]
@@ -203,26 +163,9 @@ class DSparkDrafter(Drafter):
         return loss, metrics
 
     # ---- inference: one backbone forward per round, then the block drawn left to right ----------------------------
-    @torch.no_grad()
-    def begin(self, context: DraftContext) -> None:
-        """Project the valid prompt positions into the context caches; the target's next token is the first anchor."""
-        self._caches = new_context_caches(self.layers, context, self.fc.weight, self.config.block_size)
-        self._state = {}
-        self._absorb(context, None)
-
-    @torch.no_grad()
-    def commit(self, num_accepted: torch.Tensor, context: DraftContext) -> None:
-        """context covers the verify forward [previous anchor, d_0..d_{k-1}]; row b keeps its first
-        num_accepted[b] + 1 positions (none for a finished row). The new anchor is next_tokens."""
-        if not self._caches:
-            raise ValueError("commit() called before begin()")
-        self._absorb(context, committed_rows(num_accepted, context))
-
     def _absorb(self, context: DraftContext, active: torch.Tensor | None) -> None:
-        features = fuse_context(context.hidden, self.layer_ids, self.fc, self.hidden_norm)
-        absorb_context(self.layers, self._caches, features, self.rotary(context.position_ids, features.dtype),
-                       context.valid)
-        advance_anchors(self._state, context, active)
+        """The backbone's absorb (begin / commit: drafters/dflash/backbone.py), plus how the engine samples."""
+        super()._absorb(context, active)
         self._state["temperature"] = float(context.temperature or 0.0)
         self._state["generator"] = context.generator
 
@@ -230,18 +173,10 @@ class DSparkDrafter(Drafter):
     def propose(self, num_tokens: int) -> Proposal:
         """One backbone forward of [anchor, MASK x (S-1)] at pos..pos+S-1, then `draw_block` over its first
         num_tokens slots."""
-        block_size = self.config.block_size
-        if num_tokens > block_size:
-            raise ValueError(f"propose: {num_tokens} tokens asked for, but a DSpark block of block_size {block_size} "
-                             f"drafts at most {block_size}")
-        if not self._state:
-            raise ValueError("propose() called before begin()")
-        anchor, position = self._state["anchor"], self._state["position"]
+        anchor = self.check_proposal(num_tokens)
         if num_tokens <= 0:
             return Proposal(tokens=anchor.new_zeros(anchor.shape[0], 0))
-        h = self._block_embeds(anchor)  # [B, S, D]
-        rope = self.rotary(position.unsqueeze(1) + torch.arange(block_size, device=position.device), h.dtype)
-        h = cached_block_forward(self.layers, self._caches, h, rope)
+        h = self.next_block_states()
         return self.draw_block(self.norm(h[:, :num_tokens]), anchor, self._state["temperature"],
                                self._state["generator"])
 
@@ -287,12 +222,3 @@ class DSparkDrafter(Drafter):
         check_config(config)
         self.config = config
 
-    @staticmethod
-    def store_confidence_temperatures(directory: str, temperatures) -> None:
-        """Write STS temperatures into the checkpoint at `directory` (native, speculators or DeepSpec layout)."""
-        export.store_confidence_temperatures(directory, [float(t) for t in temperatures])
-
-    @staticmethod
-    def export_checks(directory: str, target_info: TargetInfo) -> list:
-        """What `draftsmith doctor` checks in a checkpoint of this kind (drafters/dspark/readers.py)."""
-        return readers.export_checks(directory, target_info)

@@ -6,7 +6,7 @@ DeepSpec's (`Qwen3DSparkModel`: target_layer_ids count layer outputs, our id - 1
 slot drafts, so the proposal is block_size tokens and sample_from_anchor is true), the sequential and confidence heads
 (their weights match the fields that tell a reader to build them), and whether our own reader loads the file.
 Per-reader views as for EAGLE-3 and DFlash are not modelled: both layouts have one reader family each, whose fields
-the checks above cover.
+the checks above cover. `CHECKS` (drafters/readers.py) is run by drafters/dspark/export.py `export_checks`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from drafters.base import TargetInfo
-from drafters.dflash.checks import Layout, backbone_checks, field
-from drafters.dspark.export import detect_format, read
-from drafters.eagle3.readers import Check, open_checkpoint, our_reader
+from drafters.dflash.checks import Layout, at_path, backbone_checks
+from drafters.readers import Check, Checkpoint, FormatChecks
 
 _HEADS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 LAYOUTS = {
@@ -49,7 +48,7 @@ def block_check(fmt: str, header: Mapping[str, Any]) -> Check:
         return Check("block", "fail", "no block_size")
     problems = [f"block_size {block} < 1"] if int(block) < 1 else []
     if fmt == "speculators":
-        tokens = (field(header, "speculators_config.proposal_methods") or [{}])[0].get("speculative_tokens")
+        tokens = (at_path(header, "speculators_config.proposal_methods") or [{}])[0].get("speculative_tokens")
         if tokens is not None and int(tokens) != int(block):
             problems.append(f"speculative_tokens {tokens} != block_size {block} (the anchor slot drafts too)")
         if header.get("sample_from_anchor") is False:
@@ -91,14 +90,12 @@ def heads_check(header: Mapping[str, Any], shapes: Mapping[str, tuple], info: Ta
     return Check("heads", "pass", f"{markov}, {confidence}: weights match")
 
 
-def export_checks(directory: str, target_info: TargetInfo) -> list[Check]:
-    """Check a DSpark checkpoint directory against `target_info` the way its readers will read it."""
-    opened = open_checkpoint(directory, "dspark", detect_format, "`draftsmith export DIR --format speculators`"
-                             " (vLLM) or `--format deepspec` (DeepSpec)")
-    if isinstance(opened, Check):
-        return [opened]
-    fmt, header, index = opened
-    checks = [Check("layout", "pass", f"{fmt} layout, meant for {MEANT_FOR[fmt]}")]
-    checks += backbone_checks(LAYOUTS[fmt], header, opened.shapes, target_info)
-    checks += [block_check(fmt, header), heads_check(header, opened.shapes, target_info)]
-    return checks + [our_reader(lambda: read(directory, header, fmt, target_info))[0]]
+def _body(directory: str, opened: Checkpoint, target_info: TargetInfo) -> list[Check]:
+    fmt, header, _ = opened
+    return [*backbone_checks(LAYOUTS[fmt], header, opened.shapes, target_info), block_check(fmt, header),
+            heads_check(header, opened.shapes, target_info)]
+
+
+CHECKS = FormatChecks(
+    "dspark", "`draftsmith export DIR --format speculators` (vLLM) or `--format deepspec` (DeepSpec)",
+    layout=lambda fmt: f"{fmt} layout, meant for {MEANT_FOR[fmt]}", body=_body)

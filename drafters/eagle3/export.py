@@ -18,8 +18,9 @@ draft layers, norm, lm_head, d2t (int64 offsets) and t2d (bool). d2t / t2d are l
 "eagle3" when the draft vocabulary is the whole target vocabulary (vLLM's strict loader has no parameter for them
 then). Ids are sorted and unique (vLLM captures `sorted(set(ids))` and concatenates features in that order).
 
-What each server makes of these files, and the checks `draftsmith doctor` runs on them, are in
-drafters/eagle3/readers.py.
+What each server makes of these files (the layer ids each one reads included), and the checks `draftsmith doctor` runs
+on them, are in drafters/eagle3/readers.py; `export_checks` runs those checks, and no layout stores calibration
+temperatures (`store_confidence_temperatures` is None).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafters.base import TargetInfo, check_target_match
-from drafters.eagle3.layers import Eagle3Config, default_layer_ids, fold_fc_columns
+from drafters.eagle3.config import Eagle3Config
+from drafters.eagle3.layers import fold_fc_columns
+from drafters.eagle3.readers import CHECKS, listed_layer_ids, nested_layer_ids
 from drafters.layers import rope_parameters
 from drafters.speculators import speculators_section
 
@@ -55,12 +58,6 @@ def detect_format(config: Mapping[str, Any]) -> str | None:
     if any("Eagle3" in name for name in config.get("architectures") or ()):
         return "sglang" if nested_layer_ids(config) is not None else "eagle3"
     return None
-
-
-def nested_layer_ids(config: Mapping[str, Any]) -> list[int] | None:
-    """`eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang / SpecForge convention), or None."""
-    nested = config.get("eagle_config")
-    return nested.get("eagle_aux_hidden_state_layer_ids") if isinstance(nested, Mapping) else None
 
 
 # ---- writing ---------------------------------------------------------------------------------------------------
@@ -178,27 +175,6 @@ def sglang_config(drafter) -> dict[str, Any]:
 
 
 # ---- reading ---------------------------------------------------------------------------------------------------
-def listed_layer_ids(header: Mapping[str, Any], fmt: str, num_target_layers: int) -> tuple[int, ...]:
-    """The aux layer ids in our (vLLM) convention, in the order the file's fc blocks follow.
-
-    Top-level `eagle_aux_hidden_state_layer_ids` are vLLM ids. Nested `eagle_config` ids (the SGLang / SpecForge
-    layout) count layer outputs: ours = theirs + 1; when both are present they must agree. None at all: the
-    target's default (2, N//2, N-3), which is what vLLM and SGLang then capture.
-    """
-    top = header.get("eagle_aux_hidden_state_layer_ids")
-    nested = nested_layer_ids(header) if fmt == "sglang" else None
-    if nested is not None:
-        shifted = [int(i) + 1 for i in nested]
-        if top and [int(i) for i in top] != shifted:
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(top)} (vLLM convention) and"
-                             f" eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)} (SGLang convention,"
-                             f" = {shifted} in vLLM's) disagree: vLLM and SGLang would read different layers")
-        return tuple(shifted)
-    if top:
-        return tuple(int(i) for i in top)
-    return default_layer_ids(num_target_layers)
-
-
 def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: TargetInfo):
     """Parse a speculators / eagle3 / sglang checkpoint into (Eagle3Config, state dict for Eagle3Drafter).
 
@@ -280,3 +256,11 @@ def _read_tensors(directory: str, draft_vocab_size: int, vocab_size: int) -> dic
     state["t2d"] = state["t2d"].bool()
     return state
 
+
+# ---- the doctor (drafters/base.py: the export module's contract) ------------------------------------------------
+def export_checks(directory: str, target_info: TargetInfo) -> list:
+    """Check an EAGLE-3 checkpoint directory against `target_info` the way each server will read it."""
+    return CHECKS.run(directory, target_info, detect_format, read)
+
+
+store_confidence_temperatures = None  # no confidence head

@@ -1,4 +1,5 @@
-"""EAGLE-3 building blocks: the recipe config, the draft layer's HF-style config, and the decoder layer.
+"""EAGLE-3 building blocks: the rules of its recipe config (drafters/eagle3/config.py), the draft layer's HF-style
+config, and the decoder layer.
 
 The drafter itself (training-time test, proposer, persistence) is drafters/eagle3/model.py; the export formats read and
 write the config here (drafters/eagle3/export.py). Shapes: B batch, T sequence, D hidden.
@@ -6,46 +7,15 @@ write the config here (drafters/eagle3/export.py). Shapes: B batch, T sequence, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from drafters.base import TargetInfo
-from drafters.layer_ids import AUTO, LayerIds, auto_layer_ids, check_hybrid_ids, is_auto
+from drafters.eagle3.config import Eagle3Config
+from drafters.layer_ids import auto_layer_ids, check_hybrid_ids, is_auto
 from drafters.layers import RMSNorm, SwiGLU, apply_rope, hf_layer_config
-
-@dataclass(kw_only=True)
-class Eagle3Config:
-    """The `drafter:` section of a recipe for kind "eagle3". None = mirror the target's config.
-
-    fc_init: "random" (nn.Linear default) or "identity_high" (fc starts as picking the highest tapped layer).
-    init_layer_from_target: copy that target decoder layer into the first draft layer. Its q/k/v weights go on the
-      hidden half of the 2D input (the hidden_norm gets the target layer's input norm); the embedding half keeps
-      its random init, so the token path trains exactly as from scratch (zeros there would also train, since the
-      hidden half is non-zero, but random keeps the token visible from step one).
-    sample_drafts: propose by sampling from the draft distribution q and return it (sampling runs); else argmax.
-    layer_ids: target layer ids (vLLM convention) or "auto": (2, N//2, N-3), on a hybrid moved onto full-attention
-      layers' outputs (drafters/layer_ids.py); allow_linear_attention_ids keeps ids that read linear-attention layers.
-    """
-
-    layer_ids: LayerIds = AUTO
-    allow_linear_attention_ids: bool = False
-    num_layers: int = 1
-    draft_vocab_size: int = 8192
-    ttt_steps: int = 7
-    step_decay: float = 0.8
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rope_theta: float | None = None
-    norm_before_residual: bool = False
-    init_head_from_target: bool = True
-    init_layer_from_target: int | None = None
-    fc_init: Literal["random", "identity_high"] = "random"
-    sample_drafts: bool = False
 
 
 def default_layer_ids(num_target_layers: int) -> tuple[int, ...]:

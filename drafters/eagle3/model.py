@@ -9,10 +9,10 @@ that. A new LM head over a reduced draft vocabulary (d2t / t2d, drafters/vocab.p
   `ttt_steps` is read from `self.config` at every forward, so a trainer may change it between steps
   (e.g. `drafter.config.ttt_steps = 1` for a cheap first phase, then 7).
 - Inference: a stateful chain proposer with its own per-row KV cache (`begin` / `propose` / `commit`).
-- Building blocks (config, decoder layer): drafters/eagle3/layers.py.
+- Config: drafters/eagle3/config.py; building blocks (decoder layer): drafters/eagle3/layers.py.
 - Export: native, "speculators" (vLLM speculators config), "eagle3" (plain LlamaForCausalLMEagle3, for vLLM) and
   "sglang" (SGLang / SpecForge), see drafters/eagle3/export.py; `Eagle3Drafter.load` reads all four, and
-  `export_checks` says which servers read a checkpoint right (drafters/eagle3/readers.py, `draftsmith doctor`).
+  its `export_checks` says which servers read a checkpoint right (drafters/eagle3/readers.py, `draftsmith doctor`).
 
 Parameter names follow the speculators checkpoint (fc, layers.0.self_attn.q_proj, ..., norm, lm_head, d2t, t2d).
 The target's embedding is used directly from TargetInfo and is never a parameter or a persistent buffer.
@@ -29,16 +29,15 @@ from torch import nn
 
 from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
 from drafters.eagle3 import export as export_eagle3
-from drafters.eagle3 import readers as eagle3_readers
+from drafters.eagle3.config import Eagle3Config
 from drafters.eagle3.layers import (
-    Eagle3Config,
     Eagle3DecoderLayer,
     default_layer_ids,
     draft_layer_config,
     fold_fc_columns,
     resolve_layer_ids,
 )
-from drafters.eagle3.tree import DraftTree
+from drafters.eagle3.tree import ExpansionTree
 from drafters.layer_ids import is_auto
 from drafters.layers import (
     FrozenTargetTensors,
@@ -51,13 +50,13 @@ from drafters.layers import (
     rope_inverse_frequencies,
 )
 from drafters.losses import decayed_sum, output_metrics, soft_cross_entropy
-from drafters.vocab import DraftVocab
+from drafters.vocab import DraftHead
 
 
 _QKV_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(DraftHead, Drafter):
     """EAGLE-3 drafter. See the module docstring for the training, inference and export contracts."""
 
     kind = "eagle3"
@@ -79,11 +78,8 @@ class Eagle3Drafter(Drafter):
             Eagle3DecoderLayer(self.layer_config, i == 0, config.norm_before_residual) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(hidden, self.layer_config["rms_norm_eps"])
-        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.add_draft_head(hidden, config.draft_vocab_size)  # until init_from_data / load: the first V_d target ids
         self.rotary = RotaryEmbedding(*rope_inverse_frequencies(self.layer_config))
-        # Until init_from_data / load: the first draft_vocab_size target ids (d2t all zero).
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.arange(vocab_size) < config.draft_vocab_size)
         self._frozen = FrozenTargetTensors(target_info)
         self._caches: list[KVCache] = []
         self._state: dict[str, torch.Tensor] = {}
@@ -102,28 +98,14 @@ class Eagle3Drafter(Drafter):
     # ---- vocabulary and warm starts ------------------------------------------------------------------------
     def init_from_data(self, token_counts: torch.Tensor) -> None:
         """Pick the draft vocab (top draft_vocab_size by count, ties to the smaller id) and warm-start the head."""
-        if token_counts.numel() != self.target_info.vocab_size:
-            raise ValueError(f"token_counts has {token_counts.numel()} entries, target vocab is {self.t2d.numel()}")
-        self.set_vocab(DraftVocab.from_counts(token_counts.cpu(), self.config.draft_vocab_size))
+        self.pick_draft_vocab(token_counts)
         self._init_head()
-
-    def set_vocab(self, vocab: DraftVocab) -> None:
-        """Install a draft vocabulary (its size must equal draft_vocab_size)."""
-        if vocab.size != self.config.draft_vocab_size or vocab.target_vocab_size != self.t2d.numel():
-            raise ValueError(f"vocab of size {vocab.size} / target {vocab.target_vocab_size} does not fit this drafter")
-        self.d2t.copy_(vocab.d2t.to(self.d2t.device))
-        self.t2d.copy_(vocab.t2d.to(self.t2d.device))
-
-    def draft_ids(self) -> torch.Tensor:
-        """int64 [V_d]: the target id of each draft id."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
     @torch.no_grad()
     def _init_head(self) -> None:
         if not self.config.init_head_from_target:
             return
-        head = self.target_info.lm_head_weight
-        self.lm_head.weight.copy_(head.index_select(0, self.draft_ids().to(head.device)))
+        self.copy_target_rows()
         if self.target_info.final_norm_weight is not None:
             self.norm.weight.copy_(self.target_info.final_norm_weight)
 
@@ -322,7 +304,7 @@ class Eagle3Drafter(Drafter):
         if bool((parents < 0).all()):  # the root
             for cache in self._caches:
                 cache.rewind()
-            self._tree = DraftTree.root(self._state["hidden"], self._caches[0].lengths)
+            self._tree = ExpansionTree.root(self._state["hidden"], self._caches[0].lengths)
             return full_vocab_log_probs(self._state["logits"][:, None], self.draft_ids(), vocab_size)
         tree = self._tree
         parent_hidden = tree.parent_hidden(parents)
@@ -370,12 +352,6 @@ class Eagle3Drafter(Drafter):
         return Proposal(tokens=torch.stack(tokens, dim=1), probs=full, log_probs=log_probs)
 
     # ---- persistence (save / load / detect_format: drafters/base.py, through export_module) ----------------------
-    @staticmethod
-    def export_checks(directory: str, target_info: TargetInfo) -> list:
-        """What `draftsmith doctor` checks in a checkpoint of this kind: Check(name, status, detail) rows saying
-        which servers read it correctly (drafters/eagle3/readers.py)."""
-        return eagle3_readers.export_checks(directory, target_info)
-
     def checkpoint_config(self) -> Eagle3Config:
         """The native header names the resolved (sorted, unique) ids: the order of the fc input blocks."""
         return dataclasses.replace(self.config, layer_ids=self.layer_ids)

@@ -9,25 +9,19 @@ Readers modelled (read from their released source; facts in our own words; docs/
   SGLang never captures our id N and norms draft layers >= 1 with hidden_norm; SpecForge builds one `midlayer`
   (a `layers.0.*` file keeps a random layer), a 3-state fc, and reads norm_output as "apply the final norm".
 
-`export_checks(directory, target_info)` returns Check(name, status, detail) rows, status one of pass / fail /
-warn / info: a fail is a reader the layout is meant for (INTENDED_READERS) that would misread or refuse it, or a
-field that is missing, out of range or does not match the target; a warn is another reader that would misread it.
-`Check`, `open_checkpoint`, `our_reader`, `reader_verdict` and `d2t_problem` serve the other kinds' checks too
-(drafters/{dflash,dspark,mtp}/readers.py).
+`CHECKS` (drafters/readers.py; run by drafters/eagle3/export.py `export_checks`) gives Check(name, status, detail)
+rows, status one of pass / fail / warn / info: a fail is a reader the layout is meant for (INTENDED_READERS) that
+would misread or refuse it, or a field that is missing, out of range or does not match the target; a warn is
+another reader that would misread it.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Mapping
 
-import torch
-from safetensors import safe_open
-
-from drafters.base import NATIVE_KIND_KEY, TargetInfo
-from drafters.eagle3.export import detect_format, listed_layer_ids, nested_layer_ids, read
+from drafters.base import TargetInfo
 from drafters.eagle3.layers import default_layer_ids
+from drafters.readers import Check, Checkpoint, FormatChecks, d2t_problem, meant_for, reader_verdict
 
 READERS = {
     "draftsmith": "draftsmith's engine",
@@ -44,22 +38,32 @@ FORMAT_FOR = {"draftsmith": "speculators", "vllm": "speculators", "speculators":
               "specforge": "sglang"}
 
 
-class Check(NamedTuple):
-    name: str
-    status: str  # "pass", "fail", "warn" or "info"
-    detail: str
+# ---- the ids each layout lists ----------------------------------------------------------------------------------
+def nested_layer_ids(config: Mapping[str, Any]) -> list[int] | None:
+    """`eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang / SpecForge convention), or None."""
+    nested = config.get("eagle_config")
+    return nested.get("eagle_aux_hidden_state_layer_ids") if isinstance(nested, Mapping) else None
 
 
-class Checkpoint(NamedTuple):
-    """A checkpoint directory in a serving layout: its format, config.json dict and tensor index."""
+def listed_layer_ids(header: Mapping[str, Any], fmt: str, num_target_layers: int) -> tuple[int, ...]:
+    """The aux layer ids in our (vLLM) convention, in the order the file's fc blocks follow.
 
-    fmt: str
-    header: dict[str, Any]
-    index: dict[str, tuple]  # tensor name -> (shape, file name)
-
-    @property
-    def shapes(self) -> dict[str, tuple]:
-        return {name: shape for name, (shape, _) in self.index.items()}
+    Top-level `eagle_aux_hidden_state_layer_ids` are vLLM ids. Nested `eagle_config` ids (the SGLang / SpecForge
+    layout) count layer outputs: ours = theirs + 1; when both are present they must agree. None at all: the
+    target's default (2, N//2, N-3), which is what vLLM and SGLang then capture.
+    """
+    top = header.get("eagle_aux_hidden_state_layer_ids")
+    nested = nested_layer_ids(header) if fmt == "sglang" else None
+    if nested is not None:
+        shifted = [int(i) + 1 for i in nested]
+        if top and [int(i) for i in top] != shifted:
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(top)} (vLLM convention) and"
+                             f" eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)} (SGLang convention,"
+                             f" = {shifted} in vLLM's) disagree: vLLM and SGLang would read different layers")
+        return tuple(shifted)
+    if top:
+        return tuple(int(i) for i in top)
+    return default_layer_ids(num_target_layers)
 
 
 def reader_view(reader: str, fmt: str, header: Mapping[str, Any], shapes: Mapping[str, tuple],
@@ -138,74 +142,26 @@ def compare_views(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
 
 
 # ---- the doctor's checks ----------------------------------------------------------------------------------------
-def open_checkpoint(directory: str, kind: str, detect: Callable[[Mapping[str, Any]], str | None],
-                    exports: str) -> Checkpoint | Check:
-    """The serving-layout checkpoint at `directory`, or the one layout row that ends its checks: no config.json,
-    draftsmith's native format of drafter `kind` (`exports` says what to run instead), or a layout `detect` does not
-    know."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        return Check("layout", "fail", f"{directory} has no config.json")
-    with open(path) as f:
-        header = json.load(f)
-    fmt = "native" if header.get(NATIVE_KIND_KEY) == kind else detect(header)
-    if fmt is None:
-        return Check("layout", "fail", f"config.json is not a {kind} checkpoint")
-    if fmt == "native":
-        return Check("layout", "info", "draftsmith's native checkpoint: only draftsmith reads it; for a server run "
-                     + exports)
-    return Checkpoint(fmt, header, tensor_index(directory))
-
-
-def our_reader(read_file: Callable[[], Any]) -> tuple[Check, Any]:
-    """The "reader draftsmith" row of calling `read_file`, and what it read (None when it refused the file)."""
-    try:
-        result = read_file()
-    except (ValueError, KeyError) as err:
-        return Check("reader draftsmith", "fail", f"draftsmith cannot read it: {err}"), None
-    return Check("reader draftsmith", "pass", "draftsmith's engine reads it as written"), result
-
-
-def reader_verdict(name: str, label: str, outcome: str | list[str], bad: str, fix: str) -> Check:
-    """The row of one reader: `outcome` says why it cannot use the file (a string; "not its layout ..." is only
-    information) or what it would misread (a list, empty when nothing); `bad` is the status of a problem and `fix`
-    what to do about it."""
-    if isinstance(outcome, str):
-        if outcome.startswith("not its layout"):
-            return Check(name, "info", f"{label}: {outcome}")
-        return Check(name, bad, f"{label} cannot use it: {outcome}; {fix}")
-    if not outcome:
-        return Check(name, "pass", f"{label} loads it correctly")
-    return Check(name, bad, f"{label} would load it and misread {'; '.join(outcome)}; {fix}")
-
-
-def export_checks(directory: str, target_info: TargetInfo) -> list[Check]:
-    """Check an EAGLE-3 checkpoint directory against `target_info` the way each server will read it."""
-    opened = open_checkpoint(directory, "eagle3", detect_format, "`draftsmith export DIR --format speculators` (vLLM)"
-                             " or `--format sglang` (SGLang, SpecForge)")
-    if isinstance(opened, Check):
-        return [opened]
+def _body(directory: str, opened: Checkpoint, target_info: TargetInfo) -> list[Check]:
     fmt, header, index = opened
-    shapes = opened.shapes
+    n = target_info.num_layers
+    return [_fields_check(fmt, header, n), _layer_ids_check(fmt, header, n),
+            _sizes_check(fmt, header, opened.shapes, target_info),
+            _vocab_check(fmt, header, index, directory, target_info.vocab_size)]
+
+
+def _our_view(opened: Checkpoint, target_info: TargetInfo) -> dict[str, Any]:
+    return reader_view("draftsmith", opened.fmt, opened.header, opened.shapes, target_info.num_layers,
+                       target_info.vocab_size)
+
+
+def _reader_rows(opened: Checkpoint, target_info: TargetInfo, outcome) -> list[Check]:
+    """Every server's row, once our reader accepts the file (what it reads is what the file means)."""
+    if outcome is None:
+        return []
     n, vocab = target_info.num_layers, target_info.vocab_size
-    checks = [Check("layout", "pass", f"{fmt} layout, meant for "
-                    + ", ".join(READERS[r] for r in INTENDED_READERS[fmt] if r != "draftsmith"))]
-    checks += [_fields_check(fmt, header, n), _layer_ids_check(fmt, header, n)]
-    checks += [_sizes_check(fmt, header, shapes, target_info), _vocab_check(fmt, header, index, directory, vocab)]
-
-    def read_back():  # our reader's view of the file, once our reader accepts it
-        view = reader_view("draftsmith", fmt, header, shapes, n, vocab)
-        read(directory, header, fmt, target_info)
-        return view
-
-    row, ours = our_reader(read_back)
-    checks.append(row)
-    if row.status == "fail":
-        return checks
-    for reader in READERS:
-        if reader != "draftsmith":
-            checks.append(_reader_check(reader, fmt, header, shapes, ours, n, vocab))
-    return checks
+    return [_reader_check(reader, opened.fmt, opened.header, opened.shapes, outcome[0], n, vocab)
+            for reader in READERS if reader != "draftsmith"]
 
 
 def _reader_check(reader, fmt, header, shapes, ours, n, vocab) -> Check:
@@ -302,23 +258,6 @@ def _vocab_check(fmt, header, index, directory, vocab) -> Check:
     return Check("draft vocab", "pass", f"{draft_vocab} draft ids, d2t maps them to increasing target ids")
 
 
-def d2t_problem(directory: str, index: Mapping[str, tuple], draft_vocab: int, vocab: int) -> str | None:
-    """What is wrong with the file's d2t table for draft_vocab ids over a target vocabulary of `vocab`, or None."""
-    with safe_open(os.path.join(directory, index["d2t"][1]), "pt") as f:
-        d2t = f.get_tensor("d2t").long()
-    target_ids = torch.arange(d2t.numel()) + d2t
-    if d2t.numel() != draft_vocab or int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab or bool(
-            (target_ids[1:] <= target_ids[:-1]).any()):
-        return (f"d2t ({d2t.numel()} offsets) does not map {draft_vocab} draft ids to increasing target ids in"
-                f" [0, {vocab})")
-    return None
-
-
-def tensor_index(directory: str) -> dict[str, tuple]:
-    """{tensor name: (shape, file name)} over the directory's safetensors files, without loading the tensors."""
-    shapes: dict[str, tuple] = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), "pt") as f:
-                shapes.update({key: (tuple(f.get_slice(key).get_shape()), name) for key in f.keys()})
-    return shapes
+CHECKS = FormatChecks(
+    "eagle3", "`draftsmith export DIR --format speculators` (vLLM) or `--format sglang` (SGLang, SpecForge)",
+    layout=lambda fmt: meant_for(fmt, READERS, INTENDED_READERS), body=_body, view=_our_view, readers=_reader_rows)

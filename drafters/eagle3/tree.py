@@ -2,7 +2,7 @@
 
 A round's tree is fed to the drafter in calls of M new nodes each. Node 0 is the root (the committed state, never
 fed); fed node i >= 1 sits in the drafter's cache column base + i - 1, base = each row's committed length, so a set
-of ancestors over node ids maps to cache columns by an offset. `DraftTree` keeps, per row, what later calls need:
+of ancestors over node ids maps to cache columns by an offset. `ExpansionTree` keeps, per row, what later calls need:
 the fed nodes' pre-norm outputs, their depths and ancestor sets. Shapes: B rows, n nodes so far, M new, C columns.
 """
 
@@ -15,14 +15,14 @@ import torch.nn.functional as F
 
 
 @dataclass
-class DraftTree:
+class ExpansionTree:
     hidden: torch.Tensor     # [B, n, D] pre-norm output of every node (the root's = the committed state)
     base: torch.Tensor       # [B] the row's committed cache length
     depth: torch.Tensor      # [B, n] depth of every node (root 0)
     ancestors: torch.Tensor  # [B, n, n] bool: node j is node i's ancestor or itself
 
     @classmethod
-    def root(cls, hidden: torch.Tensor, base: torch.Tensor) -> "DraftTree":
+    def root(cls, hidden: torch.Tensor, base: torch.Tensor) -> "ExpansionTree":
         """hidden [B, D] the committed state, base [B]."""
         batch, device = hidden.shape[0], hidden.device
         return cls(hidden[:, None], base.clone(), torch.zeros(batch, 1, dtype=torch.long, device=device),

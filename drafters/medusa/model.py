@@ -33,7 +33,8 @@ from drafters.base import (DraftContext, Drafter, DraftOutput, FeatureRequest, P
                            full_vocab_log_probs)
 from drafters.layers import FrozenTargetTensors, draw_drafts
 from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss
-from drafters.medusa.layers import MedusaConfig, MedusaHead
+from drafters.medusa.config import MedusaConfig
+from drafters.medusa.layers import MedusaHead
 
 
 class MedusaDrafter(Drafter):

@@ -1,6 +1,7 @@
-"""MTP heads: model.py (the drafter), layers.py (config, module, cache), export.py (checkpoint layouts)."""
+"""MTP heads: model.py (the drafter), config.py (its recipe section), layers.py (module, cache), export.py
+(checkpoint layouts)."""
 
-from drafters.mtp.layers import MTPConfig
+from drafters.mtp.config import MTPConfig
 from drafters.mtp.model import MTPDrafter
 
 __all__ = ["MTPConfig", "MTPDrafter"]

@@ -49,7 +49,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from drafters.base import TargetInfo, check_target_match
-from drafters.mtp.layers import LAYOUTS, MTPConfig, target_text_config
+from drafters.mtp.config import MTPConfig
+from drafters.mtp.layers import LAYOUTS, target_text_config
+from drafters.mtp.readers import CHECKS
 from drafters.speculators import speculators_section
 
 NATIVE_LAYOUTS = ("deepseek_v3", "qwen3_next", "qwen3_5", "mimo")
@@ -410,3 +412,11 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
         inverse = {theirs: ours for ours, theirs in _FIXED["speculators"].items()}
         state["layers.0." + inverse.get(local, "block." + local)] = tensor
     return config, state
+
+
+store_confidence_temperatures = None  # no confidence head (drafters/base.py: the export module's contract)
+
+
+def export_checks(directory: str, target_info: TargetInfo) -> list:
+    """`draftsmith doctor`'s checks of an MTP checkpoint directory (speculators layout) against `target_info`."""
+    return CHECKS.run(directory, target_info, detect_format, read)

@@ -42,11 +42,10 @@ from drafters.base import (DraftContext, Drafter, DraftOutput, FeatureRequest, P
 from drafters.layers import FrozenTargetTensors, draw_drafts
 from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss
 from drafters.mtp import export as mtp_export
-from drafters.mtp import readers as mtp_readers
+from drafters.mtp.config import MTPConfig
 from drafters.mtp.layers import (
     LAYOUTS,
     BlockCache,
-    MTPConfig,
     MTPModule,
     block_config,
     causal_mask,
@@ -339,9 +338,3 @@ class MTPDrafter(Drafter):
             return Proposal(tokens=torch.stack(tokens, dim=1), log_probs=log_probs)
         return Proposal(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1).float(),
                         log_probs=log_probs)
-
-    # ---- persistence (drafters/base.py dispatches to drafters/mtp/export.py) --------------------------------------
-    @staticmethod
-    def export_checks(directory: str, target_info: TargetInfo) -> list:
-        """What `draftsmith doctor` checks in a checkpoint of this kind (drafters/mtp/readers.py)."""
-        return mtp_readers.export_checks(directory, target_info)

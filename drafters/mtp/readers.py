@@ -13,9 +13,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from drafters.base import TargetInfo
-from drafters.eagle3.readers import Check, open_checkpoint, our_reader
-from drafters.mtp.export import detect_format, read
 from drafters.mtp.layers import target_text_config
+from drafters.readers import Check, Checkpoint, FormatChecks
 
 PREFIX = "mtp_layers.0."
 FIXED = ("input_proj.weight", "hidden_layernorm.weight", "token_layernorm.weight", "final_layernorm.weight")
@@ -59,13 +58,11 @@ def sizes_check(header: Mapping[str, Any], shapes: Mapping[str, tuple], info: Ta
                  f" {info.vocab_size}, {info.num_layers} layers) is the target's; module tensors present")
 
 
-def export_checks(directory: str, target_info: TargetInfo) -> list[Check]:
-    """Check an MTP checkpoint directory against `target_info` the way its readers will read it."""
-    opened = open_checkpoint(directory, "mtp", detect_format, "`draftsmith export DIR --format speculators` or a"
-                             " target-checkpoint layout")
-    if isinstance(opened, Check):
-        return [opened]
-    header = opened.header
-    checks = [Check("layout", "pass", "speculators mtp layout, meant for vLLM (vllm serve DIR, method mtp) and"
-                    " speculators"), fields_check(header), sizes_check(header, opened.shapes, target_info)]
-    return checks + [our_reader(lambda: read(directory, header, "speculators", target_info))[0]]
+def _body(directory: str, opened: Checkpoint, target_info: TargetInfo) -> list[Check]:
+    return [fields_check(opened.header), sizes_check(opened.header, opened.shapes, target_info)]
+
+
+CHECKS = FormatChecks(
+    "mtp", "`draftsmith export DIR --format speculators` or a target-checkpoint layout",
+    layout=lambda fmt: "speculators mtp layout, meant for vLLM (vllm serve DIR, method mtp) and speculators",
+    body=_body)

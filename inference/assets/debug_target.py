@@ -18,12 +18,11 @@ native-mtp` runs on them.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import torch
 
-from inference.assets.store import default_cache_dir
+from drafters.files import replace_directory
+from inference.assets import default_cache_dir
 
 DEBUG_PREFIX = "debug:"
 DEBUG_TARGET_VERSION = "v2"  # part of the cache directory name: bump when the built model changes
@@ -163,6 +162,10 @@ def write_debug_target(name: str, directory: str) -> None:
     tokenizer.save_pretrained(directory)
 
 
+def _built(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, "model.safetensors"))
+
+
 def resolve_debug_target(name_or_path: str, cache_dir: str | None = None) -> str:
     """"debug:NAME" -> the directory of that tiny target in the cache (built on first use).
 
@@ -177,17 +180,8 @@ def resolve_debug_target(name_or_path: str, cache_dir: str | None = None) -> str
     name = name_or_path[len(DEBUG_PREFIX):]
     root = cache_dir or default_cache_dir()
     final_dir = os.path.join(root, "models", f"debug-{name}-{DEBUG_TARGET_VERSION}")
-    if os.path.isfile(os.path.join(final_dir, "model.safetensors")):
+    if _built(final_dir):
         return final_dir
-    os.makedirs(os.path.dirname(final_dir), exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(prefix=f".debug-{name}.tmp-", dir=os.path.dirname(final_dir))
-    try:
+    with replace_directory(final_dir, keep=_built) as tmp_dir:  # another process's copy is identical: kept
         write_debug_target(name, tmp_dir)
-        try:
-            os.rename(tmp_dir, final_dir)
-        except OSError:  # another process renamed its copy first; the models are identical
-            if not os.path.isfile(os.path.join(final_dir, "model.safetensors")):
-                raise
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
     return final_dir

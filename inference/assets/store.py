@@ -25,8 +25,11 @@ import re
 import shutil
 import sys
 import time
-import uuid
 from pathlib import Path
+
+from drafters.files import replace_directory
+from inference.assets import default_cache_dir
+from inference.assets.debug_target import resolve_debug_target
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_ALIASES = (SMOLLM2_NAME, "huggingfacetb/smollm2-135m-instruct")
@@ -39,11 +42,6 @@ _COPIED_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
 )
-
-
-def default_cache_dir() -> str:
-    """$DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
-    return os.environ.get("DRAFTSMITH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "draftsmith")
 
 
 def smollm2_gguf_path() -> str:
@@ -72,29 +70,13 @@ def is_complete(model_dir: str) -> bool:
 
 @contextlib.contextmanager
 def _atomic_directory(final_dir: str, marker: dict):
-    """Yield a temporary directory next to `final_dir`; on success write the marker into it and rename it into place.
-
-    If another process finished `final_dir` first, ours is discarded. A leftover `final_dir` without a marker is not
-    ours to trust and is replaced.
+    """drafters.files.replace_directory with the completion marker written last: a `final_dir` another process
+    completed first is kept and ours discarded; a leftover one without a marker is not ours to trust and is replaced.
     """
-    parent = os.path.dirname(os.path.abspath(final_dir))
-    os.makedirs(parent, exist_ok=True)
-    # Not tempfile.mkdtemp: its 0700 mode would stick to the renamed directory; makedirs honours the umask.
-    tmp_dir = os.path.join(parent, f".{os.path.basename(final_dir)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp_dir)
-    try:
+    with replace_directory(final_dir, keep=is_complete) as tmp_dir:
         yield tmp_dir
         with open(os.path.join(tmp_dir, COMPLETE_MARKER), "w") as f:
             json.dump(marker, f, indent=2)
-        if os.path.isdir(final_dir) and not is_complete(final_dir):
-            shutil.rmtree(final_dir)
-        try:
-            os.rename(tmp_dir, final_dir)
-        except OSError:
-            if not is_complete(final_dir):
-                raise
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -215,8 +197,6 @@ def resolve_target(name_or_path: str) -> str:
     if name_or_path.lower() in SMOLLM2_ALIASES:
         return ensure_smollm2()
     if name_or_path.startswith("debug:"):
-        from inference.assets.debug_target import resolve_debug_target
-
         return resolve_debug_target(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.is_dir():

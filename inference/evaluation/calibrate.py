@@ -6,7 +6,7 @@
 
 Runs held-out prompts (first turns, chat template) through the engine with every proposal verified in full (k = the
 drafter's longest proposal, no schedule), records per round the confidence logits of the drafts and which prefix
-was accepted, fits Sequential Temperature Scaling (drafters/dspark/calibration.py: one temperature per position,
+was accepted, fits Sequential Temperature Scaling (drafters/calibration.py: one temperature per position,
 in order, each with the earlier ones frozen) and stores the temperatures in the checkpoint (config.json only; the
 weights are untouched). DIR gets calibration.json (per position: ece_before, ece_after, auroc, brier, temperature,
 and the "before" values and reliability bins) and reliability.png (predicted vs observed prefix survival per
@@ -23,7 +23,7 @@ import sys
 import torch
 
 from drafters import load_drafter
-from drafters.dspark.calibration import NUM_BINS, TEMPERATURE_GRID, calibration_report, check_rounds, fit_sts
+from drafters.calibration import NUM_BINS, TEMPERATURE_GRID, calibration_report, check_rounds, fit_sts
 from drafters.files import write_json_atomic
 from inference.evaluation.chat_template import check_chat_template, parse_template_kwargs, render_prompt
 from inference.evaluation.eval import _split, load_prompt_sets
@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     target = TargetModel.from_pretrained(args.target, dtype=torch.float32)
     check_chat_template(target.tokenizer, not args.no_chat_template, args.target, args.chat_template_kwargs)
     drafter = load_drafter(args.drafter, target.target_info())
-    store = getattr(drafter, "store_confidence_temperatures", None)
-    if drafter is None or store is None or drafter.max_draft_tokens() is None:
+    module = drafter.export_module if drafter is not None else None
+    store = module.store_confidence_temperatures if module is not None else None
+    if store is None or drafter.max_draft_tokens() is None:
         raise ValueError(f"--drafter {args.drafter!r}: not a drafter with a confidence head (DSpark) that stores "
                          "calibration temperatures")
     drafter = drafter.eval()

@@ -1,5 +1,6 @@
-"""Sequential Temperature Scaling (STS) and the confidence metrics (DSpark paper section 3.2.1; reference
-algorithms_dflash_dspark.md 2.2; DeepSpec released neither).
+"""Sequential Temperature Scaling (STS) and the confidence metrics of any drafter whose proposals carry confidence
+logits (DSpark's confidence head; DSpark paper section 3.2.1, reference algorithms_dflash_dspark.md 2.2; DeepSpec
+released neither). `draftsmith calibrate` (inference/evaluation/calibrate.py) fits and reports with it.
 
 Data: for N verification rounds, the confidence logits z [N, K] of the drafts (computed before each draft was drawn)
 and the prefix-acceptance labels y [N, K], y_{n,k} = 1 when the first k + 1 drafts of round n were all accepted;

@@ -1,0 +1,42 @@
+"""The `drafter:` section of a recipe for kind "assistant": the Gemma-4-style assistant's config (rules that
+resolve its defaults and the layers it builds: drafters/assistant/layers.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass(kw_only=True)
+class AssistantConfig:
+    """The `drafter:` section of a recipe for kind "assistant".
+
+    num_layers: assistant decoder layers (Gemma 4's assistants have 4).
+    hidden_size: the assistant's own width W; None = the target's hidden size.
+    intermediate_size: its MLP width; None = the target's intermediate size.
+    kv_layers: target decoder layer read by each assistant layer (one entry per layer); () = every assistant layer
+      reads the target's last layer (Gemma 4 maps each layer to the last target layer of its attention type; a
+      Llama/Qwen target has one type).
+    num_steps: K, the draft steps trained per position (step k >= 1 reads step k-1's post-projected state and the
+      ground-truth token, at the same query position and over the same target K/V as step 0).
+    loss_weights: per-step weights of the per-step mean losses; () = 1/K each.
+    loss: "soft" = cross-entropy against the target's distribution at the label; "hard" = against the data token.
+    embed_scale: factor on the target's token embedding before the pre-projection; None = the scale the target itself
+      applies to its embeddings (sqrt(D) for Gemma families, 1 otherwise), i.e. the "scaled target embedding".
+    sample_drafts: propose by sampling each step's distribution (returned as probs); else argmax drafts.
+    gemma4_config: the assistant's own Gemma 4 text config, as a `gemma4_assistant` checkpoint stores it under
+      `text_config` (set by that import, drafters/assistant/export.py). Then the layers are Gemma 4's own decoder
+      layers with KV reuse (sandwich norms, layer scalar, GELU MLP, unit attention scale, per-type head dim, RoPE and
+      sliding window), and num_layers / hidden_size / intermediate_size must agree with it. None = Llama layers.
+    """
+
+    num_layers: int = 2
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    kv_layers: tuple[int, ...] = ()
+    num_steps: int = 3
+    loss_weights: tuple[float, ...] = ()
+    loss: Literal["soft", "hard"] = "soft"
+    embed_scale: float | None = None
+    sample_drafts: bool = False
+    gemma4_config: dict[str, Any] | None = None

@@ -1,0 +1,41 @@
+"""The `drafter:` section of a recipe for kind "eagle3": EAGLE-3's config (rules that resolve its defaults and the
+layers it builds: drafters/eagle3/layers.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from drafters.layer_ids import AUTO, LayerIds
+
+
+@dataclass(kw_only=True)
+class Eagle3Config:
+    """The `drafter:` section of a recipe for kind "eagle3". None = mirror the target's config.
+
+    fc_init: "random" (nn.Linear default) or "identity_high" (fc starts as picking the highest tapped layer).
+    init_layer_from_target: copy that target decoder layer into the first draft layer. Its q/k/v weights go on the
+      hidden half of the 2D input (the hidden_norm gets the target layer's input norm); the embedding half keeps
+      its random init, so the token path trains exactly as from scratch (zeros there would also train, since the
+      hidden half is non-zero, but random keeps the token visible from step one).
+    sample_drafts: propose by sampling from the draft distribution q and return it (sampling runs); else argmax.
+    layer_ids: target layer ids (vLLM convention) or "auto": (2, N//2, N-3), on a hybrid moved onto full-attention
+      layers' outputs (drafters/layer_ids.py); allow_linear_attention_ids keeps ids that read linear-attention layers.
+    """
+
+    layer_ids: LayerIds = AUTO
+    allow_linear_attention_ids: bool = False
+    num_layers: int = 1
+    draft_vocab_size: int = 8192
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float | None = None
+    norm_before_residual: bool = False
+    init_head_from_target: bool = True
+    init_layer_from_target: int | None = None
+    fc_init: Literal["random", "identity_high"] = "random"
+    sample_drafts: bool = False

@@ -1,0 +1,31 @@
+"""The `drafter:` section of a recipe for kind "medusa": Medusa's config (rules that resolve its defaults and the
+layers it builds: drafters/medusa/layers.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class MedusaConfig:
+    """The `drafter:` section of a recipe for kind "medusa".
+
+    num_heads: K extra heads; head k predicts the token k + 2 places after the position of the hidden state it reads.
+    num_layers: residual SiLU blocks per head (Medusa's default 1).
+    step_decay: head k's loss weight step_decay**k (Medusa-1's 0.8^k).
+    lm_head: "target" = every head ends in the target's frozen lm_head (vLLM's `original_lm_head`; only the blocks
+      train); "copy" = a trainable head per head initialised from the target's lm_head (the Medusa paper);
+      "new" = a trainable head per head from random (the Medusa repository).
+    loss: "soft" = cross-entropy against the target's distribution at the label (distillation); "hard" = against the
+      data token (Medusa-1's loss).
+    sample_drafts: propose by sampling each head's distribution (heads are independent given the hidden state, so q is
+      each head's own distribution) and return it; else argmax drafts.
+    """
+
+    num_heads: int = 3
+    num_layers: int = 1
+    step_decay: float = 0.8
+    lm_head: Literal["target", "copy", "new"] = "target"
+    loss: Literal["soft", "hard"] = "soft"
+    sample_drafts: bool = False

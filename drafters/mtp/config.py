@@ -1,0 +1,38 @@
+"""The `drafter:` section of a recipe for kind "mtp": MTP's config (rules that resolve its defaults and the
+layers it builds: drafters/mtp/layers.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class MTPConfig:
+    """The `drafter:` section of a recipe for kind "mtp".
+
+    num_modules: D distinct MTP modules (MTP-D). Depth k (0-based) uses module k, or with `reuse` module k % D (one
+      module applied for every step, as vLLM runs a checkpoint with fewer modules than speculative tokens).
+    num_steps: teacher-forced depths trained per sequence, at most num_modules unless reuse. Read at every forward, so
+      a phase may change it.
+    loss_weights: per-depth weights of the per-depth mean losses; () = 1/num_steps each, DeepSeek-V3's (lambda/D)
+      sum_k L_k with lambda = 1 (its lambda only balances the MTP loss against the main loss, which a frozen target
+      does not have). Longer lists are cut to num_steps.
+    loss: "soft" = cross-entropy against the target's distribution at the label (distillation, as EAGLE-3 here);
+      "hard" = cross-entropy against the data token (DeepSeek-V3's objective).
+    layout: the checkpoint family whose conventions the modules follow and into which they export natively:
+      "deepseek_v3", "qwen3_next", "qwen3_5" (Qwen3.5 / 3.6), "mimo" or "speculators" (see the module docstring).
+    init_from_native: before training (Drafter.init_from_data), import the MTP weights that ship in the target's own
+      checkpoint (drafters/mtp/export.py) instead of starting from fresh modules; a fine-tune of the model's own MTP.
+      Fresh modules start as the identity on the hidden path (see `init_module_`).
+    sample_drafts: propose by sampling the draft distribution and return it; else argmax drafts.
+    """
+
+    num_modules: int = 1
+    reuse: bool = False
+    num_steps: int | None = None
+    loss_weights: tuple[float, ...] = ()
+    loss: Literal["soft", "hard"] = "soft"
+    layout: Literal["deepseek_v3", "qwen3_next", "qwen3_5", "mimo", "speculators"] = "deepseek_v3"
+    init_from_native: bool = False
+    sample_drafts: bool = False
