@@ -249,6 +249,7 @@ def summary_table() -> str:
 
 TABLES = {  # file -> {table name: generator}
     os.path.join("docs", "benchmarks.md"): {"summary": summary_table},
+    "README.md": {"measured": readme_table},
 }
 
 
