@@ -45,7 +45,7 @@ def anchors(path: Path) -> set[str]:
     return {slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, flags=re.M)}
 
 
-PAGES = ["README.md", "docs/benchmarks.md", "docs/benchmarks_archive.md"]
+PAGES = ["README.md", "docs/benchmarks.md", "docs/benchmarks_archive.md", "docs/ARCHITECTURE.md", "docs/decisions.md"]
 
 
 @pytest.mark.parametrize("page", PAGES)
