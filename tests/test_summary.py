@@ -45,7 +45,8 @@ def anchors(path: Path) -> set[str]:
     return {slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, flags=re.M)}
 
 
-PAGES = ["README.md", "docs/benchmarks.md", "docs/benchmarks_archive.md", "docs/ARCHITECTURE.md", "docs/decisions.md"]
+PAGES = ["README.md", "docs/benchmarks.md", "docs/benchmarks_archive.md", "docs/ARCHITECTURE.md", "docs/decisions.md",
+         "docs/commands.md"]
 
 
 @pytest.mark.parametrize("page", PAGES)
