@@ -1,4 +1,4 @@
-"""Adaptive k against plain autoregression, interleaved call by call (issue 10 item 1: a drafter whose drafts are
+"""Adaptive k against plain autoregression, interleaved call by call (a drafter whose drafts are
 always rejected must not make decoding slower).
 
     OMP_NUM_THREADS=1 python benchmarks/adaptive_vs_ar.py --drafter runs/bench/random_eagle3 \\

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fixed k vs adaptive k on SmolLM2-135M-Instruct with every trained drafter and a random-weights one, a load sweep,
-# the broken-drafter check and the engine's overhead (issue 10; docs/benchmarks.md section 9). Run from a detached
+# the broken-drafter check and the engine's overhead (docs/benchmarks.md, "Adaptive k"). Run from a detached
 # worktree of the measured commit with RUNS pointing at the checkpoints:
 #   RUNS=/work/main/runs/bench OMP_NUM_THREADS=1 bash benchmarks/bench_adaptive.sh
 # Each eval interleaves its methods batch by batch (inference/evaluation/eval.py); each drafter has its own run (and AR

@@ -1,4 +1,4 @@
-"""Engine benchmark on the embedded default target (issue: the spine). Writes JSON + a Markdown section.
+"""Engine benchmark on the embedded default target. Writes JSON + a Markdown section.
 
     python benchmarks/bench_engine.py --num-prompts 4 --repeats 3 --out docs/bench_engine.json
 

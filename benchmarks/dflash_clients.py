@@ -1,5 +1,5 @@
-"""DFlash exports read by implementations we did not write: the numbers behind docs/benchmarks.md section
-"DFlash: independent clients". The comparisons themselves live in tests/test_dflash_export.py (same functions).
+"""DFlash exports read by implementations we did not write: the numbers behind docs/benchmarks.md,
+"Exports served", DFlash. The comparisons themselves live in tests/test_dflash_export.py (same functions).
 
 Run from a throwaway environment that has the clients (never the project's .venv):
     python3 -m venv /tmp/venv-dflash && . /tmp/venv-dflash/bin/activate

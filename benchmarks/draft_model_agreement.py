@@ -1,4 +1,4 @@
-"""How good is a truncated / layer-skipping copy of SmolLM2 as a draft model? (docs/benchmarks.md section 1.2)
+"""How good is a truncated / layer-skipping copy of SmolLM2 as a draft model? (docs/benchmarks.md, "Engine")
 
     python benchmarks/draft_model_agreement.py
 

@@ -1,5 +1,5 @@
 """How fast a drafter learns to use the target's features: drafter-only training on a fixed small set of SmolLM2
-batches (features computed once), with held-out agreement every 20 steps. docs/benchmarks.md section 3.3 compares
+batches (features computed once), with held-out agreement every 20 steps. docs/benchmarks.md (DFlash) compares
 EAGLE-3 and DFlash this way.
 
     python benchmarks/drafter_learning_speed.py eagle3 100 drafter.ttt_steps=1 drafter.init_head_from_target=true

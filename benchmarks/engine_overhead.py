@@ -1,4 +1,4 @@
-"""The engine's own overhead: its verify forward beside the bare HF forward of the same model (issue 10 item 3).
+"""The engine's own overhead: its verify forward beside the bare HF forward of the same model.
 
     OMP_NUM_THREADS=1 python benchmarks/engine_overhead.py --target smollm2-135m-instruct --context 300 \\
         --max-k 15 --repeats 7 --out docs/results/engine_overhead.json

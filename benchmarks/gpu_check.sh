@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 11 item 7): a few minutes on one GPU machine (AMD with ROCm or NVIDIA with CUDA).
+# The GPU check: a few minutes on one GPU machine (AMD with ROCm or NVIDIA with CUDA).
 #   bash benchmarks/gpu_check.sh [--cpu] [RESULTS_DIR]
 # RESULTS_DIR defaults to $OUT when it is set, else runs/gpu_check. It runs, in order:
 #   1. every debug recipe (recipes/debug/tiny_*.yaml) under bf16 autocast (accelerate --mixed_precision bf16);

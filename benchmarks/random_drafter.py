@@ -1,4 +1,4 @@
-"""Write a random-weights copy of a drafter checkpoint: the deliberately broken drafter of issue 10 (its drafts are
+"""Write a random-weights copy of a drafter checkpoint: the broken drafter adaptive k is checked with (its drafts are
 almost always rejected, so adaptive k must fall back to plain autoregression).
 
     python benchmarks/random_drafter.py runs/bench/E_cold/final runs/bench/random_eagle3 --target smollm2-135m-instruct

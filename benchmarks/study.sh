@@ -1,9 +1,11 @@
 #!/bin/bash
-# The study's figure in kind (docs/benchmarks.md section 11): every SmolLM2 drafter, fixed k vs auto vs trees,
-# MT-Bench 2 questions x 2 turns, 64 new tokens, T = 0, one thread per call; the two halves run side by side:
+# The study's figure in kind (docs/benchmarks.md, "All drafters in one run"): every SmolLM2 drafter, fixed k vs
+# auto vs trees, MT-Bench 2 questions x 2 turns, 64 new tokens, T = 0, one thread per call; the two halves run side
+# by side:
 #   bash benchmarks/study.sh A & bash benchmarks/study.sh B; wait
-# The checkpoints under runs/bench/ are the ones trained in docs/benchmarks.md sections 3-8 (E_cold = the README main
-# job's recipe, D_* section 7, F_* section 8, G_* section 8.1; random_eagle3 = benchmarks/random_drafter.py).
+# The checkpoints under runs/bench/ are the ones trained in docs/benchmarks.md's drafter sections (E_cold = the README
+# main job's recipe, D_* DSpark, F_* and G_* MTP / Medusa / assistant, G_* being the archived starved run;
+# random_eagle3 = benchmarks/random_drafter.py).
 set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 PYTHONPATH=$PWD HF_HUB_OFFLINE=1

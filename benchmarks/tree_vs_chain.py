@@ -1,4 +1,4 @@
-"""Tree vs. chain verification at equal verify budget (issue 10 item 4), on the embedded default target.
+"""Tree vs. chain verification at equal verify budget, on the embedded default target.
 
     OMP_NUM_THREADS=1 python benchmarks/tree_vs_chain.py --num-prompts 4 --max-new-tokens 96 --repeats 2 \
         --out docs/results/tree_vs_chain.json

@@ -1,4 +1,4 @@
-"""The drafter contract: what train/ and inference/ know about any drafter (ARCHITECTURE.md section 4).
+"""The drafter contract: what train/ and inference/ know about any drafter (docs/ARCHITECTURE.md, contract).
 
 Shapes: B batch, T sequence, D hidden, V target vocab, V_d draft vocab, K draft depth / proposal length.
 

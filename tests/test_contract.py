@@ -1,4 +1,4 @@
-"""The drafter contract, tested once for every registered drafter (drafters/base.py; ARCHITECTURE.md section 4).
+"""The drafter contract, tested once for every registered drafter (drafters/base.py; docs/ARCHITECTURE.md).
 
 A new drafter is done when this file passes for it: add a tiny factory to FACTORIES (the test below fails for a
 registered kind without one). What is checked, per kind:

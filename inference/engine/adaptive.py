@@ -1,4 +1,4 @@
-"""Adaptive proposal length: the engine chooses how many drafts each round proposes, k = 0 included (issue 10 item 1).
+"""Adaptive proposal length: the engine chooses how many drafts each round proposes, k = 0 included.
 
     costs = profile_costs(target, drafter, prompts, max_draft_tokens=7)       # once, at start-up
     out = speculative_generate(target, drafter, prompts, num_draft_tokens=7, max_new_tokens=128,

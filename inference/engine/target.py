@@ -1,7 +1,7 @@
-"""TargetModel: the target LLM behind one interface for the engine and for training (ARCHITECTURE.md section 5).
+"""TargetModel: the target LLM behind one interface for the engine and for training (docs/ARCHITECTURE.md).
 
 Wraps any HF `AutoModelForCausalLM` whose decoder exposes `.layers` and `.norm` (Llama, Qwen2/3, Mistral, Gemma...).
-Hidden states are captured with forward hooks by the vLLM layer-id convention (section 3): id k < N is the residual
+Hidden states are captured with forward hooks by the vLLM layer-id convention: id k < N is the residual
 stream entering decoder layer k (= HF `hidden_states[k]`), id N is the final pre-norm output. Only the layers asked
 for are captured; nothing else is materialised.
 """

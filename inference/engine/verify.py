@@ -1,4 +1,4 @@
-"""Verification: pure functions, no model code (ARCHITECTURE.md section 5; theory_and_metrics.md D.1).
+"""Verification: pure functions, no model code (docs/ARCHITECTURE.md, engine loop; theory_and_metrics.md D.1).
 
 Shapes: B batch, K drafts per row, V vocab. Target probabilities `p` are [B, K+1, V]: position j is the target's
 distribution for the token after draft j (position 0 = after the last accepted token), already transformed by

@@ -1,4 +1,4 @@
-"""Turn `GenerateOutput`s into the report record (ARCHITECTURE.md section 5; reference theory_and_metrics.md D.2, E).
+"""Turn `GenerateOutput`s into the report record (docs/ARCHITECTURE.md; reference theory_and_metrics.md D.2, E).
 
 Counting follows vLLM's spec-decode counters, per row:
 - rounds: rounds summed over rows (vLLM `num_drafts`). Rounds where an n-gram drafter proposed nothing still count,
@@ -123,8 +123,8 @@ def cost_ratios(out: GenerateOutput, ar: GenerateOutput | None) -> tuple[float |
 
 
 def accept_length_mean(rounds: int, accepted: int) -> float | None:
-    """tau = 1 + accepted / rounds: tokens a row gains per verify forward, the bonus token included (ARCHITECTURE.md
-    section 3). The one place tau is computed from counts (reports, the training probe, doctor)."""
+    """tau = 1 + accepted / rounds: tokens a row gains per verify forward, the bonus token included (docs/
+    ARCHITECTURE.md, Conventions). The one place tau is computed from counts (reports, the training probe, doctor)."""
     return None if rounds == 0 else 1.0 + accepted / rounds
 
 

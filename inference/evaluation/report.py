@@ -1,4 +1,4 @@
-"""Write evaluation records as JSON, a Markdown table and PNG plots (ARCHITECTURE.md section 5).
+"""Write evaluation records as JSON, a Markdown table and PNG plots (docs/ARCHITECTURE.md, Evaluation).
 
 For `--out runs/report.json` the files are: runs/report.json (`{"config": {...}, "records": [...]}`), runs/report.md
 (the table), runs/report_acceptance_<dataset>.png (per-position acceptance, unconditional and conditional, one line per

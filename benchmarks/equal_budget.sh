@@ -1,9 +1,10 @@
 #!/bin/bash
-# Issue 9 at equal data and CPU budget (docs/benchmarks.md section 8.2). MTP-3, one MTP module reused for 3 steps and
+# MTP-3, reused MTP and the assistant at equal data and CPU budget (docs/benchmarks.md, "MTP, Medusa and the
+# KV-sharing assistant"). MTP-3, one MTP module reused for 3 steps and
 # the KV-sharing assistant trained together (3 processes on 2 cores, one thread each, 20 wall minutes: 13.2-13.4
-# CPU-minutes each, measured with `time`), on the data and overrides of MTP-1 / Medusa-3 (section 8); then one
-# interleaved eval per k with every drafter beside them (checkpoints from sections 3-8 under runs/bench/).
-#   bash benchmarks/issue9_equal_budget.sh train; bash benchmarks/issue9_equal_budget.sh eval
+# CPU-minutes each, measured with `time`), on the data and overrides of MTP-1 / Medusa-3 (same section); then one
+# interleaved eval per k with every drafter beside them (the checkpoints of the drafter sections under runs/bench/).
+#   bash benchmarks/equal_budget.sh train; bash benchmarks/equal_budget.sh eval
 set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 PYTHONPATH=$PWD HF_HUB_OFFLINE=1 WANDB_MODE=offline
@@ -16,7 +17,7 @@ if [ "$1" = train ]; then
   wait
 else
   C="--target smollm2-135m-instruct --prompts mt_bench --num-prompts 4 --max-new-tokens 96 --temperature 0 --threads 1"
-  draftsmith eval $C --drafter $R/E_cold/final,$R/F_mtp/final,$R/F_medusa/final,$R/I_mtp3/final,$R/I_mtp_reuse/final,$R/I_assistant/final,$R/D_dflash/final --num-draft-tokens 1 --out $O/issue9_k1.json > $O/issue9_k1.log 2>&1 &
-  draftsmith eval $C --drafter $R/E_cold/final,$R/F_medusa/final,$R/I_mtp3/final,$R/I_mtp_reuse/final,$R/I_assistant/final,$R/D_dflash/final --num-draft-tokens 3 --out $O/issue9_k3.json > $O/issue9_k3.log 2>&1 &
+  draftsmith eval $C --drafter $R/E_cold/final,$R/F_mtp/final,$R/F_medusa/final,$R/I_mtp3/final,$R/I_mtp_reuse/final,$R/I_assistant/final,$R/D_dflash/final --num-draft-tokens 1 --out $O/equal_budget_k1.json > $O/equal_budget_k1.log 2>&1 &
+  draftsmith eval $C --drafter $R/E_cold/final,$R/F_medusa/final,$R/I_mtp3/final,$R/I_mtp_reuse/final,$R/I_assistant/final,$R/D_dflash/final --num-draft-tokens 3 --out $O/equal_budget_k3.json > $O/equal_budget_k3.log 2>&1 &
   wait
 fi
