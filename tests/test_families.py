@@ -23,7 +23,7 @@ from drafters.draft_model import DraftModelConfig
 from inference.assets.debug_target import resolve_debug_target
 from inference.engine.generate import speculative_generate
 from inference.engine.target import TargetModel
-from inference.engine.tree.generate import tree_speculative_generate
+from inference.engine.generate import tree_speculative_generate
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 FAMILIES = HYBRIDS + ["tiny-gemma4", "tiny-gpt-oss", "tiny-deepseek-v3"]
