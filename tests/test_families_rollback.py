@@ -16,7 +16,7 @@ from transformers.cache_utils import LinearAttentionLayer
 
 from drafters.ragged_lm import RaggedLM
 from drafters.ragged_state import MECHANISMS
-from inference.engine.generate import left_pad
+from inference.engine.run import left_pad
 from inference.engine.tree.draft import DraftTree
 from inference.engine.tree.target import keep_path, tree_extend
 
