@@ -6,8 +6,10 @@
 
 d(W) is the drafter's propose + commit per round (0 at W = 0: its catch-up is deferred), v(W) the target's verify
 forward over W + 1 tokens per row with the accept decision and the rollback, both at `num_rows` rows (the batch the
-profile ran; `profile_costs` says how each is measured). `AdaptiveK` maximises expected tokens / (d(W) + v(W)); the prefix scheduler reads the verify cost by
-the number of tokens a forward reads (rows x width, linear in between), so both decide from the same measurement.
+profile ran; `profile_costs` says how each is measured). `AdaptiveK` maximises expected tokens / (d(W) + v(W));
+the prefix scheduler reads the verify cost by the number of tokens a forward reads (rows x width, linear in
+between), so both decide from the same measurement. Another measurement (a roofline, achieved GB/s) is one more
+field here.
 """
 
 from __future__ import annotations
