@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     difference = max_logit_difference(targets, args.context)
     medians = time_widths(targets, widths, args.repeats, args.context, clock)
     load = os.getloadavg()[0]
-    result = {"threads": args.threads, "clock": args.clock, "load_1min": load, "weight_bytes": nbytes, "stream_gb_per_s": stream,
+    result = {"threads": args.threads, "clock": args.clock, "load_1min": load, "weight_bytes": nbytes,
+              "stream_gb_per_s": stream,
               "max_abs_logit_difference": difference, "paths": {}}
     for name in targets:
         step = medians[(name, 0)]
@@ -89,7 +90,8 @@ def main(argv=None) -> int:
             "v": {w: medians[(name, w)] / step for w in widths},
             "achieved_gb_per_s_verify": {w: nbytes / medians[(name, w)] / 1e9 for w in widths}}
         row = result["paths"][name]
-        print(f"{name:16s} threads={args.threads} {args.clock} AR {row['ar_step_ms']:6.1f} ms {row['achieved_gb_per_s']:5.1f} GB/s"
+        print(f"{name:16s} threads={args.threads} {args.clock} AR {row['ar_step_ms']:6.1f} ms "
+              f"{row['achieved_gb_per_s']:5.1f} GB/s"
               f" ({row['achieved_gb_per_s'] / stream:.0%} of stream)  "
               + "  ".join(f"v({w})={row['v'][w]:.2f}" for w in widths if w))
     ratio = result["paths"]["hf"]["ar_step_ms"] / result["paths"][path]["ar_step_ms"]
