@@ -22,7 +22,8 @@ import statistics
 import torch
 
 from drafters import load_drafter
-from inference.engine.adaptive import AdaptiveK, profile_costs
+from inference.engine.adaptive import AdaptiveK
+from inference.engine.costs import profile_costs
 from inference.evaluation.eval import AUTO_MAX_DRAFT_TOKENS, environment, render_prompt
 from inference.engine.generate import speculative_generate
 from inference.evaluation.prompts import load_questions

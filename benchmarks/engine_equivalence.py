@@ -29,7 +29,11 @@ from test_contract import KINDS, SAMPLING, build, tiny_target  # noqa: E402
 from inference.engine.adaptive import AdaptiveK  # noqa: E402
 from inference.engine.generate import speculative_generate  # noqa: E402
 from inference.engine.schedule import PrefixScheduler, StaticThreshold  # noqa: E402
-from inference.engine.tree.generate import tree_speculative_generate  # noqa: E402
+
+try:
+    from inference.engine.generate import tree_speculative_generate
+except ImportError:  # the engine before its loop was rebuilt
+    from inference.engine.tree.generate import tree_speculative_generate
 
 PROMPTS = {1: [[5, 6, 7, 8, 9, 10]], 3: [[5, 6, 7, 8, 9, 10], [20, 21], [30, 3, 17, 5]]}  # ids < 32: the T = 1 vocab
 
@@ -139,7 +143,10 @@ def main() -> int:
             reference = json.load(f)
         differ = sorted(key for key in set(reference) | set(results) if reference.get(key) != results.get(key))
         for key in differ:
-            print(f"differs: {key}")
+            mine, theirs = results.get(key), reference.get(key)
+            pairs = zip(mine, theirs) if isinstance(mine, list) and isinstance(theirs, list) else [(mine, theirs)]
+            fields = sorted({f for a, b in pairs if a and b for f in a if a[f] != b.get(f)})
+            print(f"differs: {key} ({', '.join(fields) if fields else 'missing on one side'})")
         print(f"{len(set(reference) & set(results))} calls compared, {len(differ)} differ")
         return 1 if differ else 0
     return 0

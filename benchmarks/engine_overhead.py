@@ -7,8 +7,9 @@ After a context of --context tokens, for every k = 0..max_k it times, interleave
 change of machine load hits both alike):
 - bare:   `model(input_ids [1, k + 1], cache=cache)` of plain transformers, no attention mask, the cache
           cropped back after each call (untimed);
-- engine: the engine's verify round (inference/generate._verify_block): the same forward through RaggedLM (slot mask,
-          position ids, hidden-state hooks of an EAGLE-3 request), the greedy accept decision and the rollback.
+- engine: the engine's verify round (inference/engine/rounds.verify_chain): the same forward through RaggedLM
+          (slot mask, position ids, hidden-state hooks of an EAGLE-3 request), the greedy accept decision and the
+          rollback.
 Both grow the same cache from the same context. It reports the medians, v(k) = time(k) / time(0) of each, and their
 ratio (the goal: the engine's v(k) within 1.1x of the bare model's at every k <= 15). v(k) of the bare model is the
 machine's: the GEMMs over k + 1 rows and the 49k-row lm_head grow with k whatever the engine does.
@@ -26,7 +27,7 @@ from transformers import DynamicCache
 
 from drafters.base import FeatureRequest
 from inference.evaluation.eval import environment
-from inference.engine.generate import _verify_block
+from inference.engine.rounds import verify_chain
 from inference.engine.target import TargetModel, synchronize
 from inference.engine.verify import sampling_probs
 
@@ -61,7 +62,7 @@ def measure(target: TargetModel, context: int, max_k: int, repeats: int, request
             bare_cache.crop(-(k + 1))  # back to the context
             mark = target.mark()
             num_valid = torch.full((1,), k, dtype=torch.long, device=device)
-            engine_time = timed(device, lambda: _verify_block(
+            engine_time = timed(device, lambda: verify_chain(
                 target, block, block[:, 1:], None, num_valid, request, lambda x: sampling_probs(x, 0.0), 0.0, gen,
                 active))
             target.keep_after(mark, torch.zeros(1, dtype=torch.long, device=device))

@@ -18,15 +18,17 @@ from conftest import make_tiny_model, random_prompts
 from test_contract import KINDS, NUM_DRAFTS, SAMPLING, build, exact_joint, tiny_target
 
 from drafters.draft_model import DraftModelConfig, DraftModelDrafter
-from inference.engine.adaptive import AdaptiveK, CostCurves, best_width, expected_gain, profile_costs
+from inference.engine.adaptive import AdaptiveK, best_width, expected_gain
+from inference.engine.costs import CostProfile, profile_costs
 from inference.engine.generate import speculative_generate
+from inference.engine.policy import WidthPolicy
 from inference.engine.target import TargetModel
 
 
-def chain_costs(max_width: int, draft_step: float = 0.1, verify_slope: float = 0.05) -> CostCurves:
+def chain_costs(max_width: int, draft_step: float = 0.1, verify_slope: float = 0.05) -> CostProfile:
     """A chain drafter's shape in AR steps: d(W) = W * draft_step, v(W) = 1 + W * verify_slope."""
     widths = range(max_width + 1)
-    return CostCurves(tuple(draft_step * w for w in widths), tuple(1.0 + verify_slope * w for w in widths))
+    return CostProfile(tuple(draft_step * w for w in widths), tuple(1.0 + verify_slope * w for w in widths))
 
 
 class Recorder:
@@ -53,8 +55,10 @@ class Recorder:
         self.drafter.commit(num_accepted, context)
 
 
-class Scripted:
+class Scripted(WidthPolicy):
     """A fixed sequence of widths (then `rest` forever): exercises catch-up commits at chosen places."""
+
+    adaptive = True
 
     def __init__(self, widths: list[int], rest: int, max_width: int):
         self.widths, self.rest, self.max_width = widths, rest, max_width
@@ -65,12 +69,6 @@ class Scripted:
     def choose(self, active):
         self._round += 1
         return self.widths[self._round - 1] if self._round <= len(self.widths) else self.rest
-
-    def observe(self, proposed, accepted):
-        pass
-
-    def keep_rows(self, rows):
-        pass
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -180,7 +178,7 @@ def test_useless_acceptance_chooses_zero_and_certain_acceptance_the_largest_k():
 
 
 def test_estimates_follow_observations():
-    adaptive = AdaptiveK(chain_costs(3), prior=0.5, prior_weight=2.0, decay=1.0)
+    adaptive = AdaptiveK(chain_costs(3), prior=0.5, prior_weight=2.0, decay=1.0, regimes=False)
     adaptive.start(2)
     for _ in range(6):
         adaptive.observe([3, 3], [3, 0])  # row 0 accepts everything, row 1 rejects the first draft
@@ -191,6 +189,42 @@ def test_estimates_follow_observations():
     assert alpha[1, 1].item() == pytest.approx(1 / 8)  # never offered: the prior is the position before
 
 
+def test_a_round_that_accepted_everything_reads_the_estimates_of_runs():
+    """Two regimes per row: after a round that accepted every draft it proposed (a run of copied text, for the
+    n-gram drafter) the next round reads counts kept for such rounds only, after any other round the rest."""
+    adaptive = AdaptiveK(chain_costs(3), prior=0.5, prior_weight=2.0, decay=1.0)
+    adaptive.start(1)
+    for _ in range(4):
+        adaptive.observe([3], [0])  # rejections, outside runs
+    adaptive.observe([3], [3])  # the fifth round, outside a run too, accepts everything: a run starts
+    assert adaptive.acceptance()[0, 0].item() == pytest.approx(0.5)  # nothing seen inside runs yet: the prior
+    adaptive.observe([3], [3])
+    assert adaptive.acceptance()[0, 0].item() == pytest.approx(2 / 3)
+    adaptive.observe([3], [1])  # the run ends: back to the counts outside runs (1 of 5 survived position 1)
+    assert adaptive.acceptance()[0, 0].item() == pytest.approx(2 / 7)
+
+
+@pytest.mark.parametrize("draft_step", [0.0, 0.1])
+def test_an_exploration_the_drafter_answered_with_nothing_is_retried_when_that_costs_nothing(draft_step):
+    """An n-gram miss proposes nothing: the round costs the drafter's seconds only (its verify is an AR step), so
+    when those are negligible the policy asks again next round instead of backing off as if it had looked."""
+    adaptive = AdaptiveK(chain_costs(3, draft_step=draft_step, verify_slope=0.5), explore_after=4, max_explore_after=64)
+    adaptive.start(1)
+    active = torch.ones(1, dtype=torch.bool)
+    widths = []
+    for _ in range(12):
+        adaptive.observe([1], [0])
+    for _ in range(40):
+        widths.append(adaptive.choose(active))
+        adaptive.observe([0], [0])  # the drafter never finds anything to propose
+    if draft_step == 0.0:
+        assert widths[:3] == [0, 0, 0] and set(widths[3:]) == {1}  # asked every round from the first exploration on
+    else:
+        explorations = [i for i, w in enumerate(widths) if w > 0]
+        gaps = [b - a for a, b in zip(explorations, explorations[1:])]
+        assert len(explorations) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # backs off as before
+
+
 @pytest.mark.parametrize("bad", [dict(prior=1.5), dict(decay=0.0), dict(explore_after=0)])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError, match="adaptive k"):
@@ -199,7 +233,7 @@ def test_bad_settings_are_refused(bad):
 
 def test_cost_curves_need_one_entry_per_width():
     with pytest.raises(ValueError, match="cost curves"):
-        CostCurves((0.0, 0.1), (1.0,))
+        CostProfile((0.0, 0.1), (1.0,))
     with pytest.raises(ValueError, match="num_draft_tokens"):
         target = TargetModel(make_tiny_model("llama"))
         speculative_generate(target, _draft_model(target, make_tiny_model("llama", seed=1, num_layers=1)),
@@ -229,6 +263,23 @@ def test_a_second_generation_starts_from_what_the_first_learnt():
     assert first.chosen[0][0] > 0  # the prior is optimistic
     assert all(row[:4] == [0, 0, 0, 0] for row in second.chosen), second.chosen
     assert sum(w > 0 for row in second.chosen for w in row) < sum(w > 0 for w in first.chosen[0])
+
+
+def test_the_verify_cost_of_width_w_is_profiled_on_full_blocks_whatever_the_drafter_proposes():
+    """An n-gram drafter that finds nothing proposes nothing, so the fixed-W runs verify one token per round; v(W)
+    must still be the cost of verifying W + 1 tokens (priced at what the runs happened to verify, wide rounds looked
+    free and auto chose them)."""
+    from drafters.ngram import NgramConfig, NgramDrafter
+
+    target = TargetModel(make_tiny_model("llama"))
+    widths = []
+    extend = target.extend
+    target.extend = lambda block, *args, **kwargs: widths.append(block.shape[1]) or extend(block, *args, **kwargs)
+    ngram = NgramDrafter(NgramConfig(min_ngram=4), target.target_info())  # no 4-gram repeats in 7 random tokens
+    costs = profile_costs(target, ngram, [list(range(10, 17))], 3, max_new_tokens=2, repeats=1)
+    assert costs.max_width == 3
+    assert widths.count(4) == 2 and widths.count(3) == 2 and widths.count(2) == 2  # once per pass, warm-up included
+    assert set(widths) - {2, 3, 4} == {1, 7}  # the engine runs themselves: prefills of 7 and verifies of 1 token
 
 
 def test_profiled_costs_never_fall_with_the_width():

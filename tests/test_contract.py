@@ -31,6 +31,7 @@ from drafters.medusa import MedusaConfig, MedusaDrafter
 from drafters.mtp import MTPConfig, MTPDrafter
 from drafters.ngram import NgramConfig, NgramDrafter
 from inference.engine.generate import speculative_generate
+from inference.engine.rounds import commit_context, roll_back
 from inference.engine.target import TargetModel
 from train.features import FeatureProvider
 
@@ -169,9 +170,10 @@ def test_loss_is_finite_and_gradients_reach_only_the_drafter(kind):
 
 # ---- proposals through the stateful proposer == the training forward ---------------------------------------------
 def decode_with_forced_accepts(target, drafter, prompts, schedules, seed=0):
-    """Drive begin / propose / commit as the engine does, but with the accept count of every round forced by
-    `schedules[row][round]` (None = the row has finished). Returns per row the final sequence and, per round the row
-    took part in, (anchor position, proposed tokens, accepted count)."""
+    """Drive begin / propose / commit as the engine does (its rollback and commit context, inference/engine/rounds.py),
+    but with the accept count of every round forced by `schedules[row][round]` (None = the row has finished).
+    Returns per row the final sequence and, per round the row took part in, (anchor position, proposed tokens,
+    accepted count)."""
     gen = torch.Generator().manual_seed(seed)
     request = drafter.feature_request()
     width = max(map(len, prompts))
@@ -192,18 +194,14 @@ def decode_with_forced_accepts(target, drafter, prompts, schedules, seed=0):
         block = torch.cat([bonus[:, None], proposal.tokens], dim=1)
         mark = target.mark()
         _, served = target.extend(block, request)
-        target.keep_after(mark, torch.where(active, accepted + 1, torch.zeros_like(accepted)))
-        if request.kv_layers:  # as the engine does: the rollback changed the cache the drafter reads
-            served.update(target.kv_view(request.kv_layers))
-        valid = (torch.arange(NUM_DRAFTS + 1)[None] <= accepted[:, None]) & active[:, None]
-        positions = target.runner.lengths[:, None] - valid.long().sum(-1, keepdim=True) + torch.arange(NUM_DRAFTS + 1)
+        served = roll_back(target, mark, accepted, active, request, served)
         new_bonus = torch.randint(3, 250, (len(prompts),), generator=gen)
         for row in range(len(prompts)):
             if active[row]:
                 rounds[row].append((len(sequences[row]), proposal.tokens[row].tolist(), int(accepted[row])))
                 sequences[row] += block[row, : int(accepted[row]) + 1].tolist()
         bonus = torch.where(active, new_bonus, bonus)
-        drafter.commit(accepted, DraftContext(block, valid, positions, next_tokens=bonus, **served))
+        drafter.commit(accepted, commit_context(target, block, accepted, active, next_tokens=bonus, **served))
     for row in range(len(prompts)):  # the last bonus, then room for the deepest prediction of the last round
         sequences[row] += [int(bonus[row])] + torch.randint(3, 250, (NUM_DRAFTS + 1,), generator=gen).tolist()
     return sequences, rounds

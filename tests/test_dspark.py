@@ -24,7 +24,8 @@ from drafters.base import DraftContext
 from drafters.dflash.anchors import sample_anchors
 from drafters.dspark import DSparkConfig, DSparkDrafter
 from inference.engine.generate import speculative_generate
-from inference.engine.schedule import PrefixScheduler, StaticThreshold, VerifyCost, profile_verify_cost
+from inference.engine.costs import CostProfile, profile_costs
+from inference.engine.schedule import PrefixScheduler, StaticThreshold
 from inference.engine.target import TargetModel
 from inference.engine.verify import acceptance_probability, residual_distribution
 
@@ -255,7 +256,7 @@ def test_scheduled_round_is_exactly_lossless():
     threshold = StaticThreshold(cut)
     c0 = float(confidence[0, 0])
     step_2 = 1 + c0 / 2  # admits draft 0; draft 1 only where a_1(x0) beats the median
-    cost = VerifyCost((1, 2, 3), (1.0, step_2, step_2 * (1 + c0 + cut) / (1 + c0)))
+    cost = CostProfile((0.0,) * 3, (1.0, step_2, step_2 * (1 + c0 + cut) / (1 + c0)))
     scheduler = PrefixScheduler(cost)
     for schedule in (threshold, scheduler):
         lengths = [int(schedule.lengths(survival[x0:x0 + 1], True, 1, 0.0)) for x0 in range(vocab)]
@@ -275,7 +276,7 @@ def test_sampling_law_through_the_engine_with_schedules(schedule):
     if schedule == "threshold":
         chosen = StaticThreshold(0.3)
     else:
-        chosen = PrefixScheduler(VerifyCost((rows, 2 * rows, 3 * rows, 4 * rows), (1.0, 1.25, 1.7, 2.3)))
+        chosen = PrefixScheduler(CostProfile((0.0,) * 4, (1.0, 1.25, 1.7, 2.3), num_rows=rows))
     prompt = [1, 4, 2, 5, 3]
     out = speculative_generate(target, drafter, [prompt] * rows, num_draft_tokens=3, max_new_tokens=3,
                                temperature=1.0, seed=0, eos_token_ids=[], schedule=chosen)
@@ -353,7 +354,7 @@ def test_debug_recipe_calibrates_and_stays_lossless_with_and_without_scheduling(
     assert list(calibrated.config.confidence_temperatures) == report["temperatures"]
 
     k = calibrated.max_draft_tokens()
-    cost = profile_verify_cost(target, num_rows=3, max_width=k, context_tokens=16, repeats=1)
+    cost = profile_costs(target, calibrated, [[40, 41, 42, 43]] * 3, k, max_new_tokens=4, repeats=1)
     truncated = set()
     for prompts in ([[40, 41, 42, 43]], [[40, 41, 42, 43], [50, 51], [60, 61, 62]]):
         plain = speculative_generate(target, None, prompts, num_draft_tokens=0, max_new_tokens=16)

@@ -1,6 +1,6 @@
 """Confidence-scheduled verification (inference/engine/schedule.py): the static threshold, the prefix scheduler's greedy
 admission with early stop, the DSpark paper's appendix counter-example (our rule gives exactly p, a look-ahead
-search gives the biased (0.85, 0.15)), the uncalibrated fallback, the verify-cost curve and its profiling, and
+search gives the biased (0.85, 0.15)), the uncalibrated fallback, the verify cost read from the one cost profile, and
 `draftsmith eval --schedule` end to end."""
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ from conftest import make_tiny_model
 
 from drafters.base import Proposal
 from drafters.dspark import DSparkConfig, DSparkDrafter
+from inference.engine.costs import CostProfile, profile_costs
 from inference.engine.schedule import (
     PrefixScheduler,
     StaticThreshold,
-    VerifyCost,
     parse_schedule_specs,
     prefix_schedule,
     prefix_survival,
-    profile_verify_cost,
     scheduled_num_valid,
     threshold_lengths,
 )
@@ -95,7 +94,7 @@ def first_token_law(lengths_of) -> torch.Tensor:
 
 
 def test_appendix_counter_example_early_stop_is_exact_and_lookahead_is_biased():
-    cost = VerifyCost.from_steps_per_second(SPS)
+    cost = CostProfile.from_steps_per_second(SPS).verify_by_tokens
     ours = first_token_law(lambda survival: int(prefix_schedule(survival, cost)[0]))
     torch.testing.assert_close(ours, P, rtol=0, atol=1e-15)  # exactly p = (0.7, 0.3)
     biased = first_token_law(lambda survival: lookahead_lengths(survival, cost))
@@ -105,7 +104,7 @@ def test_appendix_counter_example_early_stop_is_exact_and_lookahead_is_biased():
 # ---- fallback, cost curve, engine hook, profiling, CLI specs ---------------------------------------------------------
 def test_uncalibrated_scheduler_falls_back_to_the_threshold_and_says_so():
     survival = torch.tensor([[0.9, 0.6, 0.4], [0.3, 0.2, 0.1]], dtype=torch.float64)
-    scheduler = PrefixScheduler(VerifyCost((1, 100), (1.0, 1.0)), fallback_threshold=0.5)
+    scheduler = PrefixScheduler(CostProfile((0.0, 0.0), (1.0, 1.0)), fallback_threshold=0.5)
     with pytest.warns(UserWarning, match="not calibrated.*static threshold 0.5"):
         assert scheduler.lengths(survival, False, 2, 0.0).tolist() == [2, 0]
     with warnings.catch_warnings():
@@ -115,18 +114,19 @@ def test_uncalibrated_scheduler_falls_back_to_the_threshold_and_says_so():
 
 
 def test_cost_curve_interpolates_and_refuses_non_positive_entries():
-    cost = VerifyCost((2, 4, 8), (1.0, 2.0, 2.0))
-    assert cost(3) == pytest.approx(1.5) and cost(6) == pytest.approx(2.0) and cost(2) == 1.0
-    assert cost(1) == pytest.approx(1.0)  # extrapolated below, never under the cheapest measurement
-    assert VerifyCost.from_steps_per_second({1: 1.0, 2: 0.5})(2) == pytest.approx(2.0)
-    with pytest.raises(ValueError, match=r"seconds must be > 0.*\(4, 0\.0\)"):
-        VerifyCost((2, 4), (1.0, 0.0))
+    cost = CostProfile((0.0,) * 4, (1.0, 2.0, 2.0, 3.0), num_rows=2)  # forwards over 2, 4, 6, 8 tokens
+    assert cost.verify_by_tokens(3) == pytest.approx(1.5) and cost.verify_by_tokens(5) == pytest.approx(2.0)
+    assert cost.verify_by_tokens(2) == 1.0 and cost.verify_by_tokens(10) == pytest.approx(4.0)  # extrapolated above
+    assert cost.verify_by_tokens(1) == pytest.approx(1.0)  # extrapolated below, never under the cheapest measurement
+    assert CostProfile.from_steps_per_second({1: 1.0, 2: 0.5}).verify_by_tokens(2) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match=r"verify seconds must be > 0.*\(1, 0\.0\)"):
+        CostProfile((0.0, 0.0), (1.0, 0.0))
     with pytest.raises(ValueError, match=r"steps per second must be > 0.*\{2: -1\.0\}"):
-        VerifyCost.from_steps_per_second({1: 1.0, 2: -1.0})
-    with pytest.raises(ValueError, match="must increase"):
-        VerifyCost((4, 2), (1.0, 2.0))
-    with pytest.raises(ValueError, match="equal length"):
-        VerifyCost((1, 2), (1.0,))
+        CostProfile.from_steps_per_second({1: 1.0, 2: -1.0})
+    with pytest.raises(ValueError, match="every B = 1..N"):
+        CostProfile.from_steps_per_second({1: 1.0, 4: 2.0})
+    with pytest.raises(ValueError, match="one entry per width"):
+        CostProfile((0.0, 0.0), (1.0,))
     with pytest.raises(ValueError, match=r"threshold 1\.5"):
         StaticThreshold(1.5)
 
@@ -143,12 +143,19 @@ def test_engine_hook_respects_offered_drafts_finished_rows_and_drafters_without_
     assert scheduled_num_valid(StaticThreshold(0.99), plain, num_valid, active, 0.0).tolist() == [3, 1, 3]
 
 
-def test_profile_verify_cost_measures_positive_seconds_per_token_count():
-    target = TargetModel(make_tiny_model(num_layers=2), name_or_path="tiny")
-    cost = profile_verify_cost(target, num_rows=2, max_width=3, context_tokens=8, repeats=1)
-    assert cost.num_tokens == (2, 4, 6, 8) and all(s > 0 for s in cost.seconds)
-    with pytest.raises(ValueError, match="must be positive"):
-        profile_verify_cost(target, num_rows=0, max_width=3)
+def test_profiled_costs_give_the_scheduler_its_verify_cost_by_tokens():
+    target = TargetModel(make_tiny_model(num_layers=3), name_or_path="tiny")
+    drafter = DSparkDrafter(DSparkConfig(layer_ids=(0, 1, 2), num_layers=1, block_size=3, markov_rank=8,
+                                         mask_token_id=255),
+                            target.target_info())
+    cost = profile_costs(target, drafter, [[5, 6, 7, 8]] * 2, 2, max_new_tokens=3, repeats=1)
+    assert cost.num_rows == 2 and cost.max_width == 2 and all(s > 0 for s in cost.verify_seconds)
+    for width in range(3):  # the scheduler reads the same measurement by tokens: rows x (width + 1)
+        assert cost.verify_by_tokens(2 * (width + 1)) == cost.v(width)
+    with pytest.raises(ValueError, match="profile_costs"):
+        profile_costs(target, drafter, [], 2)
+    with pytest.raises(ValueError, match="no cost profile"):
+        PrefixScheduler(None).lengths(torch.ones(1, 2), True, 1, 0.0)
 
 
 def test_schedule_specs():

@@ -18,9 +18,9 @@ import torch
 from test_contract import FACTORIES, NUM_DRAFTS, SAMPLING, build, exact_joint, tiny_target
 
 from drafters.base import DraftContext
-from inference.engine.generate import speculative_generate
+from inference.engine.generate import speculative_generate, tree_speculative_generate
 from inference.engine.tree.draft import DraftTree, chain_tree, ddtree, dynamic_tree
-from inference.engine.tree.generate import grow_tree, tree_speculative_generate
+from inference.engine.tree.rounds import grow_tree
 from inference.engine.tree.target import keep_path, path_features, tree_extend
 from inference.engine.tree.verify import greedy_tree_verify, sample_tree_verify
 

@@ -1,81 +1,54 @@
-"""Adaptive proposal length: the engine chooses how many drafts each round proposes, k = 0 included (issue 10 item 1).
+"""Adaptive proposal length: a width policy that chooses how many drafts each round proposes, k = 0 included.
 
-    costs = profile_costs(target, drafter, prompts, max_draft_tokens=7)       # once, at start-up
+    costs = profile_costs(target, drafter, prompts, max_width=7)          # inference/engine/costs.py, at start-up
     out = speculative_generate(target, drafter, prompts, num_draft_tokens=7, max_new_tokens=128,
                                adaptive=AdaptiveK(costs))
 
 Every round, before any draft of that round exists, `AdaptiveK.choose` picks the width W in 0..K maximising the
 expected tokens per second sum_r E_r(W) / (d(W) + v(W)) (theory_and_metrics.md D.2): E_r(W) = 1 + sum_{j<=W}
 prod_{i<=j} alpha_{r,i} is row r's expected gain, alpha_{r,j} its running estimate of the conditional acceptance at
-position j, d(W) the drafter's seconds per round and v(W) the verify forward's, both measured on this machine at
-each W (`profile_costs`: a chain drafter pays about W steps, a block drafter one forward whatever W). W = 0 is plain
-autoregression, gain 1 per row at cost v(0). The choice reads only drafts of earlier rounds, so it is lossless:
-conditioned on the history, a round is an ordinary fixed-k round.
+position j, d(W) the drafter's seconds per round and v(W) the verify forward's over W + 1 tokens per row, both
+measured on this machine (`profile_costs`). W = 0 is plain autoregression, gain 1 per row at cost v(0). The choice
+reads only earlier rounds, so it is lossless: conditioned on the history, a round is an ordinary fixed-k round.
 
 Batch > 1: our engine pads every row to the round's width, so the verify of a round costs v(W) whatever each row
 would have liked, and a draft inside a paid-for column costs nothing more; hence one W per round, chosen from the sum
 of the rows' expected gains (rows that finished gain nothing and are left out).
 
+A drafter that proposes fewer drafts than asked (the n-gram drafter proposes nothing on a miss) makes a round cheaper,
+not dearer: the verify reads what was proposed. alpha is conditional on a draft being proposed (rounds that proposed
+nothing are not observed), and with d(W) ~ 0 the choice between W = 0 and W > 0 is then the same as if every round
+proposed. What matters is that v(W) is the price of W drafts really verified, which `profile_costs` measures on full
+blocks.
+
 What a k = 0 round still costs: nothing of the drafter. The engine defers the drafter's catch-up while rounds propose
 nothing and hands the verified tokens over in one `commit` before the next proposal (drafters/base.py), so a drafter
-whose drafts are always rejected costs a share of AR time bounded by the exploration below, not one drafter forward
-per token.
+whose drafts are always rejected costs a share of AR time bounded by the exploration below.
 
 Exploration: after `explore_after` rounds of W = 0 in a row, one round proposes W = 1 so a drafter that recovers is
 found again; each exploration that does not end the streak doubles the interval up to `max_explore_after`, so over
-N tokens a useless drafter costs about log2(max / min) + N / max explorations of d(1) + v(1) - v(0) each.
+N tokens a useless drafter costs about log2(max / min) + N / max explorations of d(1) + v(1) - v(0) each. An
+exploration the drafter answered with nothing saw nothing: when such a round costs under 5% of an AR step (d(1)
+small: the n-gram drafter) the next round asks again, otherwise it counts as done.
 
-Estimator: per row and position, discounted counts (each observation multiplies the old ones by `decay`, a window of
-about 1 / (1 - decay) rounds) with `prior_weight` pseudo-observations of a prior: `prior` at position 1, the estimate
-of position j - 1 at position j (a position never proposed is assumed as good as the one before it, so a drafter
-that keeps being accepted is tried one step deeper). Successive generations with one AdaptiveK (the requests of one
-workload: `draftsmith eval` keeps one per drafter and batch size) carry the pooled counts of the previous one over to
-every new row, and the exploration interval with them, so only the first request pays for learning that a drafter
-is useless (measured: a fresh start per 32-token request proposed in 63 of 217 rounds with a random drafter).
+Estimator: per row, regime and position, discounted counts (each observation multiplies the old ones by `decay`, a
+window of about 1 / (1 - decay) rounds) with `prior_weight` pseudo-observations of a prior: `prior` at position 1,
+the estimate of position j - 1 at position j (a position never proposed is assumed as good as the one before it, so
+a drafter that keeps being accepted is tried one step deeper). Regimes (`regimes=True`): a row whose last proposing
+round accepted every draft reads and updates counts kept for such rounds only, any other row the rest. A stationary
+drafter's two estimates converge to the same values; a drafter whose acceptance comes in runs (the n-gram drafter
+inside and outside copied text) gets the acceptance of the regime it is in instead of an average that is wrong in
+both. Successive generations with one AdaptiveK (the requests of one workload: `draftsmith eval` keeps one per
+drafter and batch size) carry the pooled counts of the previous one over to every new row, and the exploration
+interval with them, so only the first request pays for learning that a drafter is useless.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class CostCurves:
-    """Seconds per engine round at each width W = 0..K, measured on this machine for one drafter and batch size.
-
-    draft_seconds[W]: the drafter's propose + commit per round (0 at W = 0: its catch-up is deferred).
-    verify_seconds[W]: the target verify forward over W + 1 tokens per row, with accept/reject and rollback.
-    """
-
-    draft_seconds: tuple[float, ...]
-    verify_seconds: tuple[float, ...]
-
-    def __post_init__(self):
-        if len(self.draft_seconds) != len(self.verify_seconds) or len(self.verify_seconds) < 2:
-            raise ValueError(f"cost curves: draft_seconds ({len(self.draft_seconds)}) and verify_seconds "
-                             f"({len(self.verify_seconds)}) must have one entry per width 0..K with K >= 1")
-        if any(not s > 0 for s in self.verify_seconds) or any(s < 0 for s in self.draft_seconds):
-            raise ValueError("cost curves: verify seconds must be > 0 and draft seconds >= 0")
-
-    @property
-    def max_width(self) -> int:
-        return len(self.verify_seconds) - 1
-
-    def round_seconds(self) -> torch.Tensor:
-        """[K + 1] d(W) + v(W)."""
-        return torch.tensor(self.draft_seconds, dtype=torch.float64) + torch.tensor(self.verify_seconds,
-                                                                                    dtype=torch.float64)
-
-    def in_ar_steps(self) -> dict:
-        """d(W) and v(W) in AR steps (v(0) = 1), the units of the report (inference/evaluation/metrics.py)."""
-        step = self.verify_seconds[0]
-        return {"d": [s / step for s in self.draft_seconds], "v": [s / step for s in self.verify_seconds]}
-
-    def to_dict(self) -> dict:
-        return {"draft_seconds": list(self.draft_seconds), "verify_seconds": list(self.verify_seconds),
-                **self.in_ar_steps()}
+from inference.engine.costs import CostProfile
+from inference.engine.policy import WidthPolicy
 
 
 def expected_gain(alpha: torch.Tensor) -> torch.Tensor:
@@ -91,53 +64,64 @@ def best_width(gain: torch.Tensor, round_seconds: torch.Tensor) -> int:
     return int(torch.nonzero(throughput >= throughput.max() * (1 - 1e-12))[0])
 
 
-class AdaptiveK:
-    """Chooses the width of each round from running acceptance estimates and measured cost curves (module doc).
-
-    The engine calls `start(batch)` once per generation, `choose(active)` before each round and `observe(...)` after
-    it; one object serves successive generations (each starts from the prior again).
+class AdaptiveK(WidthPolicy):
+    """Chooses the width of each round, 0..max_width (default: the costs' widest), from running acceptance
+    estimates and a measured cost profile (module doc). A width policy (inference/engine/policy.py): the engine calls
+    `start(batch)` once per generation, `choose(active)` before each round and `observe(...)` after it; one object
+    serves successive generations (module doc: what carries over).
     """
 
-    def __init__(self, costs: CostCurves, *, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.95,
-                 explore_after: int = 8, max_explore_after: int = 256):
+    adaptive = True
+
+    def __init__(self, costs: CostProfile, *, max_width: int | None = None, prior: float = 0.5,
+                 prior_weight: float = 2.0, decay: float = 0.95, explore_after: int = 8, max_explore_after: int = 256,
+                 regimes: bool = True):
         if not 0.0 <= prior <= 1.0 or prior_weight <= 0 or not 0.0 < decay <= 1.0:
             raise ValueError(f"adaptive k: need prior in [0, 1], prior_weight > 0, decay in (0, 1]; got {prior}, "
                              f"{prior_weight}, {decay}")
         if not 1 <= explore_after <= max_explore_after:
             raise ValueError(f"adaptive k: need 1 <= explore_after <= max_explore_after, got {explore_after}, "
                              f"{max_explore_after}")
-        self.costs = costs
+        max_width = costs.max_width if max_width is None else max_width
+        if not 1 <= max_width <= costs.max_width:
+            raise ValueError(f"adaptive k: max_width {max_width} must be in 1..{costs.max_width} (the profiled widths)")
+        self.costs, self.max_width = costs, max_width
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self.explore_after, self.max_explore_after = explore_after, max_explore_after
-        self._seconds = costs.round_seconds()
-        self._carried = torch.zeros(2, self.max_width, dtype=torch.float64)  # pooled (survived, offered) per position
+        self._seconds = costs.round_seconds()[: max_width + 1]
+        self.num_regimes = 2 if regimes else 1
+        # pooled (survived, offered) per regime and position, carried from one generation to the next
+        self._carried = torch.zeros(2, self.num_regimes, self.max_width, dtype=torch.float64)
         self._interval = explore_after
-        self.survived = self.offered = torch.zeros(0, self.max_width, dtype=torch.float64)
-
-    @property
-    def max_width(self) -> int:
-        return self.costs.max_width
+        self._exploring = False
+        # a drafter that proposes nothing (an n-gram miss) costs a round its draft seconds only: worth asking again
+        self._retry_is_free = costs.d(1) <= 0.05 * costs.v(0)
+        self.survived = self.offered = torch.zeros(0, self.num_regimes, self.max_width, dtype=torch.float64)
+        self.regime = torch.zeros(0, dtype=torch.long)
 
     def start(self, batch: int) -> None:
         """A new generation of `batch` rows: each starts from the counts pooled over the rows of the previous
         generation (none for the first), so what was learnt about this drafter on this workload carries over."""
         if len(self.survived):
             self._carried = torch.stack([self.survived.mean(0), self.offered.mean(0)])
-        self.survived = self._carried[0].repeat(batch, 1)
-        self.offered = self._carried[1].repeat(batch, 1)
-        self._zero_streak = 0
+        self.survived = self._carried[0].repeat(batch, 1, 1)
+        self.offered = self._carried[1].repeat(batch, 1, 1)
+        self.regime = torch.zeros(batch, dtype=torch.long)
+        self._zero_streak, self._exploring = 0, False
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep the estimates of batch rows `rows` only (the engine dropped the others)."""
         rows = rows.cpu()
-        self.survived, self.offered = self.survived[rows], self.offered[rows]
+        self.survived, self.offered, self.regime = self.survived[rows], self.offered[rows], self.regime[rows]
 
     def acceptance(self) -> torch.Tensor:
-        """[B, K] the current estimate of each row's conditional acceptance per position."""
-        alpha = torch.empty_like(self.survived)
-        prior = torch.full_like(self.survived[:, 0], self.prior)
+        """[B, K] the current estimate of each row's conditional acceptance per position, in the row's regime."""
+        rows = torch.arange(len(self.regime))
+        survived, offered = self.survived[rows, self.regime], self.offered[rows, self.regime]
+        alpha = torch.empty_like(survived)
+        prior = torch.full_like(survived[:, 0], self.prior)
         for j in range(self.max_width):
-            alpha[:, j] = (self.survived[:, j] + self.prior_weight * prior) / (self.offered[:, j] + self.prior_weight)
+            alpha[:, j] = (survived[:, j] + self.prior_weight * prior) / (offered[:, j] + self.prior_weight)
             prior = alpha[:, j]
         return alpha
 
@@ -147,56 +131,30 @@ class AdaptiveK:
         gain = expected_gain(self.acceptance()[rows]).sum(dim=0)
         width = best_width(gain, self._seconds)
         if width > 0:
-            self._zero_streak, self._interval = 0, self.explore_after
+            self._zero_streak, self._interval, self._exploring = 0, self.explore_after, False
             return width
+        if self._exploring:  # the last exploration saw nothing: the drafter proposed nothing
+            if self._retry_is_free:
+                return 1
+            self._exploring, self._interval = False, min(2 * self._interval, self.max_explore_after)
         self._zero_streak += 1
         if self._zero_streak < self._interval:
             return 0
-        self._zero_streak, self._interval = 0, min(2 * self._interval, self.max_explore_after)
+        self._zero_streak, self._exploring = 0, True
         return 1  # explore: one cheap round so a recovering drafter is seen again
 
     def observe(self, proposed: list[int], accepted: list[int]) -> None:
         """One round's outcome per row (host ints; rows that proposed nothing are left as they are)."""
+        if self._exploring and any(p > 0 for p in proposed):  # an exploration that saw the drafter: ask less often
+            self._exploring, self._interval = False, min(2 * self._interval, self.max_explore_after)
         for row, (num_proposed, num_accepted) in enumerate(zip(proposed, accepted)):
             if num_proposed <= 0:
                 continue
             offered = min(num_accepted + 1, num_proposed)  # positions tested: the accepted ones and the first reject
-            self.survived[row, :offered] *= self.decay
-            self.offered[row, :offered] *= self.decay
-            self.survived[row, :num_accepted] += 1.0
-            self.offered[row, :offered] += 1.0
-
-
-def profile_costs(target, drafter, prompts: list[list[int]], max_draft_tokens: int, *, max_new_tokens: int = 8,
-                  repeats: int = 3) -> CostCurves:
-    """Measure d(W) and v(W) for W = 0..max_draft_tokens with the engine itself (fixed-W runs over `prompts`, one
-    batch): per W the median over `repeats` runs of the seconds per round, the widths taking turns within each
-    repeat (after one untimed warm-up pass) so that a drift of the machine's load hits every W alike.
-
-    Running the real engine measures what a round really costs: the drafter's propose and catch-up commit (a chain
-    drafter's W steps, a block drafter's one forward) and the verify forward with its rollback, at this batch size.
-    Both curves are then made non-decreasing in W (a running maximum): more drafts never cost less, and a noisy
-    v(1) < v(0) would otherwise make proposing look free, which is exactly what must never happen with a drafter
-    that is always rejected (measured under load: v(1) = 0.75 AR steps, and a random drafter proposed every round).
-    """
-    from inference.engine.generate import speculative_generate  # generate.py runs AdaptiveK; this helper runs generate.py
-
-    if max_draft_tokens < 1 or repeats < 1 or not prompts:
-        raise ValueError(f"profile_costs: need max_draft_tokens >= 1, repeats >= 1 and prompts; got "
-                         f"{max_draft_tokens}, {repeats}, {len(prompts)} prompts")
-    widths = range(max_draft_tokens + 1)
-    per_round: dict[int, list[tuple[float, float]]] = {width: [] for width in widths}
-    for attempt in range(repeats + 1):
-        for width in widths:
-            out = speculative_generate(target, drafter if width else None, prompts, num_draft_tokens=width,
-                                       max_new_tokens=max_new_tokens, eos_token_ids=[])
-            if attempt:
-                rounds = max(out.verify_forwards, 1)
-                per_round[width].append((out.time_draft / rounds, out.time_verify / rounds))
-    draft, verify = [], []
-    for width in widths:
-        d = sorted(pair[0] for pair in per_round[width])[repeats // 2] if width else 0.0
-        v = max(sorted(pair[1] for pair in per_round[width])[repeats // 2], 1e-9)
-        draft.append(max([d] + draft))
-        verify.append(max([v] + verify))
-    return CostCurves(tuple(draft), tuple(verify))
+            regime = int(self.regime[row])
+            self.survived[row, regime, :offered] *= self.decay
+            self.offered[row, regime, :offered] *= self.decay
+            self.survived[row, regime, :num_accepted] += 1.0
+            self.offered[row, regime, :offered] += 1.0
+            if self.num_regimes > 1:  # the next round's regime: did this one accept every draft it proposed?
+                self.regime[row] = int(num_accepted == num_proposed)

@@ -1,8 +1,8 @@
 """Confidence-scheduled verification: how many of its drafts each row of a batch sends to the target.
 
-    cost = profile_verify_cost(target, num_rows=4, max_width=8)          # once, at start-up
+    costs = profile_costs(target, drafter, prompts, max_width=7)          # inference/engine/costs.py, at start-up
     out = speculative_generate(target, drafter, prompts, num_draft_tokens=7, max_new_tokens=128,
-                               schedule=PrefixScheduler(cost))           # or StaticThreshold(0.5)
+                               schedule=PrefixScheduler(costs))          # or StaticThreshold(0.5)
 
 For any drafter whose Proposal carries confidence logits z_j (the estimate that draft j is accepted given that
 drafts < j were; DSpark's confidence head) the prefix survival of row r at position j is
@@ -22,60 +22,19 @@ theory_and_metrics.md D.2-D.3.
   x_j into verification, and the output is then biased (appendix A; tests/test_schedule.py shows both).
   A drafter proposing without calibration falls back to StaticThreshold(fallback_threshold), and says so (a
   warning), since uncalibrated survivals are not probabilities to trade against seconds.
-- The verify cost is a curve: seconds of one target verify forward by the number of tokens it reads. Our engine
+- The verify cost is the drafter's cost profile (inference/engine/costs.CostProfile.verify_by_tokens, the one the
+  adaptive width reads too): seconds of one target verify forward by the number of tokens it reads. Our engine
   pads every row to the longest proposal of the round, so a round with lengths l reads num_rows x (1 + max l)
-  tokens (the rows still running: finished rows leave the batch). `profile_verify_cost` measures it on this machine.
+  tokens (the rows still running: finished rows leave the batch).
+The engine applies a schedule through the width policy `policy.Scheduled` (its `cut`).
 """
 
 from __future__ import annotations
 
-import bisect
-import time
 import warnings
 from dataclasses import dataclass, field
 
 import torch
-
-from inference.engine.target import synchronize
-
-
-@dataclass(frozen=True)
-class VerifyCost:
-    """Seconds of one verify forward by the number of tokens it reads (rows x block width), linear in between and
-    extrapolated from the last two points beyond the last."""
-
-    num_tokens: tuple[int, ...]
-    seconds: tuple[float, ...]
-
-    def __post_init__(self):
-        if not self.num_tokens or len(self.num_tokens) != len(self.seconds):
-            raise ValueError(f"verify cost curve: num_tokens ({len(self.num_tokens)} entries) and seconds "
-                             f"({len(self.seconds)}) must be non-empty and of equal length")
-        if any(b <= a for a, b in zip(self.num_tokens, self.num_tokens[1:])) or self.num_tokens[0] < 1:
-            raise ValueError(f"verify cost curve: num_tokens {list(self.num_tokens)} must increase from >= 1")
-        bad = [(n, s) for n, s in zip(self.num_tokens, self.seconds) if not s > 0]
-        if bad:
-            raise ValueError(f"verify cost curve: seconds must be > 0; entries (num_tokens, seconds) {bad} are not")
-
-    @classmethod
-    def from_steps_per_second(cls, steps_per_second: dict[int, float]) -> "VerifyCost":
-        """The paper's SPS(B) table (steps per second at B verified tokens) as a cost curve (seconds = 1 / SPS)."""
-        bad = {n: s for n, s in steps_per_second.items() if not s > 0}
-        if bad:
-            raise ValueError(f"verify cost curve: steps per second must be > 0; entries {bad} are not")
-        items = sorted(steps_per_second.items())
-        return cls(tuple(n for n, _ in items), tuple(1.0 / s for _, s in items))
-
-    def __call__(self, num_tokens: int) -> float:
-        points, values = self.num_tokens, self.seconds
-        if len(points) == 1:
-            return values[0] * num_tokens / points[0]
-        i = min(max(bisect.bisect_left(points, num_tokens), 1), len(points) - 1)
-        x0, x1, y0, y1 = points[i - 1], points[i], values[i - 1], values[i]
-        return max(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), min(values))
-
-    def to_dict(self) -> dict:
-        return {"num_tokens": list(self.num_tokens), "seconds": list(self.seconds)}
 
 
 def prefix_survival(confidence_logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
@@ -148,10 +107,11 @@ class StaticThreshold:
 
 @dataclass
 class PrefixScheduler:
-    """The hardware-aware prefix scheduler over a measured verify-cost curve; uncalibrated drafters fall back to
-    StaticThreshold(fallback_threshold) with a warning."""
+    """The hardware-aware prefix scheduler over a measured cost profile (inference/engine/costs.CostProfile, read
+    through `verify_by_tokens`); uncalibrated drafters fall back to StaticThreshold(fallback_threshold) with a
+    warning. cost None: not profiled yet (`draftsmith eval` gives each drafter's method its profile)."""
 
-    cost: VerifyCost
+    cost: object
     fallback_threshold: float = 0.5
     _warned: bool = field(default=False, repr=False)
 
@@ -162,7 +122,9 @@ class PrefixScheduler:
                               f"scheduler falls back to the static threshold {self.fallback_threshold}", stacklevel=2)
                 self._warned = True
             return threshold_lengths(survival, self.fallback_threshold)
-        return prefix_schedule(survival, lambda tokens: draft_seconds + self.cost(tokens), num_rows)
+        if self.cost is None:
+            raise ValueError("the prefix scheduler has no cost profile (inference/engine/costs.profile_costs)")
+        return prefix_schedule(survival, lambda tokens: draft_seconds + self.cost.verify_by_tokens(tokens), num_rows)
 
     @property
     def name(self) -> str:
@@ -185,42 +147,6 @@ def scheduled_num_valid(schedule, proposal, num_valid: torch.Tensor, active: tor
     return torch.minimum(num_valid, lengths.to(num_valid.device))
 
 
-@torch.no_grad()
-def profile_verify_cost(target, num_rows: int, max_width: int, context_tokens: int = 128,
-                        repeats: int = 3) -> VerifyCost:
-    """Measure the target's verify forward on this machine: [num_rows, w] blocks after a context of context_tokens,
-    w = 1..max_width + 1, the median of `repeats` runs each (after one warm-up), rolled back every time.
-
-    Returns:
-        VerifyCost over num_tokens = num_rows x w.
-    """
-    if num_rows < 1 or max_width < 0 or context_tokens < 1 or repeats < 1:
-        raise ValueError(f"profile_verify_cost: num_rows {num_rows}, max_width {max_width}, context_tokens "
-                         f"{context_tokens} and repeats {repeats} must be positive")
-    device = target.device
-    vocab = target.target_info().vocab_size
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (num_rows, context_tokens), generator=generator).to(device)
-    target.prefill(prompt, torch.ones_like(prompt))
-    tokens, seconds = [], []
-    for width in range(1, max_width + 2):
-        block = torch.randint(0, vocab, (num_rows, width), generator=generator).to(device)
-        times = []
-        for attempt in range(repeats + 1):
-            mark = target.mark()
-            synchronize(device)
-            start = time.perf_counter()
-            target.extend(block)
-            synchronize(device)
-            elapsed = time.perf_counter() - start
-            target.keep_after(mark, torch.zeros(num_rows, dtype=torch.long, device=device))
-            if attempt:  # the first run warms up
-                times.append(elapsed)
-        tokens.append(num_rows * width)
-        seconds.append(max(sorted(times)[len(times) // 2], 1e-9))
-    return VerifyCost(tuple(tokens), tuple(seconds))
-
-
 # ---- command-line specs (draftsmith eval --schedule) -----------------------------------------------------------------
 def parse_schedule_specs(text: str) -> list[str]:
     """"fixed,threshold:0.5,scheduler" -> the checked list; ValueError naming --schedule otherwise."""
@@ -238,17 +164,15 @@ def parse_schedule_specs(text: str) -> list[str]:
     return specs
 
 
-def build_schedules(specs: list[str], target, num_rows: int, max_width: int) -> list[tuple[str, object]]:
-    """(name, schedule or None for fixed) per spec; "scheduler" profiles the verify cost once, here."""
+def build_schedules(specs: list[str]) -> list[tuple[str, object]]:
+    """(name, schedule or None for fixed) per spec; "scheduler" gets its cost profile per drafter and batch size
+    later (inference/evaluation/methods.Method.use_costs)."""
     built = []
     for spec in specs:
         if spec == "fixed":
             built.append(("fixed", None))
         elif spec == "scheduler":
-            cost = profile_verify_cost(target, num_rows, max_width)
-            print(f"verify cost profiled on this machine (tokens: seconds): "
-                  f"{dict(zip(cost.num_tokens, (round(s, 5) for s in cost.seconds)))}")
-            built.append(("scheduler", PrefixScheduler(cost)))
+            built.append(("scheduler", PrefixScheduler(None)))
         else:
             schedule = StaticThreshold(float(spec.partition(":")[2]))
             built.append((schedule.name, schedule))

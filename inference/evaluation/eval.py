@@ -31,7 +31,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from inference.engine.adaptive import AdaptiveK, profile_costs
+from inference.engine.costs import profile_costs
 from inference.engine.generate import GenerateOutput
 from inference.evaluation.methods import Method, generate, load_methods
 from inference.evaluation.metrics import annotate_recommendations, build_record, merge_outputs
@@ -270,9 +270,9 @@ def warm_up(target, methods: list[Method], questions: list, args) -> None:
 
 
 def profile_drafters(target, methods: list[Method], questions: list, args, batch_size: int) -> dict:
-    """Cost curves of every drafter at this batch size (inference/adaptive.profile_costs, on the first question
-    repeated batch_size times) up to its widest method; sets each auto method's AdaptiveK. Returns {id(drafter):
-    the curves in AR steps and seconds} for the records."""
+    """Cost profile of every drafter at this batch size (inference/engine/costs.profile_costs, on the first question
+    repeated batch_size times) up to its widest method; gives it to each method (auto's AdaptiveK, the prefix
+    scheduler). Returns {id(drafter): the profile in AR steps and seconds} for the records."""
     prompt = render_prompt(target.tokenizer, questions[0].turns[:1], [], not args.no_chat_template)
     widest: dict[int, tuple] = {}
     for method in (m for m in methods if m.tree_budget is None):  # trees need no chain profile
@@ -280,9 +280,8 @@ def profile_drafters(target, methods: list[Method], questions: list, args, batch
         widest[id(method.drafter)] = (method.drafter, max(previous, method.num_draft_tokens))
     curves = {key: profile_costs(target, drafter, [prompt] * batch_size, width)
               for key, (drafter, width) in widest.items()}
-    for method in methods:
-        if method.auto:
-            method.adaptive = AdaptiveK(curves[id(method.drafter)])
+    for method in (m for m in methods if m.tree_budget is None):
+        method.use_costs(curves[id(method.drafter)])
     return {key: curve.to_dict() for key, curve in curves.items()}
 
 
@@ -347,8 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         methods = load_methods(args.drafter, target, args.num_draft_tokens, args.tree_budget)
         chains = [m for m in methods if m.tree_budget is None]  # schedules cut chains; trees ignore them
         if args.schedule != ["fixed"] and chains:
-            schedules = build_schedules(args.schedule, target, max(args.batch_size),
-                                        max(m.num_draft_tokens for m in chains))
+            schedules = build_schedules(args.schedule)
             methods = [Method(m.name if s is None else f"{m.name}@{name}", m.drafter, m.num_draft_tokens, s, m.auto)
                        for m in chains for name, s in schedules] + [m for m in methods if m.tree_budget is not None]
     except (ValueError, OSError) as err:

@@ -5,13 +5,14 @@ loop, its warm-up and anything else that runs methods never branch on how a meth
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from drafters import Drafter, load_drafter
 from inference.engine.adaptive import AdaptiveK
-from inference.engine.generate import GenerateOutput, speculative_generate
+from inference.engine.costs import CostProfile
+from inference.engine.generate import GenerateOutput, speculative_generate, tree_speculative_generate
+from inference.engine.schedule import PrefixScheduler
 from inference.engine.target import TargetModel
-from inference.engine.tree.generate import tree_speculative_generate
 
 AUTO_MAX_DRAFT_TOKENS = 8  # the widest round `auto` may choose for a drafter without a limit of its own
 
@@ -33,13 +34,23 @@ class Method:
         """The record's num_draft_tokens: k, or "auto"."""
         return "auto" if self.auto else self.num_draft_tokens
 
+    def use_costs(self, costs: CostProfile) -> None:
+        """The drafter's cost profile at the batch size about to run: `auto` gets a fresh AdaptiveK over it, the
+        prefix scheduler its verify cost. Until then (the warm-up) an auto method proposes its largest k and a
+        scheduler method runs unscheduled."""
+        if self.auto:
+            self.adaptive = AdaptiveK(costs, max_width=self.num_draft_tokens)
+        if isinstance(self.schedule, PrefixScheduler):
+            self.schedule = replace(self.schedule, cost=costs)
+
 
 def generate(target, method: Method, prompts: list[list[int]], **options) -> GenerateOutput:
     """One call of the engine for `method`: chain (fixed k, auto, scheduled) or tree verification."""
     if method.tree_budget is not None:
         return tree_speculative_generate(target, method.drafter, prompts, tree_budget=method.tree_budget, **options)
+    unprofiled = isinstance(method.schedule, PrefixScheduler) and method.schedule.cost is None
     return speculative_generate(target, method.drafter, prompts, num_draft_tokens=method.num_draft_tokens,
-                                schedule=method.schedule, adaptive=method.adaptive, **options)
+                                schedule=None if unprofiled else method.schedule, adaptive=method.adaptive, **options)
 
 
 def load_methods(names: list[str], target: TargetModel, ks: list, tree_budgets: list[int] = ()) -> list[Method]:
