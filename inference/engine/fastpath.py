@@ -6,7 +6,8 @@ benchmarks/linear_layouts.py: about 2.3x the M = 1 time at M = 2..8), so a verif
 after measuring every candidate there, interleaved:
 - 1 row: the weight stored transposed, [in, out] contiguous, as a vector-matrix product (the fastest at M = 1);
 - 2..MAX_PACKED_ROWS rows: oneDNN's prepacked linear (the weight reordered once, at start-up, into its blocked
-  layout; the flattest in M of all, about 1.4-1.6x the M = 1 time at M = 4..8);
+  layout; the flattest in M of all: measured in CPU seconds at 1 thread, 4 rows cost 1.09x and 8 rows 1.32x the
+  1-row product, where F.linear costs 1.9x and 2.2x), with 2 and 3 rows padded to 4 (oneDNN's 2-row kernel is slow);
 - more rows (a prefill, training features): the model's own F.linear, unchanged.
 MKL's packed GEMM and fusing q|k|v and gate|up measured no better. The weights stay the model's parameters (so
 `state_dict`, tied embeddings and training are untouched); the two layouts are extra copies (2x the linear weights in
@@ -25,6 +26,7 @@ from torch import nn
 
 MAX_PACKED_ROWS = 64  # beyond this, MKL's large-M GEMM on the [out, in] weight is already near the compute roofline
 PACK_HINT_ROWS = 8  # oneDNN's reorder hint; measured the same layout (and speed) for hints 2..16
+MIN_PACKED_ROWS = 4  # oneDNN's kernel for 2 and 3 rows is slower than for 4 (1.3x at 2 rows): pad them to 4
 HF_PATH, FAST_PATH = "hf", "fast-cpu-linear"
 
 
@@ -52,7 +54,9 @@ class FastLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
         else:
-            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, self.bias, "none", [], "")
+            if rows < MIN_PACKED_ROWS:  # zero rows below the real ones; each output row depends on its input row only
+                flat = torch.cat([flat, flat.new_zeros(MIN_PACKED_ROWS - rows, self.in_features)])
+            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, self.bias, "none", [], "")[:rows]
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
