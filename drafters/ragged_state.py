@@ -86,6 +86,14 @@ class FamilyState:
     def has_linear(self) -> bool:
         return bool(self.recorders)
 
+    def check_kv_layers(self, kv_layers) -> None:
+        """A drafter reads K/V of attention layers only (linear-attention layers hold a state, not K/V)."""
+        linear = [int(i) for i in kv_layers if 0 <= int(i) < len(self.types) and self.types[int(i)] == "linear_attention"]
+        if linear:
+            allowed = [i for i, kind in enumerate(self.types) if kind != "linear_attention"]
+            raise ValueError(f"drafter.kv_layers: target layers {linear} of {self.family} are linear attention (a "
+                             f"recurrent state, no K/V to read); choose among its attention layers {allowed}")
+
     # ---- the cache ---------------------------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:
         """A DynamicCache of the model's layer kinds, sliding-window layers replaced by full ones (every slot kept)."""

@@ -158,6 +158,16 @@ def test_hybrid_without_rollback_is_what_transformers_refuses(name):
                               do_sample=False, max_new_tokens=4)
 
 
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_kv_of_a_linear_attention_layer_is_refused_naming_the_allowed_layers(name):
+    from drafters.assistant import AssistantConfig, AssistantDrafter
+
+    target = family_target(name)
+    drafter = AssistantDrafter(AssistantConfig(num_layers=2, kv_layers=(0, 1)), target.target_info())
+    with pytest.raises(ValueError, match=r"drafter.kv_layers: target layers \[0\] .* attention layers \[1, 3\]"):
+        target.check_request(drafter.feature_request())
+
+
 def test_unsupported_family_is_refused_in_one_line():
     """LFM2's short-convolution layers have a state the engine cannot roll back per row: TargetModel refuses the
     family at once, naming it, the layer type and what is missing (not a traceback mid-generation)."""
