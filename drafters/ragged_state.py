@@ -180,6 +180,7 @@ class FamilyState:
         before it (index 0)."""
         if valid is not None and bool(valid.all()):
             valid = None
+        parents = None if parents is None else parents.tolist()  # read on the host once, not once per layer
         for recorder in self.recorders.values():
             recorder.begin(cache, valid, parents)
 
@@ -190,6 +191,7 @@ class FamilyState:
     def keep_states(self, cache: DynamicCache, index: torch.Tensor) -> None:
         """Row b's linear states become those recorded at index[b] (0 = before the first recorded block, i = after
         its i-th position); the records are then dropped."""
+        index = index.tolist()  # one host read for every layer
         for recorder in self.recorders.values():
             recorder.select(cache, index)
 
@@ -262,7 +264,7 @@ class LinearStateRecorder:
         outputs = []
         for j in range(hidden_states.shape[1] if upto is None else upto):
             if self.parents is not None:  # tree: start from the parent's state (record 0 = before the block)
-                self._load(cache, self.parents[:, j] + len(self.conv) - j)
+                self._load(cache, [row[j] + len(self.conv) - j for row in self.parents])
             before = (conv.clone(), recurrent.clone()) if valid is not None else None
             outputs.append(self.original(hidden_states=hidden_states[:, j:j + 1], cache=cache, attention_mask=None,
                                          **kwargs))
@@ -274,14 +276,13 @@ class LinearStateRecorder:
             self.recurrent.append(recurrent.clone())
         return torch.cat(outputs, dim=1)
 
-    def _load(self, cache, index: torch.Tensor) -> None:
+    def _load(self, cache, index: list[int]) -> None:
+        """Row b's state := record index[b] (one row copied per row, never the whole record stack)."""
         conv, recurrent = self._states(cache)
-        rows = torch.arange(conv.shape[0], device=conv.device)
-        index = index.to(conv.device)
-        conv.copy_(torch.stack(self.conv)[index, rows])
-        recurrent.copy_(torch.stack(self.recurrent)[index, rows])
+        conv.copy_(torch.stack([self.conv[i][b] for b, i in enumerate(index)]))
+        recurrent.copy_(torch.stack([self.recurrent[i][b] for b, i in enumerate(index)]))
 
-    def select(self, cache, index: torch.Tensor) -> None:
+    def select(self, cache, index: list[int]) -> None:
         """Row b's state := record index[b]; then the records are dropped."""
         if not self.conv:
             return
@@ -290,7 +291,7 @@ class LinearStateRecorder:
         self._load(cache, index)
         self.clear()
 
-    def _rerun(self, cache, index: torch.Tensor) -> None:
+    def _rerun(self, cache, index: list[int]) -> None:
         """Restore the state before the blocks and step their inputs again up to the furthest kept position."""
         conv, recurrent = self._states(cache)
         conv.copy_(self.conv[0])
@@ -301,6 +302,6 @@ class LinearStateRecorder:
             [torch.ones(b.shape[:2], dtype=torch.bool, device=b.device) if v is None else v
              for b, v in zip(self.inputs, self.valids)], dim=1)
         self.inputs, self.valid = [], None
-        upto = int(index.max())
+        upto = max(index)
         if upto > 0:
             self._step(inputs, cache, valid, {}, upto=upto)
