@@ -76,7 +76,8 @@ class FamilyState:
             mixer = getattr(layers[index], "linear_attn", None)
             if mixer is None or not hasattr(mixer, "conv1d"):
                 raise ValueError(f"target family {self.family}: layer {index} is linear attention but not a gated "
-                                 "DeltaNet mixer (`linear_attn` with a conv1d); missing: a per-row rollback of its state")
+                                 "DeltaNet mixer (`linear_attn` with a conv1d); missing: a per-row rollback of its "
+                                 "state")
             existing = getattr(mixer, "_draftsmith_recorder", None)
             recorders[index] = existing if existing is not None else LinearStateRecorder(mixer, index)
             recorders[index].mechanism = mechanism
@@ -88,7 +89,8 @@ class FamilyState:
 
     def check_kv_layers(self, kv_layers) -> None:
         """A drafter reads K/V of attention layers only (linear-attention layers hold a state, not K/V)."""
-        linear = [int(i) for i in kv_layers if 0 <= int(i) < len(self.types) and self.types[int(i)] == "linear_attention"]
+        linear = [int(i) for i in kv_layers
+                  if 0 <= int(i) < len(self.types) and self.types[int(i)] == "linear_attention"]
         if linear:
             allowed = [i for i, kind in enumerate(self.types) if kind != "linear_attention"]
             raise ValueError(f"drafter.kv_layers: target layers {linear} of {self.family} are linear attention (a "
