@@ -157,6 +157,16 @@ def test_hybrid_without_rollback_is_what_transformers_refuses(name):
                               do_sample=False, max_new_tokens=4)
 
 
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_kv_of_a_linear_attention_layer_is_refused_naming_the_allowed_layers(name):
+    from drafters.assistant import AssistantConfig, AssistantDrafter
+
+    target = family_target(name)
+    drafter = AssistantDrafter(AssistantConfig(num_layers=2, kv_layers=(0, 1)), target.target_info())
+    with pytest.raises(ValueError, match=r"drafter.kv_layers: target layers \[0\] .* attention layers \[1, 3\]"):
+        target.check_request(drafter.feature_request())
+
+
 def test_unsupported_family_is_refused_in_one_line():
     """LFM2's short-convolution layers have a state the engine cannot roll back per row: TargetModel refuses the
     family at once, naming it, the layer type and what is missing (not a traceback mid-generation)."""
@@ -169,3 +179,58 @@ def test_unsupported_family_is_refused_in_one_line():
         TargetModel(model)
     message = str(error.value)
     assert "\n" not in message and "lfm2" in message and "'conv'" in message and "missing" in message
+
+
+@torch.no_grad()
+def test_gemma4_assistant_past_four_windows_drafts_as_transformers_and_is_greedy_exact(tmp_path):
+    """A Gemma-4-layout assistant (transformers' Gemma4AssistantForCausalLM, random, imported through its
+    `gemma4_assistant` reader) over tiny-gemma4's sliding (window 16) and global K/V after 70 tokens: its draft
+    logits equal transformers' assistant driven as its candidate generator drives it, and greedy output over
+    sequences past 4 windows == plain greedy at batch 3."""
+    pytest.importorskip("transformers.models.gemma4_assistant", reason="transformers without Gemma 4 assistants")
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    from drafters.base import DraftContext
+
+    target = family_target("tiny-gemma4")
+    config = target.model.config
+    text = Gemma4TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=config.vocab_size,
+                            layer_types=["sliding_attention", "full_attention"], sliding_window=config.sliding_window,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                            hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                            max_position_embeddings=2048, pad_token_id=config.pad_token_id,
+                            eos_token_id=config.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    helper = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64))
+    with torch.no_grad():  # off the unit-norm, zero-scalar start
+        for parameter in helper.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    helper.save_pretrained(str(tmp_path / "assistant"))
+    helper = helper.double().eval()
+    drafter = load_drafter(str(tmp_path / "assistant"), target.target_info()).to(torch.float64).eval()
+
+    length = 70
+    prompt = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(5))
+    _, served = target.prefill(prompt, torch.ones_like(prompt), drafter.feature_request())
+    next_token = torch.tensor([50])
+    drafter.begin(DraftContext(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.arange(length)[None],
+                               next_tokens=next_token, **served))
+    drafts, logits, _ = drafter.draft_logits(3)
+    out = target.model(input_ids=prompt, output_hidden_states=True, return_shared_kv_states=True)
+    shared = dict(out.shared_kv_states)
+    token, hidden = next_token[:, None], out.hidden_states[-1][:, -1:]
+    for step in range(3):
+        embeds = torch.cat([target.model.get_input_embeddings()(token), hidden], dim=-1)
+        reference = helper(inputs_embeds=embeds, attention_mask=torch.ones(1, length, dtype=torch.long),
+                           position_ids=torch.tensor([[length]]), shared_kv_states=shared, use_cache=False)
+        # Gemma 4's RMSNorm computes in float32 even for float64 inputs, hence the tolerance
+        torch.testing.assert_close(logits[:, step], reference.logits[:, 0], rtol=0, atol=1e-5)
+        token, hidden = reference.logits.argmax(-1), reference.last_hidden_state
+        assert int(token) == int(drafts[0, step])
+
+    max_new = 4 * config.sliding_window  # rows end at 71-84 tokens
+    plain = speculative_generate(target, None, prompts(), num_draft_tokens=0, max_new_tokens=max_new,
+                                 eos_token_ids=[])
+    chain = speculative_generate(target, drafter, prompts(), num_draft_tokens=3, max_new_tokens=max_new,
+                                 eos_token_ids=[])
+    assert chain.tokens == plain.tokens

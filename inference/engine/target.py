@@ -126,6 +126,7 @@ class TargetModel:
     def check_request(self, request: FeatureRequest) -> None:
         """Raise ValueError naming the field when a drafter asks for what this target does not have."""
         request.check(self.num_layers, self.target_info().vocab_size)
+        self.runner.family.check_kv_layers(request.kv_layers)
 
     def check_layer_ids(self, layer_ids) -> None:
         self.check_request(FeatureRequest(layer_ids=tuple(layer_ids)))
