@@ -86,6 +86,14 @@ class FamilyState:
     def has_linear(self) -> bool:
         return bool(self.recorders)
 
+    def check_kv_layers(self, kv_layers) -> None:
+        """A drafter reads K/V of attention layers only (linear-attention layers hold a state, not K/V)."""
+        linear = [int(i) for i in kv_layers if 0 <= int(i) < len(self.types) and self.types[int(i)] == "linear_attention"]
+        if linear:
+            allowed = [i for i, kind in enumerate(self.types) if kind != "linear_attention"]
+            raise ValueError(f"drafter.kv_layers: target layers {linear} of {self.family} are linear attention (a "
+                             f"recurrent state, no K/V to read); choose among its attention layers {allowed}")
+
     # ---- the cache ---------------------------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:
         """A DynamicCache of the model's layer kinds, sliding-window layers replaced by full ones (every slot kept)."""
@@ -144,7 +152,8 @@ class FamilyState:
         query_pos = lengths + depth.to(valid.device)  # [B, N]
         return self._per_type(allowed, query_pos[:, :, None] - key_pos[:, None, :])
 
-    def _per_type(self, allowed: torch.Tensor, distance: torch.Tensor) -> dict:
+    def _per_type(self, allowed: torch.Tensor, distance: torch.Tensor):
+        """{layer type: mask}; one tensor when every layer has the same type (Mistral's forward takes no dict)."""
         masks = {}
         for kind in set(self.types):
             if kind == "sliding_attention":
@@ -153,7 +162,7 @@ class FamilyState:
                 masks[kind] = self.to_kernel(allowed)
             else:  # linear attention reads no mask after the prefill (the recorder skips invalid slots itself)
                 masks[kind] = None
-        return masks
+        return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def to_kernel(self, allowed: torch.Tensor) -> torch.Tensor:
         """[B, S, L] bool -> [B, 1, S, L] as the attention kernel reads it (sdpa: bool, eager: 0 / dtype min)."""
@@ -198,8 +207,9 @@ class LinearStateRecorder:
 
     snapshot: every recorded position is fed alone through the mixer's single-token path (transformers' own
     causal_conv1d_update and recurrent gated delta rule) and the conv / recurrent state after it is kept.
-    rerun: the block runs as one chunked call; its inputs are kept, and `select` restores the state before and steps
-    the inputs again up to the furthest kept position.
+    rerun: a block without invalid slots runs as one chunked call (one with invalid slots is stepped); the inputs are
+    kept, and `select` restores the state before the blocks and steps the inputs again up to the furthest kept
+    position.
     """
 
     def __init__(self, mixer, layer_idx: int):
@@ -241,7 +251,9 @@ class LinearStateRecorder:
         if self.mechanism == "rerun" and self.parents is None:
             self.inputs.append(hidden_states)
             self.valids.append(self.valid)
-            return self.original(hidden_states=hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            if self.valid is None:  # a chunked call advances every slot, so only a block without invalid slots
+                return self.original(hidden_states=hidden_states, cache=cache, attention_mask=attention_mask,
+                                     **kwargs)
         return self._step(hidden_states, cache, self.valid, kwargs)
 
     def _step(self, hidden_states, cache, valid, kwargs, upto: int | None = None):
@@ -283,6 +295,7 @@ class LinearStateRecorder:
         conv, recurrent = self._states(cache)
         conv.copy_(self.conv[0])
         recurrent.copy_(self.recurrent[0])
+        self.conv, self.recurrent = self.conv[:1], self.recurrent[:1]
         inputs = torch.cat(self.inputs, dim=1)
         valid = None if all(v is None for v in self.valids) else torch.cat(
             [torch.ones(b.shape[:2], dtype=torch.bool, device=b.device) if v is None else v

@@ -54,7 +54,14 @@ def unused_token_ids(tokenizer, vocab_size: int) -> tuple[int, ...] | None:
 
 
 class TargetModel:
-    """The frozen target. `runner` holds the engine's KV cache (one generation at a time)."""
+    """The frozen target. `runner` holds the engine's KV cache (one generation at a time).
+
+    The engine's seam (all it calls; a target family with other state, such as recurrent layers or sliding windows,
+    implements these and the loop does not change): `prefill` starts a generation, `extend` verifies a block after
+    each row's sequence, `mark` / `keep_after` roll a row back to a prefix of what was fed since the mark,
+    `keep_rows` drops finished rows, `lengths` / `block_positions` say where each row's sequence stands. Training
+    uses `features`; tree verification (inference/engine/tree/target.py) works on the KV cache of `runner`.
+    """
 
     def __init__(self, model, tokenizer=None, name_or_path: str = ""):
         self.model = model.eval()
@@ -62,11 +69,11 @@ class TargetModel:
             parameter.requires_grad_(False)
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "")
+        self.runner = RaggedLM(model)  # first: it refuses a family the engine cannot roll back, in one line
         decoder = model.get_decoder()
         self.layers = decoder.layers
         self.final_norm = decoder.norm
         self.num_layers = len(self.layers)
-        self.runner = RaggedLM(model)
         self._info: TargetInfo | None = None
 
     @classmethod
@@ -114,6 +121,7 @@ class TargetModel:
     def check_request(self, request: FeatureRequest) -> None:
         """Raise ValueError naming the field when a drafter asks for what this target does not have."""
         request.check(self.num_layers, self.target_info().vocab_size)
+        self.runner.family.check_kv_layers(request.kv_layers)
 
     def check_layer_ids(self, layer_ids) -> None:
         self.check_request(FeatureRequest(layer_ids=tuple(layer_ids)))
@@ -221,8 +229,24 @@ class TargetModel:
                 "target_kv_valid": self.runner.slot_mask.bool()}
 
     def mark(self) -> int:
+        """A point to roll back to with `keep_after` (taken before a verify forward)."""
         return self.runner.mark()
 
     def keep_after(self, mark: int, keep: torch.Tensor) -> None:
         """Roll back: row b keeps the first keep[b] tokens fed since `mark` (crop on rejection)."""
         self.runner.keep_after(mark, keep)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` [B'] (long, increasing) of the generation: finished rows leave the batch."""
+        self.runner.keep_rows(rows)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] tokens of each row's sequence the target holds (= the position id of its next token)."""
+        return self.runner.lengths
+
+    def block_positions(self, valid: torch.Tensor) -> torch.Tensor:
+        """Position ids [B, W] of a block just verified and rolled back, valid [B, W] a prefix per row of what each
+        row kept: its kept tokens are the last ones of its sequence, so position j is length - kept + j."""
+        steps = torch.arange(valid.shape[1], device=valid.device)
+        return self.lengths[:, None] - valid.long().sum(-1, keepdim=True) + steps

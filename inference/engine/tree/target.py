@@ -11,6 +11,9 @@ scores, so eager gets 0 / dtype-min; other attention kernels cannot take an arbi
 ids are each row's length + node depth, so every root-to-node path computes what the same tokens fed as a chain
 would (tests/test_tree_target.py checks it against plain chains).
 
+Hybrid targets (gated-DeltaNet layers) step the nodes in order, each from its parent's recorded state, and keep
+the state of the last accepted node (drafters/ragged_state.py); sliding windows are applied by position.
+
 Compaction moves the accepted path's K/V into the first W slots of the tree block in path order and lets
 `RaggedLM.keep_after` keep them and crop the rest: afterwards the cache is the cache of the path fed as a chain.
 """
@@ -25,20 +28,15 @@ from inference.engine.tree.draft import DraftTree
 MASKABLE_ATTENTION = ("sdpa", "eager")
 
 
-def tree_mask(target, tree: DraftTree) -> torch.Tensor:
-    """The 4-D mask [B, 1, N, L + N] of the tree forward, in the form the target's attention kernel reads."""
+def tree_mask(target, tree: DraftTree):
+    """The mask of the tree forward ([B, 1, N, L + N], or one per layer type where sliding windows apply by
+    position), in the form the target's attention kernel reads (drafters/ragged_state.py)."""
     runner = target.runner
-    batch, num_nodes = tree.tokens.shape
-    past = runner.slot_mask.bool()[:, None, :].expand(batch, num_nodes, -1)
-    allowed = torch.cat([past, tree.ancestor_mask().to(past.device)], dim=-1)[:, None]
     kernel = getattr(runner.model.config, "_attn_implementation", "eager") or "eager"
     if kernel not in MASKABLE_ATTENTION:
         raise ValueError(f"tree verification needs attn_implementation in {MASKABLE_ATTENTION} (an arbitrary 4-D mask);"
                          f" the target uses {kernel!r}: load it with attn_implementation='sdpa'")
-    if kernel == "sdpa":
-        return allowed
-    dtype = runner.model.dtype
-    return torch.zeros(allowed.shape, dtype=dtype, device=past.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return runner.family.tree_attention_mask(runner.slot_mask, tree.ancestor_mask(), tree.depth)
 
 
 @torch.no_grad()
@@ -55,9 +53,14 @@ def tree_extend(target, tree: DraftTree, request: FeatureRequest | None = None) 
     mask = tree_mask(target, tree)
     position_ids = runner.lengths[:, None] + tree.depth.to(runner.device)
     runner.slot_mask = torch.cat([runner.slot_mask, torch.ones_like(tree.tokens, device=runner.device)], dim=1)
-    with target.capture(request.layer_ids, want_last_hidden=request.final_hidden) as captured:
-        logits = runner.model(input_ids=tree.tokens.to(runner.device), attention_mask=mask, position_ids=position_ids,
-                              use_cache=True, **{runner.cache_arg: runner.cache}).logits.float()
+    runner.family.begin_block(runner.cache, None, parents=tree.parents.to(runner.device))  # per-node linear states
+    try:
+        with target.capture(request.layer_ids, want_last_hidden=request.final_hidden) as captured:
+            logits = runner.model(input_ids=tree.tokens.to(runner.device), attention_mask=mask,
+                                  position_ids=position_ids, use_cache=True,
+                                  **{runner.cache_arg: runner.cache}).logits.float()
+    finally:
+        runner.family.end_block()
     served: dict = {"hidden": {layer_id: captured[layer_id] for layer_id in request.layer_ids}}
     if request.final_hidden:
         served["final_hidden"] = captured["last"]
@@ -85,7 +88,13 @@ def keep_path(target, mark: int, path: torch.Tensor, keep: torch.Tensor) -> None
     runner = target.runner
     num_nodes = runner.num_slots - mark
     order = path_order(path, num_nodes).to(runner.device)  # [B, N]
+    if runner.family.has_linear:  # linear states: the one recorded after the last kept node (0 = before the tree)
+        keep_dev = keep.to(runner.device)
+        last = path.to(runner.device).gather(1, (keep_dev - 1).clamp(min=0)[:, None])[:, 0]
+        runner.family.keep_states(runner.cache, torch.where(keep_dev > 0, last + 1, torch.zeros_like(last)))
     for layer in runner.cache.layers:
+        if getattr(layer, "keys", None) is None:  # linear-attention and KV-sharing layers hold no slots
+            continue
         for name in ("keys", "values"):
             tensor = getattr(layer, name)  # [B, H_kv, L + N, d]
             block = tensor[:, :, mark:]
