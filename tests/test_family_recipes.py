@@ -1,6 +1,7 @@
 """Every debug recipe trains on the study's families by target name alone (`draftsmith train recipes/debug/X.yaml
 target.name_or_path=debug:NAME`): all recipes on a hybrid (Qwen3.5: gated DeltaNet + full attention), one recipe
-on every family; one step each, with the in-training speculative probe through the engine. On a hybrid the served
+on every family, and the study's own pairs (Gemma 4: assistant, DFlash, DSpark; Qwen3.5-MoE: MTP, DFlash, DSpark);
+one step each, with the in-training speculative probe through the engine. On a hybrid the served
 layer ids are full-attention outputs (drafters/layer_ids.py), and a linear-attention id is refused in one line.
 """
 
@@ -18,7 +19,12 @@ from train.cli import main as cli
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ["eagle3", "dflash", "dspark", "mtp", "medusa", "assistant"]
 HYBRID = "tiny-qwen3.5"
+# The study's own pairs beyond that: Gemma 4 with its assistant, DFlash and DSpark; Qwen3.6-35B-A3B's family
+# (Qwen3.5-MoE) with native-style MTP, DFlash and DSpark.
+STUDY_PAIRS = [(recipe, "tiny-gemma4") for recipe in ("assistant", "dflash", "dspark")] + [
+    (recipe, "tiny-qwen3.5-moe") for recipe in ("mtp", "dflash", "dspark")]
 RUNS = [(recipe, HYBRID) for recipe in RECIPES] + [("eagle3", name) for name in DEBUG_TARGETS if name != HYBRID]
+RUNS += STUDY_PAIRS
 # The assistant's queries are plain multi-head attention; MLA's compressed cache is refused by name.
 REFUSED = {("assistant", "tiny-deepseek-v3"): "cannot read the MLA cache of a deepseek_v3 target"}
 SHORT = ["train.max_steps=1", "train.epochs=null", "data.num_samples=4", "data.num_eval_samples=2",
