@@ -91,3 +91,24 @@ def test_auto_moves_the_published_defaults_onto_full_attention_outputs():
     assert nearest_distinct([5, 5, 5], [4, 8]) == (4, 8)  # fewer candidates than targets: each used once
     with pytest.raises(ValueError, match="no full-attention layer"):
         auto_layer_ids((1,), {"layer_types": ["linear_attention", "full_attention"]}, 1, "f")
+
+
+def test_an_assistant_trained_on_gemma4_exports_for_transformers(chats, tmp_path):
+    """The fresh assistant a Gemma 4 target gets is made of Gemma 4 layers: after training it exports as
+    gemma4_assistant, transformers loads that with nothing missing, and reading it back gives the trained tensors."""
+    import torch
+    from transformers import Gemma4AssistantForCausalLM
+
+    from drafters import load_drafter
+    from inference.engine.target import TargetModel
+
+    assert train("assistant", "tiny-gemma4", str(tmp_path / "run"), chats) == 0
+    out = str(tmp_path / "hf")
+    assert cli(["export", str(tmp_path / "run" / "final"), "--format", "gemma4_assistant", "--out", out,
+                "--target", "debug:tiny-gemma4"]) == 0
+    _, info = Gemma4AssistantForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    target = TargetModel.from_pretrained("debug:tiny-gemma4").target_info()
+    trained, back = load_drafter(str(tmp_path / "run" / "final"), target), load_drafter(out, target)
+    for (key, ours), theirs in zip(trained.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(ours, theirs), key
