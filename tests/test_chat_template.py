@@ -15,10 +15,10 @@ from offline_tokenizers import build_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from inference.evaluation.chat_template import (check_template_kwargs, parse_template_kwargs, render_prompt,
-                                                render_text, thinking_mismatch)
+                                                render_text, thinking_mismatch, trained_mode_mismatch)
 from train.chat import tokenize_conversation
 from train.cli import main as cli
-from train.config import load_recipe
+from train.config import load_recipe, save_recipe
 from train.data import DataConfig, build_dataset
 from train.metrics import load_eval_prompts
 from train.regenerate import regenerate
@@ -134,3 +134,13 @@ def test_qwen3_recipes_turn_thinking_off_everywhere():
     assert recipes
     for path in recipes:
         assert load_recipe(path).data.chat_template_kwargs == OFF, path
+
+
+def test_eval_names_a_drafter_trained_in_another_mode(tmp_path):
+    save_recipe(load_recipe(os.path.join(ROOT, "recipes", "qwen3-8b", "eagle3.yaml")), str(tmp_path / "recipe.yaml"))
+    warning = trained_mode_mismatch(str(tmp_path), {})
+    assert warning and warning.endswith("pass --chat-template-kwargs enable_thinking=false to serve it in its "
+                                        "training mode")
+    assert trained_mode_mismatch(str(tmp_path), OFF) is None
+    assert trained_mode_mismatch(str(tmp_path / "nothing"), {}) is None  # no recipe saved: nothing to compare
+

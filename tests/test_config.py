@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import yaml
-from transformers import LlamaConfig, Qwen3Config, Qwen3NextConfig
+from transformers import Gemma4TextConfig, LlamaConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3NextConfig
 
 from drafters import DRAFTERS, TargetInfo
 from train.config import ScheduleConfig, derive, load_recipe, parse_overrides, recipe_from_dict, recipe_to_dict, \
@@ -35,7 +35,21 @@ QWEN3_NEXT = Qwen3NextConfig(
     shared_expert_intermediate_size=512, linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
     linear_value_head_dim=128, max_position_embeddings=262144,
     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
-TARGET_SHAPES = {"smollm2": SMOLLM2, "llama3.1-8b": LLAMA31_8B, "qwen3-8b": QWEN3_8B, "qwen3-next": QWEN3_NEXT}
+# The study's targets (amd_vllm_study.md): Qwen3.6-27B's text model (48 gated-DeltaNet + 16 full-attention layers) and
+# gemma-4-31B (60 layers, 5 sliding : 1 global); heads and widths as assumed here, the recipes depend on the layer
+# types, the layer count, the width and the vocabulary.
+QWEN36_27B = Qwen3_5TextConfig(
+    vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+    num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+    linear_value_head_dim=128, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+GEMMA4_31B = Gemma4TextConfig(
+    vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
+    num_key_value_heads=16, head_dim=256, global_head_dim=512, sliding_window=1024,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10, hidden_size_per_layer_input=0,
+    vocab_size_per_layer_input=0)
+TARGET_SHAPES = {"smollm2": SMOLLM2, "llama3.1-8b": LLAMA31_8B, "qwen3-8b": QWEN3_8B, "qwen3-next": QWEN3_NEXT,
+                 "qwen3.6-27b": QWEN36_27B, "gemma-4-31b": GEMMA4_31B}
 
 
 def meta_target_info(config) -> TargetInfo:

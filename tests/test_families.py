@@ -115,14 +115,7 @@ def test_sampling_law_is_the_targets(name):
     assert 0 < accepted < 2 * sum(map(len, out.accept_lengths))  # drafts were accepted and rejected
 
 
-NATIVE_MTP_PENDING = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="the Qwen3.5 MTP block (drafters/mtp for qwen3_5_text / qwen3_5_moe_text) is built on the study-train "
-           "branch; strict, so this fails as soon as it lands and the mark must go")
-
-
-@pytest.mark.parametrize("name", ["tiny-qwen3-next", pytest.param("tiny-qwen3.5", marks=NATIVE_MTP_PENDING),
-                                  pytest.param("tiny-qwen3.5-moe", marks=NATIVE_MTP_PENDING)])
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"])
 def test_native_mtp_greedy_exact(name):
     """`--drafter native-mtp`: the checkpoint's own (random) MTP module drafts 2 tokens per round at batch 3."""
     target = family_target(name)

@@ -1,5 +1,5 @@
 """Every registered drafter kind through the engine on every family of tests/test_families.py: untrained, randomly
-initialised drafters (the contract test's kinds, with layer ids and KV layers every debug family has), greedy at
+initialised drafters (the contract test's kinds, with each family's auto layer ids and default KV layers), greedy at
 batch 3, chain and tree; output == plain greedy. Whether a kind is trained, exported and served on a family is the
 trainer's side (docs/support.md)."""
 
@@ -24,26 +24,23 @@ FACTORIES = {  # (target info, its number of layers) -> drafter; ids and widths 
     # has no dense intermediate_size to copy)
     "assistant": lambda info, n: AssistantDrafter(AssistantConfig(num_layers=2, kv_layers=KV_LAYERS.get(
         info.config["model_type"], (1, n - 1))), info),
-    "dflash": lambda info, n: DFlashDrafter(DFlashConfig(layer_ids=tuple(range(1, n))[:3], num_layers=1, block_size=3,
+    "dflash": lambda info, n: DFlashDrafter(DFlashConfig(layer_ids="auto", num_layers=1, block_size=3,
                                                          intermediate_size=128, mask_token_id=info.vocab_size - 1),
                                             info),
-    "dspark": lambda info, n: DSparkDrafter(DSparkConfig(layer_ids=tuple(range(1, n))[:3], num_layers=1, block_size=2,
+    "dspark": lambda info, n: DSparkDrafter(DSparkConfig(layer_ids="auto", num_layers=1, block_size=2,
                                                          intermediate_size=128, markov_rank=8,
                                                          mask_token_id=info.vocab_size - 1), info),
-    "eagle3": lambda info, n: Eagle3Drafter(Eagle3Config(layer_ids=(1, 2, n), num_layers=1, intermediate_size=128,
+    "eagle3": lambda info, n: Eagle3Drafter(Eagle3Config(layer_ids="auto", num_layers=1, intermediate_size=128,
                                                          draft_vocab_size=info.vocab_size,
                                                          init_head_from_target=False), info),
     "medusa": lambda info, n: MedusaDrafter(MedusaConfig(num_heads=2), info),
     "mtp": lambda info, n: MTPDrafter(MTPConfig(num_modules=1, reuse=True), info),
     "ngram": lambda info, n: NgramDrafter(NgramConfig(), info),
 }
-KV_LAYERS = {"gemma4_text": (0, 1)}  # two sliding layers: the assistant's layers share one head dim
+KV_LAYERS = {"gemma4_text": ()}  # Gemma 4 layers: the default mapping (last sliding, last global layer)
 # Cells that are refused when the drafter is built, with the one-line reason (docs/support.md says why).
 REFUSED = {
-    ("tiny-deepseek-v3", "assistant"): "KV heads",  # MLA: 3 layers, K/V of another width per head
-    ("tiny-qwen3.5", "mtp"): "MTP block",  # the Qwen3.5 MTP block is the trainer's (study-train)
-    ("tiny-qwen3.5-moe", "mtp"): "MTP block",
-    ("tiny-gemma4", "mtp"): "MTP block",  # Gemma 4's drafter is its assistant
+    ("tiny-deepseek-v3", "assistant"): "MLA cache",  # compressed K/V with decoupled RoPE keys
 }
 
 

@@ -271,7 +271,8 @@ def test_estimate_prints_disk_and_time(workdir, tmp_path, capsys):
     reset_accelerate()
     assert estimate.main([DEBUG_RECIPE, *tiny_overrides(workdir, str(tmp_path / "est"))]) == 0
     printed = capsys.readouterr().out
-    assert "disk: 1,032 bytes/token" in printed and "tokens/s measured" in printed
+    # (2 auto ids (1, 2) + the last hidden state) x 64 x 4 bytes + an int64 argmax per token
+    assert "disk: 776 bytes/token" in printed and "tokens/s measured" in printed
 
 
 @pytest.mark.slow

@@ -50,6 +50,7 @@ from safetensors.torch import save_file
 
 from drafters.base import TargetInfo, check_target_match
 from drafters.mtp.config import MTPConfig
+from drafters.mtp.experts import fuse_experts, split_experts
 from drafters.mtp.layers import LAYOUTS, target_text_config
 from drafters.mtp.readers import CHECKS
 from drafters.speculators import speculators_section
@@ -168,46 +169,6 @@ def find_native(directory: str, num_layers: int, model_type: str | None = None) 
         raise ValueError(f"{directory}: the target's model_type {model_type!r} ships MTP weights in the {expected} "
                          f"layout, but this checkpoint holds the {layout} layout")
     return NativeMTP(layout, len(indices))
-
-
-def fuse_experts(block: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint names (mlp.experts.{e}.{gate,up,down}_proj.weight) -> transformers' fused 3-D experts."""
-    pattern = re.compile(r"(.*experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
-    out = {}
-    for name, tensor in block.items():
-        match = pattern.fullmatch(name)
-        if match:
-            experts[match.group(1)][int(match.group(2))][match.group(3)] = tensor
-        else:
-            out[name] = tensor
-    for prefix, by_index in experts.items():
-        if sorted(by_index) != list(range(len(by_index))):
-            raise ValueError(f"{prefix}: experts numbered {sorted(by_index)}, expected 0..E-1")
-        ordered = [by_index[e] for e in range(len(by_index))]
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([p["gate_proj"], p["up_proj"]]) for p in ordered])
-        out[f"{prefix}.down_proj"] = torch.stack([p["down_proj"] for p in ordered])
-    return out
-
-
-def split_experts(block: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of fuse_experts (exact: slicing)."""
-    out = {}
-    for name, tensor in block.items():
-        if name.endswith("experts.gate_up_proj"):
-            prefix, half = name.removesuffix(".gate_up_proj"), tensor.shape[1] // 2
-            for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :half]
-                out[f"{prefix}.{e}.up_proj.weight"] = tensor[e, half:]
-        elif name.endswith("experts.down_proj"):
-            prefix = name.removesuffix(".down_proj")
-            for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
-        elif tensor.dim() > 2:
-            raise ValueError(f"block tensor {name} {tuple(tensor.shape)}: a fused layout draftsmith cannot split")
-        else:
-            out[name] = tensor
-    return out
 
 
 def read_native(directory: str, target_info: TargetInfo, layout: str, num_modules: int) -> dict[str, torch.Tensor]:

@@ -125,3 +125,21 @@ def thinking_mismatch(answer: str, template_kwargs: Mapping[str, Any] | None) ->
     if (template_kwargs or {}).get("enable_thinking") is False and THINK_OPEN in answer:
         return f"it contains {THINK_OPEN!r} although enable_thinking is false"
     return None
+
+
+def trained_mode_mismatch(drafter_dir: str, template_kwargs: Mapping[str, Any] | None) -> str | None:
+    """A warning when the recipe saved with a drafter checkpoint rendered with other template options than this
+    run's (a drafter trained with thinking off and served with it on accepts far less), else None."""
+    import os
+
+    path = os.path.join(drafter_dir, "recipe.yaml")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        data = (yaml.safe_load(f) or {}).get("data") or {}
+    trained = dict(data.get("chat_template_kwargs") or {})
+    if trained == dict(template_kwargs or {}):
+        return None
+    given = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in trained.items()) or "(none)"
+    return (f"{drafter_dir} was trained with data.chat_template_kwargs {trained}, this run renders with "
+            f"{dict(template_kwargs or {})}; pass --chat-template-kwargs {given} to serve it in its training mode")

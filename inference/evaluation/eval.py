@@ -32,7 +32,8 @@ import transformers
 from tqdm import tqdm
 
 from inference.engine.costs import profile_costs
-from inference.evaluation.chat_template import check_chat_template, parse_template_kwargs, render_prompt
+from inference.evaluation.chat_template import (check_chat_template, parse_template_kwargs, render_prompt,
+                                                trained_mode_mismatch)
 from inference.engine.generate import GenerateOutput
 from inference.evaluation.methods import Method, generate, load_methods
 from inference.evaluation.metrics import annotate_recommendations, build_record, merge_outputs
@@ -335,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
                                              fast_path=args.target_path == "auto")
         check_chat_template(target.tokenizer, not args.no_chat_template, args.target, args.chat_template_kwargs)
         methods = load_methods(args.drafter, target, args.num_draft_tokens, args.tree_budget)
+        for name in args.drafter:
+            mismatch = os.path.isdir(name) and trained_mode_mismatch(name, args.chat_template_kwargs)
+            if mismatch:
+                print(f"draftsmith eval: warning: {mismatch}", file=sys.stderr)
         chains = [m for m in methods if m.tree_budget is None]  # schedules cut chains; trees ignore them
         if args.schedule != ["fixed"] and chains:
             schedules = build_schedules(args.schedule)
