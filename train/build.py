@@ -92,6 +92,11 @@ def build_trainer(recipe: Recipe) -> Trainer:
                               log_with=trackers or None, project_dir=recipe.output.dir)
     accelerator.print(f"derived: {derived}; data: {data.counts}")
     drafter = build_drafter(recipe, target)
+    if recipe.target.placement == "sharded" and state.num_processes > 1:
+        from train.placement import drop_weight_references, shard_target
+
+        target._info = drafter.target_info = drop_weight_references(target.target_info())  # warm starts are done
+        shard_target(target, state.num_processes)
     resume = resolve_resume(recipe.output.dir, recipe.train.resume_from)
     if resume is None:
         drafter.init_from_data(count_tokens(data.train, target.target_info().vocab_size))

@@ -1,0 +1,64 @@
+"""Where the frozen target lives in online training (`target.placement`).
+
+- "replicated" (default): every process holds the whole target (docs/distributed.md explains why that is right
+  while it fits: no collective in its forward).
+- "sharded": torch FSDP2 (`fully_shard`) over all training processes, forward only. Every decoder layer is its own
+  unit and the rest (embeddings, final norm, lm_head) the root's; a unit's weights are all-gathered for its forward
+  and freed after it, so a process holds 1/W of the target plus one layer gathered at a time. Nothing is trained,
+  so there are no gradients or optimizer state to shard; the all-gathers are the whole cost. The all-gathered
+  weights are the stored ones bit for bit, so hidden states equal the replicated target's
+  (tests/test_placement.py, 2 gloo processes on CPU, where accelerate's FSDP does not run but plain FSDP2 does).
+
+Every process must run the target's forward the same number of times (each forward is a collective): online
+training and evaluation do (the data order gives each process the same number of micro-batches); hybrid/offline
+modes skip forwards per process and are refused, and the main process's speculative-decoding probe is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+def check_placement(recipe) -> None:
+    """ValueError naming the field when a sharded target cannot work with the rest of the recipe."""
+    if recipe.target.placement == "sharded" and recipe.features.mode != "online":
+        raise ValueError(f"target.placement: sharded needs features.mode: online (mode {recipe.features.mode} runs "
+                         "the target on some processes only, and a sharded forward is collective); use a replicated "
+                         "target to fill a cache, or features.extractor: vllm")
+
+
+def shard_target(target, world_size: int) -> None:
+    """FSDP2-shard `target` (a TargetModel) across the `world_size` processes of the default process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = target.device
+    mesh = init_device_mesh(device.type, (world_size,))
+    for layer in target.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(target.model, mesh=mesh, reshard_after_forward=True)
+    target.sharded = True
+
+
+def release_gathered(target) -> None:
+    """Free the root unit's all-gathered weights after a forward (FSDP2 keeps the root's gathered, expecting a
+    backward that a frozen target never runs); the layers free their own."""
+    if getattr(target, "sharded", False):
+        target.model.reshard()
+
+
+def drop_weight_references(info):
+    """TargetInfo without the map of every target tensor (used for warm starts, at drafter init only): after
+    sharding it would keep the whole unsharded target alive."""
+    return dataclasses.replace(info, weights={})
+
+
+def local_bytes(module: torch.nn.Module) -> int:
+    """Bytes of parameters this process holds (its shard of each DTensor)."""
+    total = 0
+    for parameter in module.parameters():
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        total += local.numel() * local.element_size()
+    return total
