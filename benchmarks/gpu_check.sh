@@ -7,7 +7,9 @@
 #   3. training tokens/s of EAGLE-3 and DFlash on SmolLM2 (draftsmith estimate's probe: real optimizer steps,
 #      online features, the target in bf16 on a GPU);
 #   4. a short EAGLE-3 training on SmolLM2 and the engine's speedup with it and with n-gram lookup
-#      (draftsmith eval, k = 1 and 3, against autoregression through the same engine).
+#      (draftsmith eval, k = 1 and 3, against autoregression through the same engine);
+#   5. the target on a distributed engine: sharded == replicated features, a sharded training on 2 GPUs (when
+#      there are 2), vLLM's features == HF's (when VLLM_PYTHON imports vllm).
 # Every step writes its log under RESULTS_DIR; RESULTS_DIR/summary.md has one line per step (ok / FAILED, the number
 # it measured) and the machine it ran on; copy its numbers into docs/benchmarks.md. A failing step does not stop the
 # others; the exit status is the number of failed steps.
@@ -100,6 +102,26 @@ step "engine speedup on SmolLM2" "$RESULTS/eval.log" draftsmith eval --target sm
     --max-new-tokens $NEW_TOKENS --num-draft-tokens 1,3 --out "$RESULTS/eval/report.json"
 if [[ -f "$RESULTS/eval/report.md" ]]; then
     { echo; echo "engine (draftsmith eval, $RESULTS/eval/report.md):"; echo; cat "$RESULTS/eval/report.md"; } >> "$SUMMARY"
+fi
+
+# The target on a distributed engine (docs/distributed.md): the frozen target sharded across 2 processes (FSDP2,
+# forward only) gives the replicated target's features; with 2 GPUs also a short sharded training; vLLM features
+# equal HF features when vLLM is installed (VLLM_PYTHON: a python that imports vllm, e.g. /work/envs/vllm/bin/python).
+step "target.placement sharded == replicated (2 gloo processes)" "$RESULTS/placement.log" \
+    python -m pytest -q -p no:cacheprovider tests/test_placement.py
+if python -c "import torch, sys; sys.exit(torch.accelerator.device_count() < 2)" 2> /dev/null; then
+    step "target.placement sharded, 2 GPUs: tiny_eagle3" "$RESULTS/sharded.log" "${LAUNCH[@]}" --num_processes 2 \
+        -m train recipes/debug/tiny_eagle3.yaml "${DEBUG_OVERRIDES[@]}" target.placement=sharded \
+        output.dir="$RESULTS/sharded"
+fi
+VLLM_PYTHON=${VLLM_PYTHON:-python}
+if "$VLLM_PYTHON" -c "import vllm" 2> /dev/null; then
+    step "vLLM features == HF features, 50 steps from each (SmolLM2)" "$RESULTS/vllm_features.log" \
+        env PYTHONPATH="$PWD" "$VLLM_PYTHON" benchmarks/vllm_features.py --out "$RESULTS/vllm_features"
+    [[ -f "$RESULTS/vllm_features/summary.json" ]] && sed 's/^/    /' "$RESULTS/vllm_features/summary.json" >> "$SUMMARY"
+else
+    echo "- skipped vLLM features: $VLLM_PYTHON cannot import vllm (docs/distributed.md, 'The vLLM environment')" \
+        >> "$SUMMARY"
 fi
 
 echo "failed steps: $FAILED" >> "$SUMMARY"

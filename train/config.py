@@ -32,10 +32,14 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 @dataclass(kw_only=True)
 class TargetConfig:
     """name_or_path: a known name ("smollm2-135m-instruct", "debug:tiny-llama") or a local HF directory.
-    dtype: "auto" = float32 on CPU, bfloat16 on GPU."""
+    dtype: "auto" = float32 on CPU, bfloat16 on GPU. placement: "replicated" = every process holds the whole
+    target; "sharded" = FSDP2 across the processes, forward only (online training); "served" = the target runs
+    elsewhere (vLLM filled the cache) and training holds only its embeddings, final norm and lm_head (offline
+    training). See train/placement.py."""
 
     name_or_path: str
     dtype: Dtype = "auto"
+    placement: Literal["replicated", "sharded", "served"] = "replicated"
 
 
 @dataclass(kw_only=True)
@@ -235,6 +239,9 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     from train.vllm_features import check_settings  # the vLLM engine fields (vLLM itself is not imported)
 
     check_settings(recipe.features.vllm)
+    from train.placement import check_placement
+
+    check_placement(recipe)
     return recipe
 
 

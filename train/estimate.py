@@ -71,6 +71,8 @@ class RecipeSizes:
     feature_values: int  # served features of one micro-batch at data.max_length, fp32
     logit_chunk_values: int  # the bounded chunk of logits the target's argmax is computed through
     activation_bytes: int | None  # measured for one micro-batch (None = not measured)
+    largest_layer_params: int = 0  # the target's largest decoder layer (what FSDP2 gathers at once)
+    head_params: int = 0  # the target's embeddings, final norm and lm_head (tied ones once)
 
 
 def memory_plan(sizes: RecipeSizes, strategy: str, world_size: int) -> dict[str, int]:
@@ -168,6 +170,7 @@ def probe(recipe_path: str, overrides: list[str], num_steps: int, output_dir: st
     from train.features import make_batch, sample_lengths
 
     recipe = load_recipe(recipe_path, [*overrides, "features.mode=online", "features.cache_dir=null",
+                                       "target.placement=replicated",
                                        "logging.trackers=[]", "train.resume_from=null", f"output.dir={output_dir}"])
     trainer = build_trainer(recipe)
     trainer.set_drafter_config(trainer.base_config)
@@ -210,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="processes (GPUs) to plan the memory for (default: this launch's)")
     parser.add_argument("--probe-steps", type=int, default=3, help="optimizer steps the probe times (default 3)")
     parser.add_argument("--no-probe", action="store_true", help="skip the probe (no steps/hour, no activations)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="memory of one GPU for naming the target placement that fits (default: this machine's "
+                             "accelerator, else 192, an MI300X)")
     return parser
 
 
@@ -249,7 +255,11 @@ def recipe_sizes(recipe: Recipe, target, drafter: torch.nn.Module, activation_by
                        target_copy_values=target_copy_values(drafter),
                        feature_values=(len(request.layer_ids) + 1) * tokens * info.hidden_size,
                        logit_chunk_values=min(info.vocab_size * tokens, LOGIT_CHUNK_VALUES),
-                       activation_bytes=activation_bytes)
+                       activation_bytes=activation_bytes,
+                       largest_layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in target.layers),
+                       head_params=sum({id(p): p.numel() for module in (
+                           target.model.get_input_embeddings(), target.final_norm,
+                           target.model.get_output_embeddings()) for p in module.parameters()}.values()))
 
 
 def print_memory(sizes: RecipeSizes, world_size: int, recipe: Recipe) -> None:
@@ -265,11 +275,41 @@ def print_memory(sizes: RecipeSizes, world_size: int, recipe: Recipe) -> None:
         print("  (drafter activations not measured: --no-probe)")
 
 
+def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_bytes: int,
+                     gpu_source: str) -> str | None:
+    """Target memory per GPU under each target.placement, the DDP total with it, and the first placement that fits
+    in gpu_bytes (returned)."""
+    from train.placement import PLACEMENTS, engine_bytes_per_gpu, fitting_placement, target_bytes_per_gpu
+
+    rest = memory_plan(sizes, "ddp", world_size)
+    rest = rest["total"] - rest["target weights"]
+    shape = dict(params=sizes.target_params, bytes_per_param=sizes.target_bytes_per_param,
+                 largest_layer=sizes.largest_layer_params, head=sizes.head_params, world_size=world_size)
+    target = {p: target_bytes_per_gpu(p, **shape) for p in PLACEMENTS}
+    totals = {p: target[p] + rest for p in PLACEMENTS}
+    print(f"target placement per GPU at world size {world_size} (target.placement; totals with DDP drafter state):")
+    for placement, note in (("replicated", "every process holds all of it"),
+                            ("sharded", "FSDP2, 1/W + the root and two layers gathered; online features"),
+                            ("served", "head only; vLLM holds the decoder, offline features")):
+        print(f"  {placement:11} target {human_bytes(target[placement]):>11}  total "
+              f"{human_bytes(totals[placement]):>11}  ({note})")
+    tp = recipe.features.vllm.tensor_parallel_size
+    engine = engine_bytes_per_gpu(params=sizes.target_params, bytes_per_param=sizes.target_bytes_per_param,
+                                  tensor_parallel_size=tp)
+    print(f"  vLLM engine: {human_bytes(engine)} of weights per GPU at features.vllm.tensor_parallel_size {tp}, "
+          "plus its KV cache")
+    fits = fitting_placement(totals, gpu_bytes)
+    print(f"  fits {human_bytes(gpu_bytes)} per GPU ({gpu_source}): "
+          + (f"target.placement: {fits}" if fits else "none; shard the drafter (fsdp/zero3) or use more GPUs"))
+    return fits
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     recipe = load_recipe(args.recipe, args.overrides)
     if args.probe_steps < 1:
         raise ValueError(f"--probe-steps must be >= 1, got {args.probe_steps}")
+    gpu = gpu_memory(args.gpu_memory_gib)
     from train.build import build_drafter, load_data, load_target, process_state
 
     state = process_state()
@@ -278,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="draftsmith-estimate-") as scratch:
         result = None
         if args.no_probe:
-            target = load_target(recipe, state.device)
+            target = load_target(recipe, state.device, whole=True)
             data = load_data(recipe, target, state)
             drafter = build_drafter(recipe, target)
         else:
@@ -286,11 +326,24 @@ def main(argv: list[str] | None = None) -> int:
             target, data, drafter = trainer.target, trainer.data, trainer.model
         request = drafter.feature_request()
         print_cache_estimate(recipe, target, data, request, state.num_processes, state.device)
-        print_memory(recipe_sizes(recipe, target, drafter, None if result is None else result.activation_bytes),
-                     world_size, recipe)
+        sizes = recipe_sizes(recipe, target, drafter, None if result is None else result.activation_bytes)
+        print_memory(sizes, world_size, recipe)
+        print_placements(sizes, world_size, recipe, *gpu)
         if result is not None:
             print_probe(result, recipe, trainer.derived, state.device)
     return 0
+
+
+def gpu_memory(gib: float | None) -> tuple[int, str]:
+    """(bytes, where the number came from) of one GPU."""
+    if gib is not None:
+        if gib <= 0:
+            raise ValueError(f"--gpu-memory-gib must be > 0, got {gib}")
+        return int(gib * (1 << 30)), "--gpu-memory-gib"
+    if torch.accelerator.is_available():
+        index = torch.accelerator.current_device_index()
+        return torch.accelerator.get_memory_info(index)[1], "this machine's accelerator"
+    return 192 << 30, "no accelerator here: an MI300X's 192 GiB"
 
 
 def print_probe(result: Probe, recipe: Recipe, derived, device) -> None:

@@ -38,6 +38,7 @@ from safetensors.torch import save as safetensors_bytes
 from drafters.base import FeatureRequest
 from drafters.files import disk_full_reported, write_atomic, write_json_atomic
 from train.data import collate
+from train.placement import release_gathered
 
 CACHE_FORMAT = 1
 DEFAULT_SHARD_BYTES = 256 << 20
@@ -239,6 +240,7 @@ class FeatureProvider:
         top_k = self.request.top_k_logits
         out = self.target.features(batch["input_ids"].to(device), mask, self.layer_ids, return_logits=top_k > 0,
                                    kv_layers=self.request.kv_layers)
+        release_gathered(self.target)
         keep = mask.unsqueeze(-1).float()  # [B, T, 1]
         features = {"target_hidden": {i: out.hidden[i].float() * keep for i in self.layer_ids},
                     "target_last_hidden": out.last_hidden.float() * keep, "target_argmax": out.argmax.long() * mask}

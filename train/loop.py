@@ -228,8 +228,9 @@ class Trainer:
         return results
 
     def can_probe(self) -> bool:
-        """FSDP shards the drafter's weights across processes, so one process cannot decode with it alone."""
-        return self.accelerator.distributed_type != DistributedType.FSDP
+        """FSDP shards the drafter's weights across processes, so one process cannot decode with it alone; nor with a
+        target that is sharded or served elsewhere (target.placement)."""
+        return self.accelerator.distributed_type != DistributedType.FSDP and getattr(self.target, "whole", True)
 
     # ---- checkpoints and export ----------------------------------------------------------------------------------
     def save(self) -> str:

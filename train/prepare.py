@@ -75,7 +75,7 @@ def regeneration_model(recipe: Recipe, state: PartialState):
     from train.build import load_target, resolve_dtype
 
     if not recipe.regenerate.use_vllm:
-        target = load_target(recipe, state.device)
+        target = load_target(recipe, state.device, whole=True)
         return target.model, target.tokenizer
     try:
         from vllm import LLM
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if recipe.features.mode in ("offline", "hybrid") and recipe.features.extractor == "vllm":
         write_features_vllm(recipe, state)
     elif recipe.features.mode in ("offline", "hybrid"):
-        write_features(recipe, load_target(recipe, state.device), state)
+        write_features(recipe, load_target(recipe, state.device, whole=True), state)
     elif recipe.regenerate is None:
         print("nothing to prepare: no regenerate: section and features.mode is online")
     return 0
