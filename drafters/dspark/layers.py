@@ -47,7 +47,8 @@ class DSparkConfig:
     markov_head_type: "vanilla" | "gated" | "rnn" | "none" (no sequential head); markov_rank: r >= 1.
     enable_confidence_head; confidence_head_with_markov: feed W1[x_{k-1}] to it too (needs a sequential head).
     loss: ce_weight * CE + l1_weight * ||p_draft - p_target||_1 + confidence_weight * BCE(c, 1 - L1 / 2), each cell
-      weighted exp(-k / loss_decay_gamma) (DeepSpec: 0.1, 0.9, 1.0 and 4.0).
+      weighted exp(-k / loss_decay_gamma) (DeepSpec: 0.1, 0.9, 1.0 and 4.0), or with loss_weighting "dpace" by
+      D-PACE from each cell's CE confidence (drafters/losses.dpace_weights, smoothing dpace_alpha).
     confidence_temperatures: one per block slot, fitted by `draftsmith calibrate` (Sequential Temperature Scaling);
       () = uncalibrated.
     """
@@ -66,6 +67,8 @@ class DSparkConfig:
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
     loss_decay_gamma: float = 4.0
+    loss_weighting: Literal["decay", "dpace"] = "decay"
+    dpace_alpha: float = 0.5
     confidence_temperatures: tuple[float, ...] = ()
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
@@ -102,6 +105,8 @@ def check_config(config: DSparkConfig) -> None:
             raise ValueError(f"drafter.{name} {getattr(config, name)} must be >= 0")
     if not config.loss_decay_gamma > 0:
         raise ValueError(f"drafter.loss_decay_gamma {config.loss_decay_gamma} must be > 0")
+    if not 0.0 < config.dpace_alpha <= 1.0:
+        raise ValueError(f"drafter.dpace_alpha {config.dpace_alpha} must be in (0, 1]")
     temperatures = config.confidence_temperatures
     if temperatures and (len(temperatures) != config.block_size or not all(t > 0 for t in temperatures)):
         raise ValueError(f"drafter.confidence_temperatures {list(temperatures)}: need one positive temperature per "
