@@ -122,7 +122,8 @@ def run(args) -> None:
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     variants = dict(parse_variant(v) for v in args.variant)
     trainers = ["ours", *[f"ours-{name}" for name in variants], *peers]
-    pending = [] if args.eval_only else [t for t in trainers if not finished(work, t, args.steps)]
+    only = [t for t in args.only.split(",") if t] or trainers
+    pending = [] if args.eval_only else [t for t in trainers if t in only and not finished(work, t, args.steps)]
     running = {}
     while pending or running:
         while pending and len(running) < args.parallel:
@@ -172,6 +173,7 @@ def main(argv=None) -> None:
                        help="override recipes/smollm2/<drafter>.yaml (e.g. drafter.num_layers=2)")
     p_run.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...",
                        help="also train ours with these drafter settings as trainer ours-NAME")
+    p_run.add_argument("--only", default="", help="train only these trainers (comma-separated); evaluate all")
     p_run.add_argument("--eval-only", action="store_true", help="reuse the trained weights under DIR/work")
     args = parser.parse_args(argv)
     if args.command == "setup":

@@ -213,8 +213,8 @@ class DFlashDrafter(Drafter):
         labels = torch.where(valid, labels, torch.zeros_like(labels))
         cell_ce = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), reduction="none")
         cell_ce = cell_ce.view(num_rows, depths)
-        weights = depth_loss_weights(self.config.loss_weighting, self.depth_weights(depths, logits.device),
-                                     cell_ce, valid, self.config.dpace_alpha)
+        decay = self.depth_weights(depths, logits.device, logits.dtype)
+        weights = depth_loss_weights(self.config.loss_weighting, decay, cell_ce, valid, self.config.dpace_alpha)
         loss = global_mean((weights * cell_ce).sum(), weights.sum(), batch)
         _, metrics = output_metrics(output, batch, cell_ce)
         return loss, metrics
