@@ -51,11 +51,11 @@ def depth_accuracy(draft_ids: torch.Tensor, labels: torch.Tensor, valid: torch.T
     return (hits / valid.sum(dim=(0, 1)).clamp(min=1).float()).tolist()
 
 
-def train(adapter, dump: dict, steps: int, out_json: str, name: str, log_every: int = 10, save_every: int = 50,
+def train(adapter, dump: dict, steps: int, out_json: str, name: str, log_every: int = 10, save_every: int = 25,
           weights_dir: str | None = None) -> dict:
     """Run `steps` optimizer steps of `adapter` on the dumped batches; the curve JSON is rewritten every log_every
-    steps and the weights every save_every steps (curve["weights_step"]), so a run stopped early still reports the
-    steps it reached and can be evaluated there."""
+    steps and the weights every save_every steps (weights_dir/step_N, listed in curve["weights_steps"]), so a run
+    stopped early still reports the steps it reached and every trainer can be evaluated at the same step."""
     torch.set_num_threads(1)
     hp = dump["meta"]["hparams"]
     params = [p for p in adapter.parameters() if p.requires_grad]
@@ -94,8 +94,8 @@ def train(adapter, dump: dict, steps: int, out_json: str, name: str, log_every: 
                          tokens_per_cpu_s=curve["tokens"] / max(cpu, 1e-9))
             meter = {"loss": 0.0, "acc": torch.zeros(depths), "n": 0}
             if weights_dir and ((step + 1) % save_every == 0 or step + 1 == steps):
-                adapter.save(weights_dir)
-                curve["weights_step"] = step + 1
+                adapter.save(os.path.join(weights_dir, f"step_{step + 1}"))  # every one kept: equal-step evaluation
+                curve.setdefault("weights_steps", []).append(step + 1)
             write_json(out_json, curve)
             print(f"{name} step {step + 1}: loss {curve['loss'][-1]:.3f} acc {curve['accuracy'][-1]:.3f} "
                   f"({curve['tokens_per_cpu_s']:.0f} tokens per CPU-s)", flush=True)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import subprocess
+import time
 
 import torch
 
@@ -24,7 +27,6 @@ def dump_batches(args, work: str) -> tuple[str, str]:
     from drafters.dflash.anchors import sample_anchors
     from train.build import build_drafter, load_data, load_target
     from train.config import load_recipe
-    from train.features import FeatureProvider, make_batch
     from train.vocab import count_tokens
 
     torch.set_num_threads(1)
@@ -39,18 +41,8 @@ def dump_batches(args, work: str) -> tuple[str, str]:
     drafter = build_drafter(recipe, target)
     info = target.target_info()
     drafter.init_from_data(count_tokens(data.train, info.vocab_size))
-    provider = FeatureProvider("online", target, drafter.feature_request())
     layer_ids = list(drafter.target_layer_ids())
-    batches = []
-    for start in range(0, 2 * args.num_batches, 2):
-        batch = make_batch(data.train, [start, start + 1], info.pad_token_id or 0)
-        features = provider.online(batch)
-        batches.append({
-            "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-            "loss_mask": batch["loss_mask"], "sample_index": batch["sample_index"],
-            "features": torch.cat([features["target_hidden"][i] for i in layer_ids], dim=-1).to(torch.bfloat16),
-            "last_hidden": features["target_last_hidden"].to(torch.bfloat16),
-            "target_argmax": features["target_argmax"]})
+    batches = target_batches(args, recipe, target, data, drafter, layer_ids)
     config = drafter.config
     anchors = []
     for step in range(args.steps):
@@ -80,9 +72,43 @@ def dump_batches(args, work: str) -> tuple[str, str]:
     return dump_path, init
 
 
+def target_batches(args, recipe, target, data, drafter, layer_ids) -> list[dict]:
+    """The first 2 x num_batches training conversations with the target's features, computed once per (data section,
+    layer ids, num_batches) and shared by the DFlash and DSpark runs (the target forward is the costly part here)."""
+    from train.features import FeatureProvider, make_batch
+
+    key = json.dumps({"data": dataclasses.asdict(recipe.data), "layers": layer_ids, "n": args.num_batches},
+                     sort_keys=True, default=str)
+    path = os.path.join(args.envs, "work", f"batches_{hashlib.sha1(key.encode()).hexdigest()[:12]}.pt")
+    try:  # one run computes them; a concurrent run waits for its file
+        os.close(os.open(path + ".lock", os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        while not os.path.exists(path):
+            time.sleep(10)
+    if os.path.exists(path):
+        return torch.load(path, weights_only=False)
+    provider = FeatureProvider("online", target, drafter.feature_request())
+    pad = target.target_info().pad_token_id or 0
+    batches = []
+    for start in range(0, 2 * args.num_batches, 2):
+        batch = make_batch(data.train, [start, start + 1], pad)
+        features = provider.online(batch)
+        batches.append({
+            "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+            "loss_mask": batch["loss_mask"], "sample_index": batch["sample_index"],
+            "features": torch.cat([features["target_hidden"][i] for i in layer_ids], dim=-1).to(torch.bfloat16),
+            "last_hidden": features["target_last_hidden"].to(torch.bfloat16),
+            "target_argmax": features["target_argmax"]})
+    torch.save(batches, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    os.remove(path + ".lock")
+    return batches
+
+
 def evaluate(args, work: str, trainers: list[str]) -> list[dict]:
-    """Each trained drafter read back through our readers, then greedy speculative decoding of the held-out prompts
-    with our engine: heldout_tau = 1 + accepted / rounds over all prompts."""
+    """Each trained drafter read back through our readers at one step for all (--eval-step, else the last step every
+    trainer saved), then greedy speculative decoding of the held-out prompts with our engine: heldout_tau = 1 +
+    accepted / rounds over all prompts."""
     from drafters import load_drafter
     from inference.engine.generate import speculative_generate
     from inference.engine.target import TargetModel
@@ -95,26 +121,33 @@ def evaluate(args, work: str, trainers: list[str]) -> list[dict]:
     target = TargetModel.from_pretrained(dump_meta["target"])
     _, questions = load_questions(args.prompts, num_prompts=args.num_prompts)
     prompts = [render_prompt(target.tokenizer, q.turns[:1], [], True) for q in questions]
+    curves = {}
+    for name in trainers:
+        path = os.path.join(work, name, "curve.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                curves[name] = json.load(f)
+    saved = [set(c.get("weights_steps") or []) for c in curves.values()]
+    common = sorted(set.intersection(*saved)) if saved else []
+    step = args.eval_step or (common[-1] if common else None)
     rows = []
     for name in trainers:
-        curve_path = os.path.join(work, name, "curve.json")
-        if not os.path.exists(curve_path):
+        if name not in curves:
             rows.append({"trainer": name, "error": _tail(os.path.join(work, name, "log.txt"))})
             continue
-        with open(curve_path) as f:
-            row = json.load(f)
-        weights = os.path.join(work, name, "weights")
-        if os.path.exists(weights):
-            drafter = load_drafter(weights, target.target_info()).eval()
-            k = drafter.max_draft_tokens()
-            out = speculative_generate(target, drafter, prompts, num_draft_tokens=k,
-                                       max_new_tokens=args.max_new_tokens)
-            counts = acceptance_counts(out)
-            row.update(heldout_tau=round(1 + counts["accepted"] / counts["rounds"], 4), heldout_k=k,
-                       heldout_rounds=counts["rounds"], heldout_prompts=f"{args.prompts} x {len(prompts)}",
-                       read_as=_format_of(weights))
-        else:
-            row["error"] = "trained fewer steps than asked: " + _tail(os.path.join(work, name, "log.txt"))
+        row = dict(curves[name], steps_reached=(curves[name]["steps"] or [0])[-1])
+        weights = os.path.join(work, name, "weights", f"step_{step}")
+        if step is None or not os.path.exists(os.path.join(weights, "config.json")):
+            row["error"] = f"no weights saved at step {step}"
+            rows.append(row)
+            continue
+        drafter = load_drafter(weights, target.target_info()).eval()
+        k = drafter.max_draft_tokens()
+        out = speculative_generate(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=args.max_new_tokens)
+        counts = acceptance_counts(out)
+        row.update(heldout_tau=round(1 + counts["accepted"] / counts["rounds"], 4), heldout_step=step, heldout_k=k,
+                   heldout_rounds=counts["rounds"], heldout_prompts=f"{args.prompts} x {len(prompts)}",
+                   read_as=_format_of(weights))
         rows.append(row)
         write_json(os.path.join(work, "rows.json"), {"rows": rows})
     return rows

@@ -90,7 +90,8 @@ def setup(envs: str) -> None:
 def finished(work: str, trainer: str, steps: int) -> bool:
     """A trainer whose curve reached `steps` and whose weights were written is not trained again."""
     curve = os.path.join(work, trainer, "curve.json")
-    if not os.path.exists(os.path.join(work, trainer, "weights", "config.json")) or not os.path.exists(curve):
+    if not os.path.exists(os.path.join(work, trainer, "weights", f"step_{steps}", "config.json")) or \
+            not os.path.exists(curve):
         return False
     with open(curve) as f:
         return (json.load(f).get("steps") or [0])[-1] >= steps
@@ -173,6 +174,8 @@ def main(argv=None) -> None:
                        help="override recipes/smollm2/<drafter>.yaml (e.g. drafter.num_layers=2)")
     p_run.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...",
                        help="also train ours with these drafter settings as trainer ours-NAME")
+    p_run.add_argument("--eval-step", type=int, default=None,
+                       help="evaluate every trainer's weights at this step (default: the last step all saved)")
     p_run.add_argument("--only", default="", help="train only these trainers (comma-separated); evaluate all")
     p_run.add_argument("--eval-only", action="store_true", help="reuse the trained weights under DIR/work")
     args = parser.parse_args(argv)
