@@ -193,3 +193,41 @@ def depth_metrics(losses: torch.Tensor, accuracies: torch.Tensor, counts: torch.
         metrics[f"positions_{k}"] = float(counts[k])
     metrics["sim_accept_length"] = simulated_accept_length(accuracies.tolist())
     return metrics
+
+
+def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE per-position loss weights of a block drafter (dynamic per-position CE weighting, arXiv 2605.18810,
+    Eqs. 7-9), detached.
+
+    The weight of depth j is the expected number of drafts the block still yields from j on if it reaches j:
+    w_j = sum_{m >= j} C_m with C_m = prod_{i <= m} q~_i, where q~_i = alpha + (1 - alpha) q_i smooths the draft's
+    confidence q_i toward 1 (so every weight stays >= alpha^K > 0). An invalid cell is a no-op in the product
+    (q~ = 1) and adds nothing to the sum. A depth whose drafts are already right (q near 1) passes its weight on to
+    the depths after it; a block that fails early puts its weight on its first cells.
+
+    Args:
+        confidence: [N, K] the draft's probability of each cell's label (exp(-CE)), any dtype.
+        valid: [N, K] bool, the supervised cells.
+        alpha: smoothing in (0, 1]; 1 gives w_j = number of valid cells from j on (no adaptation).
+    Returns:
+        [N, K] weights in confidence's dtype promoted to at least float32, zero at invalid cells.
+    """
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"dpace_alpha must be in (0, 1], got {alpha}")
+    with torch.no_grad():
+        q = confidence.to(torch.promote_types(confidence.dtype, torch.float32))
+        keep = valid.to(q.dtype)
+        smoothed = torch.where(valid.bool(), alpha + (1.0 - alpha) * q, torch.ones_like(q))
+        cumulative = torch.cumprod(smoothed, dim=-1) * keep
+        return cumulative.flip(-1).cumsum(-1).flip(-1) * keep
+
+
+def depth_loss_weights(kind: str, decay: torch.Tensor, cell_ce: torch.Tensor, valid: torch.Tensor,
+                       alpha: float) -> torch.Tensor:
+    """[N, K] per-cell loss weights of a block drafter: "decay" the fixed depth weights decay [K] at every valid cell,
+    "dpace" `dpace_weights` from the cells' own confidence exp(-CE) (detached)."""
+    if kind == "dpace":
+        return dpace_weights(torch.exp(-cell_ce.detach()), valid, alpha).to(cell_ce.dtype)
+    if kind != "decay":
+        raise ValueError(f"loss_weighting must be 'decay' or 'dpace', got {kind!r}")
+    return decay.to(cell_ce.dtype).unsqueeze(0) * valid.to(cell_ce.dtype)

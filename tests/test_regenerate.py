@@ -78,6 +78,20 @@ def test_resume_skips_done_ids_and_matches_an_uninterrupted_run(target, tmp_path
     assert regenerate(model, tokenizer, _conversations(), str(resumed), **sampling)["conversations"] == 0
 
 
+@pytest.mark.parametrize("knob", [{"top_k": 1}, {"min_p": 0.999}])
+def test_top_k_and_min_p_reach_the_sampler(target, tmp_path, knob):
+    """top_k 1 (or min_p near 1) leaves only the argmax, so sampling at temperature 1 gives the greedy answers."""
+    model, tokenizer = target
+    greedy, narrowed = tmp_path / "greedy.jsonl", tmp_path / "narrowed.jsonl"
+    regenerate(model, tokenizer, _conversations()[:3], str(greedy), max_new_tokens=6, temperature=0.0)
+    regenerate(model, tokenizer, _conversations()[:3], str(narrowed), max_new_tokens=6, temperature=1.0, seed=5,
+               **knob)
+    assert narrowed.read_text() == greedy.read_text()
+    wide = tmp_path / "wide.jsonl"
+    regenerate(model, tokenizer, _conversations()[:3], str(wide), max_new_tokens=6, temperature=1.0, seed=5)
+    assert wide.read_text() != greedy.read_text()  # without the knob, temperature 1 does sample
+
+
 def test_prompt_limit_stops_a_conversation(target, tmp_path):
     model, tokenizer = target
     out = tmp_path / "short.jsonl"
@@ -93,6 +107,10 @@ def test_bad_arguments(target, tmp_path):
         regenerate(model, tokenizer, _conversations()[:1] * 2, str(tmp_path / "x.jsonl"))
     with pytest.raises(ValueError, match="no chat template"):
         regenerate(model, build_tokenizer(None), _conversations(), str(tmp_path / "x.jsonl"))
+    for bad, field in (({"top_k": -1}, "regenerate.top_k"), ({"min_p": 1.0}, "regenerate.min_p"),
+                       ({"top_p": 0.0}, "regenerate.top_p"), ({"temperature": -0.5}, "regenerate.temperature")):
+        with pytest.raises(ValueError, match=field):
+            regenerate(model, tokenizer, _conversations(), str(tmp_path / "x.jsonl"), **bad)
     (tmp_path / "junk.jsonl").write_text("not a record\n")
     with pytest.raises(ValueError, match="not a regenerated record"):
         regenerate(model, tokenizer, _conversations(), str(tmp_path / "junk.jsonl"))

@@ -78,12 +78,15 @@ class FeaturesConfig:
 @dataclass(kw_only=True)
 class RegenerateConfig:
     """`draftsmith prepare` answers `num_conversations` conversations of data.path with the target itself
-    (train/regenerate.py) and writes them to data.regenerated_path, which training then reads."""
+    (train/regenerate.py) and writes them to data.regenerated_path, which training then reads. Sampling:
+    temperature (0 = greedy), top_p, top_k (0 = off) and min_p (0 = off), as vLLM and SGLang take them."""
 
     num_conversations: int | None = None
     max_new_tokens: int = 512
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     batch_size: int = 16
     max_prompt_tokens: int = 2048
     seed: int = 0

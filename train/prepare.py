@@ -61,7 +61,7 @@ def regenerate_share(recipe: Recipe, model, tokenizer, rank: int, num_processes:
         share = [conversation for conversation in share if conversation["id"] not in merged]
     return regenerate(model, tokenizer, share, part_paths(recipe.data.regenerated_path, num_processes)[rank],
                       max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
-                      batch_size=settings.batch_size, max_prompt_tokens=settings.max_prompt_tokens,
+                      top_k=settings.top_k, min_p=settings.min_p, batch_size=settings.batch_size, max_prompt_tokens=settings.max_prompt_tokens,
                       seed=settings.seed + rank, chat_template=recipe.data.chat_template,
                       template_kwargs=recipe.data.chat_template_kwargs, use_vllm=settings.use_vllm)
 

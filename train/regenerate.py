@@ -33,9 +33,10 @@ Generate = Callable[[list[list[int]]], list[tuple[str, int]]]  # prompt ids -> [
 
 
 def regenerate(model: Any, tokenizer: Any, conversations: list[dict[str, Any]], out_path: str, *,
-               max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16,
-               max_prompt_tokens: int = 2048, seed: int = 0, chat_template: str | None = None,
-               template_kwargs: dict[str, Any] | None = None, use_vllm: bool = False) -> dict[str, float]:
+               max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               min_p: float = 0.0, batch_size: int = 16, max_prompt_tokens: int = 2048, seed: int = 0,
+               chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+               use_vllm: bool = False) -> dict[str, float]:
     """Answer every conversation's user turns with the target and append the results to `out_path`.
 
     Args:
@@ -43,7 +44,8 @@ def regenerate(model: Any, tokenizer: Any, conversations: list[dict[str, Any]], 
         tokenizer: the target's tokenizer.
         conversations: [{"id": str, "messages": [{"role", "content"}]}] (train.conversations.load_conversations).
         out_path: jsonl file; existing records are kept and their ids skipped.
-        max_new_tokens, temperature, top_p: sampling (temperature 0 = greedy).
+        max_new_tokens, temperature, top_p, top_k, min_p: sampling (temperature 0 = greedy; top_k 0 and min_p 0 =
+            off). DeepSpec regenerates Qwen3 answers at T 0.7, top-p 0.8, top-k 20, min-p 0.
         batch_size: conversations generated together.
         max_prompt_tokens: a conversation stops before a turn whose prompt would be longer.
         seed: sampling seed; group g uses seed + g, so a resumed run draws what an uninterrupted one would.
@@ -55,13 +57,15 @@ def regenerate(model: Any, tokenizer: Any, conversations: list[dict[str, Any]], 
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be positive, got {batch_size}, {max_new_tokens}")
+    check_sampling(temperature, top_p, top_k, min_p)
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
     ids = [conversation["id"] for conversation in conversations]
     if len(set(ids)) != len(ids):
         raise ValueError("conversation ids must be unique (resuming skips by id)")
     template = require_chat_template(tokenizer, chat_template)
     check_template_kwargs(template, template_kwargs, "data.chat_template_kwargs")
-    generate = (_vllm_generator(model, max_new_tokens, temperature, top_p) if use_vllm else
-                _hf_generator(model, tokenizer, max_new_tokens, temperature, top_p))
+    generate = (_vllm_generator(model, max_new_tokens, sampling) if use_vllm else
+                _hf_generator(model, tokenizer, max_new_tokens, sampling))
     done = written_ids(out_path)
     stats = {"conversations": 0, "generated_tokens": 0}
     start_time = time.perf_counter()
@@ -127,15 +131,31 @@ def _answer_group(generate: Generate, tokenizer: Any, template: str, group: list
     return records, num_tokens
 
 
-def _hf_generator(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, top_p: float) -> Generate:
-    """Batched HF generate on left-padded prompts."""
+def check_sampling(temperature: float, top_p: float, top_k: int, min_p: float) -> None:
+    """Raise ValueError naming the regenerate.* field that no sampler accepts."""
+    if temperature < 0:
+        raise ValueError(f"regenerate.temperature {temperature} must be >= 0 (0 = greedy)")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"regenerate.top_p {top_p} must be in (0, 1]")
+    if top_k < 0:
+        raise ValueError(f"regenerate.top_k {top_k} must be >= 0 (0 = off)")
+    if not 0.0 <= min_p < 1.0:
+        raise ValueError(f"regenerate.min_p {min_p} must be in [0, 1) (0 = off)")
+
+
+def _hf_generator(model: Any, tokenizer: Any, max_new_tokens: int, sampling: dict[str, float]) -> Generate:
+    """Batched HF generate on left-padded prompts (top_k / min_p passed only when set: 0 means off in both
+    samplers, but HF's GenerationConfig defaults top_k to 50)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = model.generation_config.eos_token_id
     eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}
     eos_ids.discard(None)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0, pad_token_id=pad_id,
-                              eos_token_id=sorted(eos_ids), **({"temperature": temperature, "top_p": top_p}
-                                                               if temperature > 0 else {}))
+    sample = sampling["temperature"] > 0
+    knobs = {"temperature": sampling["temperature"], "top_p": sampling["top_p"], "top_k": int(sampling["top_k"])}
+    if sampling["min_p"] > 0:
+        knobs["min_p"] = sampling["min_p"]
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=pad_id,
+                              eos_token_id=sorted(eos_ids), **(knobs if sample else {}))
     device = next(model.parameters()).device
 
     @torch.no_grad()
@@ -152,14 +172,14 @@ def _hf_generator(model: Any, tokenizer: Any, max_new_tokens: int, temperature: 
     return generate
 
 
-def _vllm_generator(llm: Any, max_new_tokens: int, temperature: float, top_p: float) -> Generate:
+def _vllm_generator(llm: Any, max_new_tokens: int, sampling: dict[str, float]) -> Generate:
     """The same contract on a vllm.LLM (untested here: vLLM is not installed in the CPU test environment)."""
     try:
         from vllm import SamplingParams
     except ImportError:
         raise ValueError("use_vllm is set but vllm is not installed; install it or leave use_vllm off") from None
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                            skip_special_tokens=True)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=sampling["temperature"], top_p=sampling["top_p"],
+                            top_k=int(sampling["top_k"]) or -1, min_p=sampling["min_p"], skip_special_tokens=True)
 
     def generate(prompts: list[list[int]]) -> list[tuple[str, int]]:
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)

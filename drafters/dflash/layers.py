@@ -119,6 +119,8 @@ def check_config(config: DFlashConfig, vocab_size: int) -> None:
         raise ValueError(f"drafter.num_anchors {config.num_anchors} must be >= 1")
     if config.loss_decay_gamma is not None and not config.loss_decay_gamma > 0:
         raise ValueError(f"drafter.loss_decay_gamma {config.loss_decay_gamma} must be > 0 (or null for the default)")
+    if not 0.0 < config.dpace_alpha <= 1.0:
+        raise ValueError(f"drafter.dpace_alpha {config.dpace_alpha} must be in (0, 1]")
     if config.draft_vocab_size is not None and not 0 < config.draft_vocab_size <= vocab_size:
         raise ValueError(f"drafter.draft_vocab_size {config.draft_vocab_size} must be in [1, {vocab_size}] or null")
 

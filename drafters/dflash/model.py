@@ -12,7 +12,8 @@ discarded. So one drafter forward proposes S-1 tokens.
   row run in one forward against the full-sequence context (mask in anchors.block_attention_mask). `block_logits`
   does the same for given anchors. DraftOutput: one row per kept anchor, depth d = slot d + 1, label position
   a + 1 + d. `loss`: hard-label cross-entropy on the data tokens (or the target's greedy tokens), weighted
-  exp(-d / gamma) (paper Eq. 4, d = k-1), normalised by the weight sum over all processes (losses.global_mean).
+  exp(-d / gamma) (paper Eq. 4, d = k-1) or by D-PACE (config.loss_weighting), normalised by the weight sum over
+  all processes (losses.global_mean).
 - Inference: per-layer caches of the projected context keys/values (k_norm and RoPE applied) of verified tokens only.
   `begin` projects the prompt; `propose(k)` runs ONE forward of the full block [bonus, MASK...] (always S slots, as
   trained) and returns the argmax of slots 1..k with probs None: the engine verifies argmax drafts as one-hot q,
@@ -52,7 +53,7 @@ from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.backbone import BlockBackbone
 from drafters.dflash.config import DFlashConfig
 from drafters.dflash.layers import check_config, decay_gamma
-from drafters.losses import global_mean, output_metrics
+from drafters.losses import depth_loss_weights, global_mean, output_metrics
 from drafters.vocab import DraftHead, DraftVocab
 
 
@@ -152,7 +153,8 @@ class DFlashDrafter(DraftHead, BlockBackbone):
         labels = torch.where(valid, labels, torch.zeros_like(labels))
         cell_ce = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), reduction="none")
         cell_ce = cell_ce.view(num_rows, depths)
-        weights = self.depth_weights(depths, logits.device, logits.dtype) * valid.to(logits.dtype)
+        decay = self.depth_weights(depths, logits.device, logits.dtype)
+        weights = depth_loss_weights(self.config.loss_weighting, decay, cell_ce, valid, self.config.dpace_alpha)
         loss = global_mean((weights * cell_ce).sum(), weights.sum(), batch)
         _, metrics = output_metrics(output, batch, cell_ce)
         return loss, metrics

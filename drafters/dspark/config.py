@@ -21,7 +21,8 @@ class DSparkConfig:
     markov_head_type: "vanilla" | "gated" | "rnn" | "none" (no sequential head); markov_rank: r >= 1.
     enable_confidence_head; confidence_head_with_markov: feed W1[x_{k-1}] to it too (needs a sequential head).
     loss: ce_weight * CE + l1_weight * ||p_draft - p_target||_1 + confidence_weight * BCE(c, 1 - L1 / 2), each cell
-      weighted exp(-k / loss_decay_gamma) (DeepSpec: 0.1, 0.9, 1.0 and 4.0).
+      weighted exp(-k / loss_decay_gamma) (DeepSpec: 0.1, 0.9, 1.0 and 4.0), or with loss_weighting "dpace" by
+      D-PACE from each cell's CE confidence (drafters/losses.dpace_weights, smoothing dpace_alpha).
     confidence_temperatures: one per block slot, fitted by `draftsmith calibrate` (Sequential Temperature Scaling);
       () = uncalibrated.
     """
@@ -41,6 +42,8 @@ class DSparkConfig:
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
     loss_decay_gamma: float = 4.0
+    loss_weighting: Literal["decay", "dpace"] = "decay"
+    dpace_alpha: float = 0.5
     confidence_temperatures: tuple[float, ...] = ()
     intermediate_size: int | None = None
     num_attention_heads: int | None = None

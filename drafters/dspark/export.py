@@ -75,7 +75,8 @@ def write(drafter, directory: str, fmt: str) -> None:
     if fmt == "deepspec":  # DeepSpec's model owns frozen copies of the target's embedding and lm_head
         dtype = drafter.fc.weight.dtype
         tensors["embed_tokens.weight"] = drafter.target_info.embed_weight.detach().to("cpu", dtype).contiguous()
-        tensors["lm_head.weight"] = drafter.target_info.lm_head_weight.detach().to("cpu", dtype).contiguous()
+        # .clone(): a target with tied embeddings (SmolLM2) shares one tensor, which safetensors refuses to write twice
+        tensors["lm_head.weight"] = drafter.target_info.lm_head_weight.detach().to("cpu", dtype).clone()
     save_file(tensors, os.path.join(directory, "model.safetensors"))
 
 

@@ -63,6 +63,8 @@ def check_config(config: DSparkConfig) -> None:
             raise ValueError(f"drafter.{name} {getattr(config, name)} must be >= 0")
     if not config.loss_decay_gamma > 0:
         raise ValueError(f"drafter.loss_decay_gamma {config.loss_decay_gamma} must be > 0")
+    if not 0.0 < config.dpace_alpha <= 1.0:
+        raise ValueError(f"drafter.dpace_alpha {config.dpace_alpha} must be in (0, 1]")
     temperatures = config.confidence_temperatures
     if temperatures and (len(temperatures) != config.block_size or not all(t > 0 for t in temperatures)):
         raise ValueError(f"drafter.confidence_temperatures {list(temperatures)}: need one positive temperature per "

@@ -12,9 +12,10 @@ position a + 1 + k.
   A cell is supervised when its label is inside the sequence and a loss token, and supervision is contiguous from
   the front (a block stops at its first unsupervised label). Logits are the sequential head's, teacher-forced on
   the true previous tokens. `loss`: per cell 0.1 CE(label) + 0.9 ||p_d - p_t||_1 + 1.0 BCE(confidence,
-  1 - ||p_d - p_t||_1 / 2 detached), weighted exp(-k / 4), normalised by the weight sum over all processes
-  (losses.global_mean). p_t = softmax(target lm_head(target_last_hidden at the position before the label)): the
-  batch's final hidden state through the frozen lm_head, so no V-sized target logits are ever stored.
+  1 - ||p_d - p_t||_1 / 2 detached), weighted exp(-k / 4) (or by D-PACE: config.loss_weighting), normalised by
+  the weight sum over all processes (losses.global_mean). p_t = softmax(target lm_head(target_last_hidden at the
+  position before the label)): the batch's final hidden state through the frozen lm_head, so no V-sized target
+  logits are ever stored.
 - Inference: the context caches of DFlash's backbone (`absorb_context` after prefill and every verify,
   `cached_block_forward` for the block), then ONE backbone forward per round and the block drawn left to right with
   the exact per-slot distribution q_k = softmax(U_k + B_k(x_{k-1})): the argmax when the engine runs greedy
@@ -50,7 +51,7 @@ from drafters.dspark.layers import (
     check_config,
     depth_weights,
 )
-from drafters.losses import global_mean, output_metrics
+from drafters.losses import depth_loss_weights, global_mean, output_metrics
 
 
 class DSparkDrafter(BlockBackbone):
@@ -149,7 +150,10 @@ class DSparkDrafter(BlockBackbone):
         if confidence is not None:
             bce = F.binary_cross_entropy_with_logits(confidence.to(compute), accept, reduction="none")
             cell = cell + self.config.confidence_weight * bce
-        weights = depth_weights(depths, self.config.loss_decay_gamma, logits.device, compute)[depth]
+        ce_cells = torch.zeros(num_rows, depths, device=logits.device, dtype=compute)
+        ce_cells = ce_cells.index_put((*valid.nonzero(as_tuple=True),), ce.detach())
+        weights = depth_loss_weights(self.config.loss_weighting, depth_weights(depths, self.config.loss_decay_gamma,
+                                     logits.device, compute), ce_cells, valid, self.config.dpace_alpha)[valid]
         loss = global_mean((weights * cell).sum(), weights.sum(), batch)
         cell_loss = torch.zeros(num_rows, depths, device=logits.device, dtype=compute)
         cell_loss = cell_loss.index_put((*valid.nonzero(as_tuple=True),), cell)
