@@ -18,9 +18,9 @@ from train.checkpoint import load_checkpoint, resolve_resume
 from train.config import Recipe, derive, recipe_to_dict, save_recipe
 from train.data import build_dataset
 from train.features import FeatureCache, FeatureProvider, cache_meta, training_request
-from train.loop import Trainer
+from train.loop import RunClock, Trainer
 from train.metrics import flat_config, load_eval_prompts
-from train.optim import Progress, build_optimizer, build_scheduler
+from train.optim import build_optimizer, build_scheduler, schedule_position
 from train.vocab import count_tokens
 
 
@@ -109,15 +109,17 @@ def build_trainer(recipe: Recipe) -> Trainer:
     if resume is None:
         drafter.init_from_data(count_tokens(data.train, target.target_info().vocab_size))
     optimizer = build_optimizer(drafter, recipe.optim)
-    progress = Progress()
-    scheduler = build_scheduler(optimizer, recipe.schedule, derived.max_steps, progress)
+    clock = RunClock()  # the trainer's; the schedule may follow it (schedule.anneal_on: time)
+    scheduler = build_scheduler(optimizer, recipe.schedule, derived.max_steps, lambda step: schedule_position(
+        step, clock.now, max_steps=derived.max_steps, config=recipe.schedule,
+        budget_minutes=recipe.train.max_time_minutes))
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     request = accelerator.unwrap_model(drafter).feature_request()
     rank = accelerator.process_index
     trainer = Trainer(
         recipe=recipe, derived=derived, accelerator=accelerator, target=target, drafter=drafter, optimizer=optimizer,
-        scheduler=scheduler, progress=progress, data=data,
+        scheduler=scheduler, clock=clock, data=data,
         train_features=feature_provider(recipe, "train", target, request, len(data.train), rank),
         eval_features=feature_provider(recipe, "eval", target, request, len(data.eval), rank),
         eval_prompts=(load_eval_prompts(target.tokenizer, recipe.eval.prompts, recipe.eval.num_prompts,

@@ -11,8 +11,8 @@ batch_size x processes x grad_accum sequences; micro-batch m of process r takes 
 checkpointed step fixes the data position, and N processes with accumulation A see the same global batches as one
 process with accumulation N x A.
 
-Faults: after every step one all-reduce agrees on why to stop (StepFlags). A non-finite loss or gradient norm raises
-FloatingPointError naming the step and the last good checkpoint, before any checkpoint holds that step. SIGTERM
+Faults: after every step one all-reduce agrees on why to stop (Trainer.stop_flags). A non-finite loss or gradient
+norm raises FloatingPointError naming the step and the last good checkpoint, before any checkpoint holds that step. SIGTERM
 (preemption) is caught on every process and turned into a checkpoint at the next step boundary, then `Preempted`,
 which the entry point turns into exit status PREEMPTED_EXIT_CODE; `train.resume_from=latest` continues bitwise.
 """
@@ -37,8 +37,8 @@ from drafters.files import disk_full_reported, replace_directory
 from train.checkpoint import list_checkpoints, save_checkpoint
 from train.config import Derived, Recipe, save_recipe
 from train.features import FeatureProvider, make_batch
-from train.optim import Progress
 from train.metrics import MeanMeter, RunLog, reduce_mean, speculative_probe
+from train.optim import schedule_position
 
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: what schedulers already read as "terminated", see docs/reliability.md
@@ -55,12 +55,50 @@ class Preempted(Exception):
 
 @dataclass(frozen=True)
 class StepFlags:
-    """Why the run must stop after a step, agreed by all processes (Trainer.agree)."""
+    """Why the run must stop after a step, agreed by all processes (Trainer.stop_flags)."""
 
     nonfinite_loss: bool
     nonfinite_grad: bool
     out_of_time: bool
     preempted: bool
+
+
+@dataclass
+class RunClock:
+    """The run's wall time across resumes: `before` seconds spent by earlier processes (the checkpoint's) plus this
+    process's since `start`. `now` is the reading of the last `tick`: the wall budget, the time-annealed schedule
+    and the checkpoint all go by it, so one step boundary sees one time."""
+
+    before: float = 0.0
+    started: float = 0.0
+    now: float = 0.0
+
+    def start(self) -> None:
+        self.started, self.now = time.perf_counter(), self.before
+
+    def tick(self) -> float:
+        self.now = self.before + time.perf_counter() - self.started
+        return self.now
+
+
+@dataclass
+class LogInterval:
+    """What one train log line averages: the step metrics since the last line, and how many steps took how long
+    (train steps only: features, forward, backward, optimizer; not evaluation or checkpoints)."""
+
+    metrics: MeanMeter = field(default_factory=MeanMeter)
+    steps: int = 0
+    seconds: float = 0.0
+
+    def add(self, metrics: dict[str, float], seconds: float) -> None:
+        self.metrics.add(metrics)
+        self.steps, self.seconds = self.steps + 1, self.seconds + seconds
+
+    def pop(self) -> tuple[dict[str, float], int, float]:
+        """(mean metrics, steps, seconds) since the last pop; starts the next interval."""
+        steps, seconds = self.steps, self.seconds
+        self.steps, self.seconds = 0, 0.0
+        return self.metrics.pop(), steps, seconds
 
 
 @contextlib.contextmanager
@@ -105,17 +143,14 @@ class Trainer:
     target: Any  # inference.engine.target.TargetModel, frozen
     drafter: torch.nn.Module  # prepared (maybe DDP/FSDP-wrapped)
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    progress: Progress  # what the scheduler follows (train/optim.py)
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # may follow `clock` (train/optim.py schedule_position)
+    clock: RunClock
     data: Any  # train.data.PreparedData
     train_features: FeatureProvider
     eval_features: FeatureProvider
     eval_prompts: list[list[int]]
     pad_token_id: int
     step: int = 0
-    elapsed: float = 0.0
-    elapsed_now: float = 0.0
-    run_started: float = 0.0
     last_eval_step: int = -1
     saved_step: int = -1
     base_config: dict[str, Any] = field(default_factory=dict)
@@ -151,12 +186,9 @@ class Trainer:
 
     # ---- drafter config phases -------------------------------------------------------------------------------
     def schedule_position(self, step: int) -> float:
-        """Where the schedule stands at `step`: the step, or with schedule.anneal_on = "time" the step or the elapsed
-        share of train.max_time_minutes (in steps), whichever is further along."""
-        budget = self.recipe.train.max_time_minutes
-        if self.recipe.schedule.anneal_on != "time" or not budget:
-            return float(step)
-        return max(float(step), self.elapsed_now / (60.0 * budget) * self.derived.max_steps)
+        """Where the schedule stands at `step` by the run clock's last reading (train/optim.py schedule_position)."""
+        return schedule_position(step, self.clock.now, max_steps=self.derived.max_steps, config=self.recipe.schedule,
+                                 budget_minutes=self.recipe.train.max_time_minutes)
 
     def phase_overrides(self, step: int) -> dict[str, Any]:
         """Drafter config values for this step: the first phase whose until_fraction lies beyond it, else base."""
@@ -191,8 +223,7 @@ class Trainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             meter.add({"loss": loss.item(), **metrics, "tokens": float(batch["attention_mask"].sum())})
-        self.elapsed_now = self.elapsed + time.perf_counter() - self.run_started
-        self.progress.step = self.schedule_position(self.step + 1)
+        self.clock.tick()  # the scheduler's position (schedule.anneal_on: time) reads it
         self.scheduler.step()
         return meter.pop()
 
@@ -236,7 +267,7 @@ class Trainer:
     def save(self) -> str:
         """A checkpoint at self.step (collective; DiskFullError when the disk fills up, earlier ones intact)."""
         self.train_features.flush()
-        state = {"step": self.step, "elapsed_seconds": self.elapsed_now,
+        state = {"step": self.step, "elapsed_seconds": self.clock.now,
                  "steps_per_epoch": self.derived.steps_per_epoch, "global_batch_size": self.derived.global_batch_size,
                  "seed": self.recipe.train.seed}
         path = save_checkpoint(self.accelerator, self.recipe.output.dir, self.step, recipe=self.recipe,
@@ -253,7 +284,8 @@ class Trainer:
             if state[key] != current:
                 raise ValueError(f"cannot resume exactly: the checkpoint has {key}={state[key]} but this run has "
                                  f"{current} (same data, train.seed and global batch are needed)")
-        self.step, self.elapsed = state["step"], state["elapsed_seconds"]
+        self.step, self.clock.before = state["step"], state["elapsed_seconds"]
+        self.saved_step = self.step  # the checkpoint it resumed from holds this step
 
     def export_final(self) -> str:
         """OUTPUT_DIR/final in the native format (+ recipe.yaml), from the gathered state dict (works under FSDP)."""
@@ -269,13 +301,12 @@ class Trainer:
         return final_dir
 
     # ---- the run ---------------------------------------------------------------------------------------------------
-    def agree(self, metrics: dict[str, float], started: float, preempted: bool) -> StepFlags:
+    def stop_flags(self, metrics: dict[str, float], preempted: bool) -> StepFlags:
         """This step's stop reasons, the same answer on every process (one all-reduce): a process that saw a
         non-finite value, or received SIGTERM, stops all of them at the same step, so none waits forever in a
         collective the others never reach."""
         budget = self.recipe.train.max_time_minutes
-        self.elapsed_now = self.elapsed + time.perf_counter() - started
-        out_of_time = budget is not None and self.elapsed_now >= 60.0 * budget
+        out_of_time = budget is not None and self.clock.tick() >= 60.0 * budget
         values = (not math.isfinite(metrics["loss"]), not math.isfinite(metrics.get("grad_norm", 0.0)), out_of_time,
                   preempted)
         flags = torch.tensor([float(value) for value in values], device=self.accelerator.device)
@@ -293,30 +324,34 @@ class Trainer:
         return FloatingPointError(f"non-finite {what} at step {self.step}; stopping. The last good checkpoint is "
                                   f"{last or 'none'}: {remedy}")
 
-    def log_interval(self, meter: MeanMeter, interval: dict[str, float]) -> None:
+    def log_interval(self, interval: LogInterval) -> None:
         """Mean train metrics since the last log line, the learning rate, and tokens/s over all processes (time spent
-        in train steps only: features, forward, backward, optimizer; not evaluation or checkpoints)."""
-        means = reduce_mean(self.accelerator, meter.pop())
-        tokens = means.pop("tokens") * self.derived.grad_accum * self.accelerator.num_processes * interval["steps"]
-        means.update(lr=self.scheduler.get_last_lr()[0], tokens_per_s=tokens / max(interval["seconds"], 1e-9),
+        in train steps only)."""
+        metrics, steps, seconds = interval.pop()
+        means = reduce_mean(self.accelerator, metrics)
+        tokens = means.pop("tokens") * self.derived.grad_accum * self.accelerator.num_processes * steps
+        means.update(lr=self.scheduler.get_last_lr()[0], tokens_per_s=tokens / max(seconds, 1e-9),
                      epoch=self.step / self.derived.steps_per_epoch)
         self.log.log(self.step, means, "train")
-        interval.update(seconds=0.0, steps=0)
 
-    def after_step(self, metrics: dict[str, float], meter: MeanMeter, interval: dict[str, float]) -> None:
-        """Logging, epoch-end cache refresh, checkpoints and periodic evaluation after optimizer step self.step."""
+    def after_step(self, interval: LogInterval, last_step: bool) -> None:
+        """Logging, epoch-end cache refresh, checkpoints and evaluation after optimizer step self.step. On the run's
+        last step (max_steps, or the wall budget) the log line, the checkpoint (when train.save_every is set) and the
+        evaluation come whatever their periods. A run resumed at its last step trained nothing (empty interval):
+        only what its checkpoint lacks, the evaluation."""
         train = self.recipe.train
-        meter.add(metrics)
-        interval["steps"] += 1
-        if self.step % train.log_every == 0 or self.step == self.derived.max_steps:
-            self.log_interval(meter, interval)
-        if self.step % self.derived.steps_per_epoch == 0:  # hybrid: every rank's shards become readable
+        trained = interval.steps > 0
+        if trained and (self.step % train.log_every == 0 or self.step == self.derived.max_steps or last_step):
+            self.log_interval(interval)
+        if trained and self.step % self.derived.steps_per_epoch == 0:  # hybrid: every rank's shards become readable
             self.train_features.flush()
             self.accelerator.wait_for_everyone()
             self.train_features.refresh()
-        if train.save_every and self.step % train.save_every == 0:
+        if last_step:
+            self.set_drafter_config(self.base_config)
+        if train.save_every and (self.step % train.save_every == 0 or last_step) and self.saved_step != self.step:
             self.save()
-        if train.eval_every and self.step % train.eval_every == 0:
+        if train.eval_every and self.step % train.eval_every == 0 or last_step and self.last_eval_step != self.step:
             self.log.log(self.step, self.evaluate(), "eval")
             self.last_eval_step = self.step
 
@@ -328,35 +363,29 @@ class Trainer:
         """Train to max_steps (or the wall budget), evaluate, save, export OUTPUT_DIR/final; return its path.
 
         Raises Preempted after saving a checkpoint at the step boundary that followed a SIGTERM."""
-        max_steps, started = self.derived.max_steps, time.perf_counter()
-        self.run_started = started
-        self.elapsed_now = self.elapsed
-        meter, interval = MeanMeter(), {"seconds": 0.0, "steps": 0}
+        max_steps, interval = self.derived.max_steps, LogInterval()
+        self.clock.start()
+        last_step = self.step >= max_steps  # a run resumed at its end goes straight to its last-step duties
         bar = tqdm(total=max_steps, initial=self.step, disable=not self.accelerator.is_main_process, unit="step")
         with bar, sigterm_flag() as sigterm:  # the bar ends its line even when an error follows
-            while self.step < max_steps:
-                self.elapsed_now = self.elapsed + time.perf_counter() - started
+            if last_step:
+                self.after_step(interval, last_step=True)
+            while not last_step:
+                self.clock.tick()
                 self.set_drafter_config(self.phase_overrides(self.step))
                 step_started = time.perf_counter()
                 metrics = self.train_step(self.micro_batches(self.step))
-                interval["seconds"] += time.perf_counter() - step_started
+                interval.add(metrics, time.perf_counter() - step_started)
                 self.step += 1
-                flags = self.agree(metrics, started, sigterm.is_set())
+                flags = self.stop_flags(metrics, sigterm.is_set())
                 if flags.nonfinite_loss or flags.nonfinite_grad:
                     raise self.diverged(flags)
-                self.after_step(metrics, meter, interval)
+                last_step = self.step == max_steps or flags.out_of_time
+                self.after_step(interval, last_step and not flags.preempted)
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
                 if flags.preempted:
                     raise Preempted(self.step, self.last_checkpoint() if self.saved_step == self.step else self.save())
                 if flags.out_of_time:
                     self.accelerator.print(f"wall budget train.max_time_minutes reached at step {self.step}; stopping")
-                    break
-        if interval["steps"]:
-            self.log_interval(meter, interval)
-        self.set_drafter_config(self.base_config)
-        if self.recipe.train.save_every and self.step % self.recipe.train.save_every:
-            self.save()
-        if self.last_eval_step != self.step:
-            self.log.log(self.step, self.evaluate(), "eval")
         return self.export_final()

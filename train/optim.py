@@ -1,13 +1,14 @@
 """AdamW over the drafter's trainable parameters and the learning-rate schedule (warm-up + cosine / linear / constant).
 
-The schedule is a function of the optimizer step only, so a resumed run and a wall-clock-limited run see exactly
-the learning rates an uninterrupted run would at the same step.
+The schedule is a function of its position only: the optimizer step, so a resumed run and a wall-clock-limited run
+see exactly the learning rates an uninterrupted run would at the same step; or with schedule.anneal_on = "time"
+the step or the elapsed share of the wall budget, whichever is further along (`schedule_position`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -46,22 +47,21 @@ def lr_factor(step: int, *, max_steps: int, config: ScheduleConfig) -> float:
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape  # "constant" stays at 1
 
 
-@dataclass
-class Progress:
-    """Where the schedule stands, in (possibly fractional) optimizer steps. The trainer sets it before each
-    scheduler step: the step itself, or with schedule.anneal_on = "time" max(step, elapsed / budget * max_steps)."""
-
-    step: float | None = None
+def schedule_position(step: int, elapsed_seconds: float, *, max_steps: int, config: ScheduleConfig,
+                      budget_minutes: float | None) -> float:
+    """Where the schedule stands at optimizer step `step`, in (possibly fractional) steps: the step, or with
+    anneal_on = "time" and a wall budget the step or the elapsed share of the budget, whichever is further along."""
+    if config.anneal_on != "time" or not budget_minutes:
+        return float(step)
+    return max(float(step), elapsed_seconds / (60.0 * budget_minutes) * max_steps)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: ScheduleConfig, max_steps: int,
-                    progress: Progress | None = None):
-    """A LambdaLR stepping once per optimizer step; its state is saved with every checkpoint. When `progress` holds
-    a value, the schedule follows it instead of the scheduler's own step count."""
+                    position: Callable[[int], float] = float):
+    """A LambdaLR stepping once per optimizer step, lr = peak * lr_factor(position(step)); its state is saved with
+    every checkpoint. `position` maps the scheduler's step count to the schedule's position (`schedule_position`
+    over the trainer's run clock)."""
     if config.warmup_steps < 0 or not 0.0 <= config.min_lr_ratio <= 1.0:
         raise ValueError(f"schedule: warmup_steps must be >= 0 and min_lr_ratio in [0, 1], got {config}")
-    progress = progress or Progress()
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: lr_factor(step if progress.step is None else progress.step, max_steps=max_steps, config=config),
-    )
+        optimizer, lambda step: lr_factor(position(step), max_steps=max_steps, config=config))
