@@ -102,3 +102,22 @@ class DraftHead:
         """Warm-start the head from the target's lm_head rows of the draft ids."""
         head = self.target_info.lm_head_weight
         self.lm_head.weight.copy_(head.index_select(0, self.draft_ids().to(head.device)))
+
+
+def complete_vocab_tables(state: dict[str, torch.Tensor], draft_vocab_size: int, vocab_size: int, source: str,
+                          missing_d2t: str) -> None:
+    """Give a state dict read from a file the d2t / t2d a DraftHead holds (int64 offsets, bool membership), in place.
+
+    A file without d2t means the identity, which only a full-vocabulary head can be (else ValueError: "source:
+    missing_d2t"); a file without t2d gets it from d2t."""
+    if "d2t" not in state:
+        if draft_vocab_size != vocab_size:
+            raise ValueError(f"{source}: {missing_d2t}")
+        state["d2t"] = torch.zeros(draft_vocab_size, dtype=torch.long)
+    state["d2t"] = state["d2t"].long()
+    if state["d2t"].numel() != draft_vocab_size:
+        raise ValueError(f"{source}: d2t has {state['d2t'].numel()} entries, the head {draft_vocab_size} rows")
+    if "t2d" not in state:
+        state["t2d"] = torch.zeros(vocab_size, dtype=torch.bool)
+        state["t2d"][torch.arange(draft_vocab_size) + state["d2t"]] = True
+    state["t2d"] = state["t2d"].bool()

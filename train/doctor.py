@@ -34,6 +34,7 @@ from inference.evaluation.chat_template import check_chat_template, parse_templa
 from inference.engine.generate import speculative_generate
 from inference.evaluation.metrics import acceptance_counts
 from inference.evaluation.prompts import load_questions
+from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings
 from inference.engine.target import TargetModel
 
 MIN_GAIN = 0.10  # first-position acceptance over the random copy's
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt")
     parser.add_argument("--chat-template-kwargs", default=None, metavar="NAME=VALUE,...",
                         help="options the chat template reads, e.g. enable_thinking=false (the drafter's recipe's)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="what the target and drafter compute in; auto: float32 on a CPU, bfloat16 on a GPU")
     return parser
 
 
@@ -94,31 +97,38 @@ def _fmt(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
 
 
-def run(args) -> int:
+def settings_from(args: argparse.Namespace) -> EvalSettings:
     if args.num_draft_tokens < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-draft-tokens and --max-new-tokens must be >= 1")
-    kind = checkpoint_kind(args.drafter)
+    return EvalSettings(target=args.target, drafter=(args.drafter,), prompts=(args.prompts,), num_prompts=5,
+                        num_draft_tokens=(args.num_draft_tokens,), max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+                        chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
+
+
+def run(settings: EvalSettings) -> int:
+    (directory,), (prompt_set,), (k_asked,) = settings.drafter, settings.prompts, settings.num_draft_tokens
+    kind = checkpoint_kind(directory)
     if kind not in DRAFTERS:
-        raise ValueError(f"{args.drafter}: drafter kind {kind!r} is not registered; known: {sorted(DRAFTERS)}")
-    template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
-    _, questions = load_questions(args.prompts, num_prompts=5)
-    target = TargetModel.from_pretrained(args.target, dtype=torch.float32)
+        raise ValueError(f"{directory}: drafter kind {kind!r} is not registered; known: {sorted(DRAFTERS)}")
+    _, questions = load_questions(prompt_set, num_prompts=settings.num_prompts)
+    target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype("cpu"))
     info = target.target_info()
     use_template = bool(getattr(target.tokenizer, "chat_template", None))
-    check_chat_template(target.tokenizer, use_template, args.target, template_kwargs)
-    prompts = [render_prompt(target.tokenizer, q.turns[:1], [], use_template, template_kwargs) for q in questions]
-    print(f"draftsmith doctor: {args.drafter} (drafter kind {kind}) for target {args.target}")
+    check_chat_template(target.tokenizer, use_template, settings.target, settings.chat_template_kwargs)
+    prompts = [render_prompt(target.tokenizer, q.turns[:1], [], use_template, settings.chat_template_kwargs)
+               for q in questions]
+    print(f"draftsmith doctor: {directory} (drafter kind {kind}) for target {settings.target}")
     module = DRAFTERS[kind].export_module
-    rows = [tuple(row) for row in module.export_checks(args.drafter, info)] if module and module.export_checks else [
+    rows = [tuple(row) for row in module.export_checks(directory, info)] if module and module.export_checks else [
         ("format", "info", f"drafter kind {kind!r} provides no format checks")]
     try:
-        drafter = load_drafter(args.drafter, info).eval()
+        drafter = load_drafter(directory, info).eval()
     except ValueError as err:
         rows.append(("engine", "fail", f"our engine cannot load it: {err}"))
     else:
-        k = min(args.num_draft_tokens, drafter.max_draft_tokens() or args.num_draft_tokens)
-        trained = acceptance(target, drafter, prompts, k, args.max_new_tokens)
-        random = acceptance(target, randomised(drafter), prompts, k, args.max_new_tokens)
+        k = min(k_asked, drafter.max_draft_tokens() or k_asked)
+        trained = acceptance(target, drafter, prompts, k, settings.max_new_tokens)
+        random = acceptance(target, randomised(drafter), prompts, k, settings.max_new_tokens)
         rows.append(("engine", *engine_check(trained, random)))
     width = max(len(name) for name, _, _ in rows)
     for name, status, detail in rows:
@@ -131,7 +141,7 @@ def run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        return run(args)
+        return run(settings_from(args))
     except (ValueError, OSError, KeyError) as err:
         message = str(err).strip("'\"") if isinstance(err, KeyError) else str(err)
         print(f"draftsmith doctor: error: {message}", file=sys.stderr)

@@ -12,9 +12,10 @@ checkpointed step fixes the data position, and N processes with accumulation A s
 process with accumulation N x A.
 
 Faults: after every step one all-reduce agrees on why to stop (Trainer.stop_flags). A non-finite loss or gradient
-norm raises FloatingPointError naming the step and the last good checkpoint, before any checkpoint holds that step. SIGTERM
-(preemption) is caught on every process and turned into a checkpoint at the next step boundary, then `Preempted`,
-which the entry point turns into exit status PREEMPTED_EXIT_CODE; `train.resume_from=latest` continues bitwise.
+norm raises FloatingPointError naming the step and the last good checkpoint, before any checkpoint holds that step.
+SIGTERM (preemption) is caught on every process and turned into a checkpoint at the next step boundary, then
+`Preempted`, which the entry point turns into exit status PREEMPTED_EXIT_CODE; `train.resume_from=latest` continues
+bitwise.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from drafters.dflash.config import DFlashConfig
 from drafters.dflash.readers import CHECKS, ZLAB_DEFAULT_BLOCK_SIZE, zlab_default_layer_ids
 from drafters.layers import rope_parameters
 from drafters.speculators import speculators_section
+from drafters.vocab import complete_vocab_tables
 
 EXPORT_FORMATS = ("dflash", "speculators")
 SPECULATORS_VERSION = "0.9.0"  # the speculators schema this writer follows
@@ -335,19 +336,9 @@ def _read_tensors(directory: str, vocab_size: int) -> dict[str, torch.Tensor]:
         for name in ("d2t", "t2d"):
             state.pop(name, None)
         return state
-    draft_vocab = head.shape[0]
-    if "d2t" not in state:
-        if draft_vocab != vocab_size:
-            raise ValueError(f"{directory}: lm_head.weight has {draft_vocab} rows (a reduced draft vocabulary) but "
-                             "no d2t")
-        state["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)  # a full-vocabulary head of its own: identity
-    state["d2t"] = state["d2t"].long()
-    if state["d2t"].numel() != draft_vocab:
-        raise ValueError(f"{directory}: d2t has {state['d2t'].numel()} entries, lm_head.weight {draft_vocab} rows")
-    if "t2d" not in state:
-        state["t2d"] = torch.zeros(vocab_size, dtype=torch.bool)
-        state["t2d"][torch.arange(draft_vocab) + state["d2t"]] = True
-    state["t2d"] = state["t2d"].bool()
+    draft_vocab = head.shape[0]  # a full-vocabulary head of its own needs no d2t (identity)
+    complete_vocab_tables(state, draft_vocab, vocab_size, directory,
+                          f"lm_head.weight has {draft_vocab} rows (a reduced draft vocabulary) but no d2t")
     return state
 
 

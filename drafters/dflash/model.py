@@ -2,9 +2,9 @@
 algorithms_dflash_dspark.md sections 1.1-1.3).
 
 A block is [x_a, MASK x (S-1)] at positions a..a+S-1 (S = block_size, a the anchor). A few Qwen3-style layers
-(drafters/dflash/layers.py, wired in drafters/dflash/backbone.py) run over the block with bidirectional attention inside it; every layer also attends to
-the target's features of all tokens strictly before the anchor, projected into keys/values by the same k/v
-projections ("KV injection"). Slot k (1..S-1) predicts the token at its own position, x_{a+k}; slot 0's output is
+(drafters/dflash/layers.py, wired in drafters/dflash/backbone.py) run over the block with bidirectional attention
+inside it; every layer also attends to the target's features of all tokens strictly before the anchor, projected
+into keys/values by the same k/v projections ("KV injection"). Slot k (1..S-1) predicts the token at its own position, x_{a+k}; slot 0's output is
 discarded. So one drafter forward proposes S-1 tokens.
 
 - Training (`forward`): `num_anchors` anchors per sequence, uniform without replacement among positions whose

@@ -1,5 +1,6 @@
 """DSpark building blocks: the rules of its config (drafters/dspark/config.py), the sequential heads (Markov low
-rank, vanilla and gated; RNN) and the confidence head. The backbone itself is DFlash's (drafters/dflash/layers.py), used as it is.
+rank, vanilla and gated; RNN) and the confidence head. The backbone itself is DFlash's (drafters/dflash/backbone.py),
+used as it is.
 
 Reference: algorithms_dflash_dspark.md section 2.1 (DSpark, Cheng et al. 2026; DeepSpec's trainer) and 5.2.
 - Sequential head: the backbone gives every block slot k a hidden state h_k (after the final norm) and base logits

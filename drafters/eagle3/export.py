@@ -39,6 +39,7 @@ from drafters.eagle3.layers import fold_fc_columns
 from drafters.eagle3.readers import CHECKS, listed_layer_ids, nested_layer_ids
 from drafters.layers import rope_parameters
 from drafters.speculators import speculators_section
+from drafters.vocab import complete_vocab_tables
 
 EXPORT_FORMATS = ("speculators", "eagle3", "sglang")
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema this writer follows
@@ -245,15 +246,8 @@ def _read_tensors(directory: str, draft_vocab_size: int, vocab_size: int) -> dic
             if name == "embed_tokens.weight" or name.startswith("verifier_"):
                 continue  # the target's own embedding is used; verifier copies are not ours
             state[name] = tensor
-    if "d2t" not in state:
-        if draft_vocab_size != vocab_size:
-            raise ValueError(f"{directory}: no d2t table but draft_vocab_size {draft_vocab_size} != {vocab_size}")
-        state["d2t"] = torch.zeros(draft_vocab_size, dtype=torch.long)
-    state["d2t"] = state["d2t"].long()
-    if "t2d" not in state:
-        state["t2d"] = torch.zeros(vocab_size, dtype=torch.bool)
-        state["t2d"][torch.arange(draft_vocab_size) + state["d2t"]] = True
-    state["t2d"] = state["t2d"].bool()
+    complete_vocab_tables(state, draft_vocab_size, vocab_size, directory,
+                          f"no d2t table but draft_vocab_size {draft_vocab_size} != {vocab_size}")
     return state
 
 

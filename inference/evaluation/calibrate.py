@@ -26,7 +26,8 @@ from drafters import load_drafter
 from drafters.calibration import NUM_BINS, TEMPERATURE_GRID, calibration_report, check_rounds, fit_sts
 from drafters.files import write_json_atomic
 from inference.evaluation.chat_template import check_chat_template, parse_template_kwargs, render_prompt
-from inference.evaluation.eval import _split, load_prompt_sets
+from inference.evaluation.eval import load_prompt_sets
+from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings, check_at_least, split
 from inference.engine.generate import speculative_generate
 from inference.engine.target import TargetModel
 
@@ -47,22 +48,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompts as plain text")
     parser.add_argument("--chat-template-kwargs", default=None, metavar="NAME=VALUE,...",
                         help="options the chat template reads, e.g. enable_thinking=false (the drafter's recipe's)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="what the target and drafter compute in; auto: float32 on a CPU, bfloat16 on a GPU")
     parser.add_argument("--out", required=True, help="directory for calibration.json and reliability.png")
     return parser
 
 
-def collect(target, drafter, prompts: list[list[int]], args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collect(target, drafter, prompts: list[list[int]], settings: EvalSettings
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run every prompt; return confidence logits, prefix-acceptance labels and validity, each [rounds, K]."""
     k = drafter.max_draft_tokens()
     eos = target.target_info().eos_token_ids
+    (batch_size,), (temperature,), (name,) = settings.batch_size, settings.temperature, settings.drafter
     logits, labels, valid = [], [], []
-    for start in range(0, len(prompts), args.batch_size):
-        out = speculative_generate(target, drafter, prompts[start: start + args.batch_size], num_draft_tokens=k,
-                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                   seed=args.seed + start, eos_token_ids=eos)
+    for start in range(0, len(prompts), batch_size):
+        out = speculative_generate(target, drafter, prompts[start: start + batch_size], num_draft_tokens=k,
+                                   max_new_tokens=settings.max_new_tokens, temperature=temperature,
+                                   seed=settings.seed + start, eos_token_ids=eos)
         for row_logits, row_accepts in zip(out.confidence_logits, out.accept_lengths):
             if len(row_logits) != len(row_accepts):
-                raise ValueError(f"--drafter {args.drafter!r}: its proposals carry no confidence logits; only a "
+                raise ValueError(f"--drafter {name!r}: its proposals carry no confidence logits; only a "
                                  "drafter with a confidence head (DSpark) can be calibrated")
             for round_logits, accepted in zip(row_logits, row_accepts):
                 n = len(round_logits)
@@ -70,7 +75,7 @@ def collect(target, drafter, prompts: list[list[int]], args) -> tuple[torch.Tens
                 labels.append(torch.arange(k) < accepted)
                 valid.append(torch.arange(k) < n)
     if not logits:
-        raise ValueError(f"--drafter {args.drafter!r}: no round carried confidence logits (a drafter without a "
+        raise ValueError(f"--drafter {name!r}: no round carried confidence logits (a drafter without a "
                          "confidence head cannot be calibrated)")
     return torch.stack(logits), torch.stack(labels), torch.stack(valid)
 
@@ -106,40 +111,44 @@ def plot_reliability(report: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; bad input is a ValueError that `draftsmith` reports in one line (exit 2)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
-                        ("--num-prompts", args.num_prompts), ("--threads", args.threads)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+    check_at_least(("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1),
+                   ("--num-prompts", args.num_prompts, 1), ("--threads", args.threads, 1))
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.prompts = _split(args.prompts)
-    args.chat_template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
-    args.categories = _split(args.categories) if args.categories else None
-    prompt_sets = load_prompt_sets(args)
-    target = TargetModel.from_pretrained(args.target, dtype=torch.float32)
-    check_chat_template(target.tokenizer, not args.no_chat_template, args.target, args.chat_template_kwargs)
-    drafter = load_drafter(args.drafter, target.target_info())
+    settings = EvalSettings(
+        target=args.target, drafter=(args.drafter,), prompts=split(args.prompts),
+        categories=split(args.categories) if args.categories else None, num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens, temperature=(args.temperature,), batch_size=(args.batch_size,),
+        seed=args.seed, threads=args.threads, no_chat_template=args.no_chat_template, dtype=args.dtype, out=args.out,
+        chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    prompt_sets = load_prompt_sets(settings)
+    target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype("cpu"))
+    check_chat_template(target.tokenizer, not settings.no_chat_template, settings.target,
+                        settings.chat_template_kwargs)
+    (name,) = settings.drafter
+    drafter = load_drafter(name, target.target_info())
     module = drafter.export_module if drafter is not None else None
     store = module.store_confidence_temperatures if module is not None else None
     if store is None or drafter.max_draft_tokens() is None:
-        raise ValueError(f"--drafter {args.drafter!r}: not a drafter with a confidence head (DSpark) that stores "
+        raise ValueError(f"--drafter {name!r}: not a drafter with a confidence head (DSpark) that stores "
                          "calibration temperatures")
     drafter = drafter.eval()
-    prompts = [render_prompt(target.tokenizer, q.turns[:1], [], not args.no_chat_template, args.chat_template_kwargs)
+    prompts = [render_prompt(target.tokenizer, q.turns[:1], [], not settings.no_chat_template,
+                             settings.chat_template_kwargs)
                for _, questions in prompt_sets for q in questions]
-    logits, labels, valid = collect(target, drafter, prompts, args)
+    logits, labels, valid = collect(target, drafter, prompts, settings)
     check_rounds(valid)
     temperatures = fit_sts(logits, labels, valid)
     report = calibration_report(logits, labels, valid, temperatures)
-    os.makedirs(args.out, exist_ok=True)
-    summary = {"drafter": args.drafter, "target": args.target, "temperature": args.temperature,
+    os.makedirs(settings.out, exist_ok=True)
+    summary = {"drafter": name, "target": settings.target, "temperature": settings.temperature[0],
                "num_prompts": len(prompts), "rounds": int(valid[:, 0].sum()), "num_bins": NUM_BINS,
                "temperatures": temperatures, "positions": report}
-    write_json_atomic(os.path.join(args.out, "calibration.json"), summary, indent=2)
-    plot_reliability(report, os.path.join(args.out, "reliability.png"))
-    store(args.drafter, temperatures)
+    write_json_atomic(os.path.join(settings.out, "calibration.json"), summary, indent=2)
+    plot_reliability(report, os.path.join(settings.out, "reliability.png"))
+    store(name, temperatures)
     print("position  rounds  temperature  ece_before  ece_after  auroc  brier")
     for entry in report:
         print(f"{entry['position']:>8}  {entry['rounds']:>6}  {entry['temperature']:>11.3f}"
@@ -149,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if edges:  # temperature scaling rescales logits; it cannot move a confidence that is biased at logit 0
         print(f"note: positions {edges} hit the edge of the temperature grid ({TEMPERATURE_GRID[0]:g}.."
               f"{TEMPERATURE_GRID[-1]:g}): their confidences are biased, not merely over- or under-confident")
-    print(f"stored the temperatures in {args.drafter}; wrote {args.out}/calibration.json and reliability.png")
+    print(f"stored the temperatures in {name}; wrote {settings.out}/calibration.json and reliability.png")
     return 0
 
 

@@ -6,15 +6,15 @@
 
 For each prompt set, temperature and batch size, the plain autoregressive baseline (k = 0, the same engine and batch
 size) runs once; then every drafter x k runs over the same prompts. `auto` (the default) chooses k per round at run
-time (inference/engine/adaptive.py) up to the drafter's longest proposal (inference/methods.AUTO_MAX_DRAFT_TOKENS for unbounded drafters),
-from cost curves profiled at start-up for every drafter and batch size; the same profile calibrates the predicted
-speedup of every k in the records. Questions are FastChat records; turn t+1 is asked after the
-model's own answer to turn t, so turns run index by index, batched within a category. `--tree-budget B,...` adds,
-per drafter, tree verification with B nodes per round (inference/engine/tree/rounds.py): its records are the drafter's
-name + "@tree", num_draft_tokens B - 1 (the chain of equal verify budget) and tree_budget B. Records (inference/evaluation/metrics.py)
-cover every dataset x category (plus "all") x method, the baseline included as drafter "none", k = 0. The report
-(inference/evaluation/report.py) is the JSON at --out, a Markdown table beside it (also printed) and PNG plots. Every input is
-checked before any generation starts.
+time (inference/engine/adaptive.py) up to the drafter's longest proposal (inference/evaluation/methods.py
+AUTO_MAX_DRAFT_TOKENS for unbounded drafters), from cost curves profiled at start-up for every drafter and batch
+size; the same profile calibrates the predicted speedup of every k in the records. Questions are FastChat records;
+turn t+1 is asked after the model's own answer to turn t, so turns run index by index, batched within a category.
+`--tree-budget B,...` adds, per drafter, tree verification with B nodes per round (inference/engine/tree/rounds.py):
+its records are the drafter's name + "@tree", num_draft_tokens B - 1 (the chain of equal verify budget) and
+tree_budget B. Records (inference/evaluation/metrics.py) cover every dataset x category (plus "all") x method, the
+baseline included as drafter "none", k = 0. The report (inference/evaluation/report.py) is the JSON at --out, a
+Markdown table beside it (also printed) and PNG plots. Every input is checked before any generation starts.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from inference.evaluation.methods import Method, generate, load_methods
 from inference.evaluation.metrics import annotate_recommendations, build_record, merge_outputs
 from inference.evaluation.prompts import load_questions, select_spread
 from inference.evaluation.report import format_table, read_appendable, write_report
+from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings, check_at_least, numbers, split
 from inference.engine.schedule import build_schedules, parse_schedule_specs
 from inference.engine.roofline import stream_bandwidth, weight_bytes
 from inference.engine.target import TargetModel
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-path", default="auto", choices=("auto", "hf"),
                         help="auto: the target's linears laid out for small row counts where supported "
                              "(inference/engine/fastpath.py); hf: the model's own modules")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="what the target and drafters compute in; auto: float32 on a CPU, bfloat16 on a GPU")
     parser.add_argument("--categories", default=None, help="comma-separated categories to keep")
     parser.add_argument("--tree-budget", default=None,
                         help="comma-separated tree budgets B (nodes verified per round, root included): each drafter "
@@ -87,62 +90,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _split(text: str) -> list[str]:
-    return list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+def _draft_lengths(text: str) -> tuple:
+    """"auto,3,7" -> ("auto", 3, 7): k values >= 0 and the word auto."""
+    auto = ("auto",) if "auto" in split(text) else ()
+    rest = ",".join(part for part in split(text) if part != "auto")
+    return auto + (numbers(rest, "--num-draft-tokens", int) if rest or not auto else ())
 
 
-def _numbers(text: str, flag: str, kind: type) -> list:
-    try:
-        values = [kind(part) for part in _split(text)]
-    except ValueError:
-        raise ValueError(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}") from None
-    if not values:
-        raise ValueError(f"{flag}: no value given")
-    if any(value < 0 for value in values):
-        raise ValueError(f"{flag}: values must be >= 0, got {text!r}")
-    return values
-
-
-def _draft_lengths(text: str) -> list:
-    """"auto,3,7" -> ["auto", 3, 7]: k values >= 0 and the word auto."""
-    auto = ["auto"] if "auto" in _split(text) else []
-    rest = ",".join(part for part in _split(text) if part != "auto")
-    return auto + (_numbers(rest, "--num-draft-tokens", int) if rest or not auto else [])
-
-
-def validate(args: argparse.Namespace) -> None:
-    """Parse the list flags in place and reject impossible values (ValueError naming the flag)."""
-    args.num_draft_tokens = _draft_lengths(args.num_draft_tokens)
-    args.temperature = _numbers(args.temperature, "--temperature", float)
-    args.batch_size = _numbers(args.batch_size, "--batch-size", int)
-    args.drafter = _split(args.drafter) or ["none"]
-    args.prompts = _split(args.prompts)
-    args.categories = _split(args.categories) if args.categories else None
-    args.schedule = parse_schedule_specs(args.schedule)
-    args.tree_budget = _numbers(args.tree_budget, "--tree-budget", int) if args.tree_budget else []
-    args.chat_template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
-    if args.chat_template_kwargs and args.no_chat_template:
-        raise ValueError("--chat-template-kwargs: the prompts are plain text (--no-chat-template); drop one of them")
-    for budget in args.tree_budget:
+def parse_settings(args: argparse.Namespace) -> EvalSettings:
+    """The parsed command line, checked (a ValueError naming the flag for an impossible value)."""
+    num_draft_tokens = _draft_lengths(args.num_draft_tokens)
+    temperature = numbers(args.temperature, "--temperature", float)
+    batch_size = numbers(args.batch_size, "--batch-size", int)
+    schedule = tuple(parse_schedule_specs(args.schedule))
+    tree_budget = numbers(args.tree_budget, "--tree-budget", int) if args.tree_budget else ()
+    for budget in tree_budget:
         try:
             check_budget(budget)
         except ValueError as err:
             raise ValueError(f"--tree-budget: {err}") from None
-    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", min(args.batch_size), 1),
-                             ("--top-k", args.top_k, 0), ("--threads", args.threads, 1),
-                             ("--num-prompts", args.num_prompts, 1)):
-        if value is not None and value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not args.prompts:
+    settings = EvalSettings(
+        target=args.target, drafter=split(args.drafter) or ("none",), prompts=split(args.prompts),
+        categories=split(args.categories) if args.categories else None, num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
+        num_draft_tokens=num_draft_tokens, batch_size=batch_size, seed=args.seed, threads=args.threads,
+        no_chat_template=args.no_chat_template, dtype=args.dtype, tree_budget=tree_budget, schedule=schedule,
+        out=args.out, outputs=args.outputs, append=args.append, target_path=args.target_path,
+        chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
+    if settings.chat_template_kwargs and settings.no_chat_template:
+        raise ValueError("--chat-template-kwargs: the prompts are plain text (--no-chat-template); drop one of them")
+    check_at_least(("--max-new-tokens", settings.max_new_tokens, 1), ("--batch-size", min(settings.batch_size), 1),
+                   ("--top-k", settings.top_k, 0), ("--threads", settings.threads, 1),
+                   ("--num-prompts", settings.num_prompts, 1))
+    if not 0.0 < settings.top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1], got {settings.top_p}")
+    if not settings.prompts:
         raise ValueError("--prompts: no prompt set given")
-    for path in (args.out, args.outputs):
+    for path in (settings.out, settings.outputs):
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return settings
 
 
-def environment(device: torch.device) -> dict:
+def environment(device: torch.device, dtype: torch.dtype = torch.float32) -> dict:
     """Software and hardware the numbers were measured on (no host name)."""
     cpu = platform.processor()
     if os.path.isfile("/proc/cpuinfo"):
@@ -150,7 +140,8 @@ def environment(device: torch.device) -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     env = {"torch": torch.__version__, "transformers": transformers.__version__,
            "python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
-           "device": str(device), "dtype": "float32", "threads": torch.get_num_threads(), "cpu": cpu}
+           "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+           "cpu": cpu}
     backend = getattr(torch, device.type, None)  # torch.cuda also serves ROCm builds
     if device.type != "cpu" and hasattr(backend, "get_device_name"):
         env["accelerator"] = backend.get_device_name(device)
@@ -165,7 +156,8 @@ class RunResult:
     tokens: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
 
-def run_methods(target, methods: list[Method], questions: list, args, temperature: float, batch_size: int,
+def run_methods(target, methods: list[Method], questions: list, settings: EvalSettings, temperature: float,
+                batch_size: int,
                 progress, sinks: list) -> list[RunResult]:
     """Generate every turn of every question with every method, turn index by turn index, batched within each
     category. The methods take turns on each batch, so a change of machine load during the run hits the baseline and
@@ -183,10 +175,11 @@ def run_methods(target, methods: list[Method], questions: list, args, temperatur
                 batch = active[start: start + batch_size]
                 for method, result, history, sink in zip(methods, results, answers, sinks):
                     prompts = [render_prompt(target.tokenizer, questions[i].turns[: turn + 1], history[i],
-                                             not args.no_chat_template, args.chat_template_kwargs) for i in batch]
-                    out = generate(target, method, prompts, max_new_tokens=args.max_new_tokens,
-                                   temperature=temperature, top_p=args.top_p, top_k=args.top_k,
-                                   seed=args.seed + calls, eos_token_ids=eos)
+                                             not settings.no_chat_template,
+                                             settings.chat_template_kwargs) for i in batch]
+                    out = generate(target, method, prompts, max_new_tokens=settings.max_new_tokens,
+                                   temperature=temperature, top_p=settings.top_p, top_k=settings.top_k,
+                                   seed=settings.seed + calls, eos_token_ids=eos)
                     result.by_category.setdefault(category, []).append(out)
                     for index, tokens in zip(batch, out.tokens):
                         text = target.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -228,43 +221,44 @@ def dataset_records(dataset: str, questions: list, runs: list[tuple[Method, RunR
     return records
 
 
-def load_prompt_sets(args) -> list[tuple[str, list]]:
+def load_prompt_sets(settings: EvalSettings) -> list[tuple[str, list]]:
     """Every prompt set, filtered by --categories, then cut to --num-prompts spread over categories.
 
     With several prompt sets a category only needs to exist in one of them; a set left empty is an error.
     """
     sets = []
-    for spec in args.prompts:
+    for spec in settings.prompts:
         dataset, questions = load_questions(spec)
-        if args.categories:
-            questions = [q for q in questions if q.category in args.categories]
+        if settings.categories:
+            questions = [q for q in questions if q.category in settings.categories]
         if not questions:
-            raise ValueError(f"--prompts {spec!r}: no question in categories {args.categories}")
-        if args.num_prompts is not None:
-            questions = select_spread(questions, args.num_prompts)
+            raise ValueError(f"--prompts {spec!r}: no question in categories {list(settings.categories)}")
+        if settings.num_prompts is not None:
+            questions = select_spread(questions, settings.num_prompts)
         sets.append((dataset, questions))
     return sets
 
 
-def warm_up(target, methods: list[Method], questions: list, args) -> None:
+def warm_up(target, methods: list[Method], questions: list, settings: EvalSettings) -> None:
     """One short untimed generation per drafter so one-time costs do not land in the first timed run."""
-    prompt = [render_prompt(target.tokenizer, questions[0].turns[:1], [], not args.no_chat_template,
-                            args.chat_template_kwargs)]
+    prompt = [render_prompt(target.tokenizer, questions[0].turns[:1], [], not settings.no_chat_template,
+                            settings.chat_template_kwargs)]
     eos = target.target_info().eos_token_ids
     seen = set()
     for method in [Method("none", None, 0)] + methods:
         if id(method.drafter) not in seen:
             seen.add(id(method.drafter))
-            generate(target, method, prompt, max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens),
+            generate(target, method, prompt, max_new_tokens=min(WARMUP_TOKENS, settings.max_new_tokens),
                      eos_token_ids=eos)
 
 
-def profile_drafters(target, methods: list[Method], questions: list, args, batch_size: int) -> dict:
+def profile_drafters(target, methods: list[Method], questions: list, settings: EvalSettings,
+                     batch_size: int) -> dict:
     """Cost profile of every drafter at this batch size (inference/engine/costs.profile_costs, on the first question
     repeated batch_size times) up to its widest method; gives it to each method (auto's AdaptiveK, the prefix
     scheduler). Returns {id(drafter): the profile in AR steps and seconds} for the records."""
-    prompt = render_prompt(target.tokenizer, questions[0].turns[:1], [], not args.no_chat_template,
-                           args.chat_template_kwargs)
+    prompt = render_prompt(target.tokenizer, questions[0].turns[:1], [], not settings.no_chat_template,
+                           settings.chat_template_kwargs)
     widest: dict[int, tuple] = {}
     for method in (m for m in methods if m.tree_budget is None):  # trees need no chain profile
         previous = widest.get(id(method.drafter), (method.drafter, 0))[1]
@@ -276,22 +270,22 @@ def profile_drafters(target, methods: list[Method], questions: list, args, batch
     return {key: curve.to_dict() for key, curve in curves.items()}
 
 
-def evaluate(args, target, methods: list[Method], prompt_sets: list, sink) -> list[dict]:
+def evaluate(settings: EvalSettings, target, methods: list[Method], prompt_sets: list, sink) -> list[dict]:
     """Run the baseline and every method over every prompt set, temperature and batch size; return all records."""
-    env = environment(target.device)
+    env = environment(target.device, settings.torch_dtype(target.device))
     roofline = {"target_path": target.path, "weight_bytes": weight_bytes(target.model),
                 "stream_gb_per_s": stream_bandwidth(device=target.device)}
     total = sum(len(q.turns) for _, questions in prompt_sets for q in questions)
-    total *= len(args.temperature) * len(args.batch_size) * (1 + len(methods))
-    warm_up(target, methods, prompt_sets[0][1], args)
+    total *= len(settings.temperature) * len(settings.batch_size) * (1 + len(methods))
+    warm_up(target, methods, prompt_sets[0][1], settings)
     records = []
     with tqdm(total=total, desc="draftsmith eval", unit="turn", file=sys.stderr) as progress:
-        for batch_size in args.batch_size:
-            profiles = profile_drafters(target, methods, prompt_sets[0][1], args, batch_size) if methods else {}
+        for batch_size in settings.batch_size:
+            profiles = profile_drafters(target, methods, prompt_sets[0][1], settings, batch_size) if methods else {}
             for dataset, questions in prompt_sets:
-                for temperature in args.temperature:
+                for temperature in settings.temperature:
                     every = [Method("none", None, 0)] + methods
-                    results = run_methods(target, every, questions, args, temperature, batch_size, progress,
+                    results = run_methods(target, every, questions, settings, temperature, batch_size, progress,
                                           [partial(sink, dataset, method, temperature) for method in every])
                     runs = list(zip(methods, results[1:]))
                     records += dataset_records(dataset, questions, runs, results[0], temperature, batch_size, env,
@@ -300,15 +294,15 @@ def evaluate(args, target, methods: list[Method], prompt_sets: list, sink) -> li
     return records
 
 
-def run_config(args, device) -> dict:
+def run_config(settings: EvalSettings, device) -> dict:
     """What must be equal for records to sit in one report: the target and everything that changes what it emits or
     how fast (the records themselves say dataset, drafter, k, temperature and batch size)."""
-    return {"target": args.target, "max_new_tokens": args.max_new_tokens, "top_p": args.top_p,
-            "top_k": args.top_k, "seed": args.seed, "chat_template": not args.no_chat_template,
-            "target_path": args.target_path,
-            "chat_template_kwargs": args.chat_template_kwargs or None,
-            "num_prompts": args.num_prompts, "categories": args.categories,
-            "environment": environment(torch.device(device))}
+    return {"target": settings.target, "max_new_tokens": settings.max_new_tokens, "top_p": settings.top_p,
+            "top_k": settings.top_k, "seed": settings.seed, "chat_template": not settings.no_chat_template,
+            "target_path": settings.target_path,
+            "chat_template_kwargs": settings.chat_template_kwargs or None, "num_prompts": settings.num_prompts,
+            "categories": list(settings.categories) if settings.categories else settings.categories,
+            "environment": environment(torch.device(device), settings.torch_dtype(device))}
 
 
 def _outputs_sink(handle):
@@ -325,36 +319,37 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `draftsmith eval`; returns the exit status (2 on bad input, with the cause on stderr)."""
     args = build_parser().parse_args(argv)
     try:
-        validate(args)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        prompt_sets = load_prompt_sets(args)
+        settings = parse_settings(args)
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        prompt_sets = load_prompt_sets(settings)
         device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else "cpu"
-        config = run_config(args, device)
-        previous = read_appendable(args.out, config) if args.append else []  # checked before anything loads
-        target = TargetModel.from_pretrained(args.target, dtype=torch.float32, device=device,
-                                             fast_path=args.target_path == "auto")
-        check_chat_template(target.tokenizer, not args.no_chat_template, args.target, args.chat_template_kwargs)
-        methods = load_methods(args.drafter, target, args.num_draft_tokens, args.tree_budget)
-        for name in args.drafter:
-            mismatch = os.path.isdir(name) and trained_mode_mismatch(name, args.chat_template_kwargs)
+        config = run_config(settings, device)
+        previous = read_appendable(settings.out, config) if settings.append else []  # checked before anything loads
+        target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device,
+                                             fast_path=settings.target_path == "auto")
+        check_chat_template(target.tokenizer, not settings.no_chat_template, settings.target,
+                            settings.chat_template_kwargs)
+        methods = load_methods(settings.drafter, target, settings.num_draft_tokens, settings.tree_budget)
+        for name in settings.drafter:
+            mismatch = os.path.isdir(name) and trained_mode_mismatch(name, settings.chat_template_kwargs)
             if mismatch:
                 print(f"draftsmith eval: warning: {mismatch}", file=sys.stderr)
         chains = [m for m in methods if m.tree_budget is None]  # schedules cut chains; trees ignore them
-        if args.schedule != ["fixed"] and chains:
-            schedules = build_schedules(args.schedule)
+        if settings.schedule != ("fixed",) and chains:
+            schedules = build_schedules(list(settings.schedule))
             methods = [Method(m.name if s is None else f"{m.name}@{name}", m.drafter, m.num_draft_tokens, s, m.auto)
                        for m in chains for name, s in schedules] + [m for m in methods if m.tree_budget is not None]
     except (ValueError, OSError) as err:
         print(f"draftsmith eval: error: {err}", file=sys.stderr)
         return 2
-    handle = open(args.outputs, "w") if args.outputs else None
+    handle = open(settings.outputs, "w") if settings.outputs else None
     try:
-        records = evaluate(args, target, methods, prompt_sets, _outputs_sink(handle))
+        records = evaluate(settings, target, methods, prompt_sets, _outputs_sink(handle))
     finally:
         if handle is not None:
             handle.close()
-    written = write_report(previous + records, args.out, config)
+    written = write_report(previous + records, settings.out, config)
     print(format_table(records))
     print("wrote " + ", ".join(written))
     return 0
