@@ -227,3 +227,51 @@ def test_gemma4_assistant_past_four_windows_drafts_as_transformers_and_is_greedy
     chain = speculative_generate(target, drafter, prompts(), num_draft_tokens=3, max_new_tokens=max_new,
                                  eos_token_ids=[])
     assert chain.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_debug_targets_resolve_by_name_with_native_mtp_in_the_qwen_layout(name):
+    """Every debug name resolves through resolve_target (train, prepare, eval, export, doctor and calibrate all go
+    through it) to a directory transformers loads; the Qwen ones hold one MTP module where vLLM's Qwen3-Next / Qwen3.5
+    MTP loaders look (mtp.fc, mtp.pre_fc_norm_*, mtp.layers.0.* with its input_layernorm, mtp.norm)."""
+    import json
+    import os
+
+    from drafters.mtp.export import checkpoint_index, find_native
+    from inference.assets.store import resolve_target
+
+    directory = resolve_target("debug:" + name)
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    assert config["vocab_size"] == 260 and config["hidden_size"] == 64
+    names = set(checkpoint_index(directory))
+    if name in HYBRIDS:
+        assert config["mtp_num_hidden_layers"] == 1
+        assert {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                "mtp.norm.weight", "mtp.layers.0.input_layernorm.weight"} <= names
+        assert any(n.startswith("mtp.layers.0.self_attn.") for n in names)  # a full-attention layer
+        assert find_native(directory, config["num_hidden_layers"], config["model_type"]).num_modules == 1
+    else:
+        assert not any(n.startswith("mtp.") for n in names)
+
+
+def test_eval_refuses_an_unsupported_family_in_one_line_exit_2(tmp_path, capsys):
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    from inference.assets.debug_target import build_tokenizer
+    from train.cli import main as cli
+
+    tokenizer = build_tokenizer()
+    Lfm2ForCausalLM(Lfm2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                               bos_token_id=None)).save_pretrained(str(tmp_path / "lfm2"))
+    tokenizer.save_pretrained(str(tmp_path / "lfm2"))
+    argv = ["eval", "--target", str(tmp_path / "lfm2"), "--drafter", "ngram", "--prompts", "mt_bench",
+            "--num-prompts", "1", "--max-new-tokens", "4", "--num-draft-tokens", "1", "--out",
+            str(tmp_path / "report.json")]
+    assert cli(argv) == 2
+    stderr = capsys.readouterr().err.replace("\r", "\n")
+    errors = [line for line in stderr.splitlines() if ": error: " in line]
+    assert "Traceback" not in stderr and len(errors) == 1
+    assert "target family lfm2: layer types ['conv'] are not supported" in errors[0]

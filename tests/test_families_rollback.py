@@ -22,8 +22,8 @@ from inference.engine.tree.target import keep_path, tree_extend
 
 # Parts of some forwards run in float32 whatever the model's dtype: transformers' gated delta rule (its reference
 # kernels cast to float32 and keep a float32 recurrent state) and the RMSNorm of gpt-oss and DeepSeek-V3 (computed in
-# float32, cast back). Those families are compared at float32 level, Gemma 4 at float64's.
-FLOAT32_INSIDE = {"tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gpt-oss", "tiny-deepseek-v3"}
+# float32, cast back; Mistral's too). Those families are compared at float32 level, Gemma 4 at float64's.
+FLOAT32_INSIDE = {"tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "mistral"}
 FLOAT64 = dict(rtol=1e-9, atol=1e-11)
 FLOAT32 = dict(rtol=1e-5, atol=1e-6)
 LOGITS_TOLERANCE = dict(rtol=1e-6, atol=1e-6)  # the engine hands logits on in float32 (for float64 families)
@@ -132,3 +132,29 @@ def test_both_linear_mechanisms_give_the_recomputed_state(mechanism):
     finally:
         for recorder in target.runner.family.recorders.values():
             recorder.mechanism = "snapshot"
+
+
+def test_mistral_rollback_past_its_window_equals_recompute():
+    """Mistral-style configs (no layer_types, one sliding_window for every layer; its forward takes one mask, not one
+    per layer type) with a window of 8, so the prompts already outgrow it."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from inference.engine.target import TargetModel
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=8, max_position_embeddings=512)).double().eval()
+    target = TargetModel(model)
+    input_ids, mask = left_pad(PROMPTS, 0)
+    target.prefill(input_ids, mask)
+    sequences = [list(p) for p in PROMPTS]
+    generator = torch.Generator().manual_seed(0)
+    for keep in KEEPS:
+        block = torch.randint(0, 256, (3, 4), generator=generator)
+        mark = target.mark()
+        target.extend(block)
+        target.keep_after(mark, torch.tensor(keep))
+        for row, kept in enumerate(keep):
+            sequences[row] += block[row, :kept].tolist()
+    assert_equals_fresh_prefill(target, sequences, torch.tensor([7, 8, 9]), "mistral")
