@@ -9,14 +9,16 @@ Run it with a Python that has vLLM and draftsmith (docs/distributed.md, "The vLL
 the embedded name smollm2-135m-instruct); EXPORT_DIR: an EAGLE-3 export vLLM serves (`eagle3` format) that our
 loader reads too; FILE: FastChat question jsonl or a builtin prompt set name (mt_bench, ...).
 
-Method. One vLLM engine per k (k = 0: plain decoding) lives in its own worker process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
-enforce_eager, fp32, greedy, OMP threads = --threads, unbound); our engine runs in this process with the same thread
-count. Every request is the first turn of a question under the chat template, served alone (batch 1 on both sides:
-vLLM gets one request per `generate` call), stopping at EOS or M tokens. After one untimed warm-up pass per engine and
-k, each repeat runs every (k, engine) pair once over all prompts, taking turns so a drift of the machine's load hits
-each alike; tokens/s = new tokens / wall seconds of the pass (prefill included on both sides), the median over
-repeats; speedup = a k's tokens/s / the same engine's k = 0 tokens/s. Acceptance: tau = 1 + accepted / drafts from
-vLLM's spec-decode counters (disable_log_stats=False) and from our engine's rounds, same definitions.
+Method. One vLLM engine per k (k = 0: plain decoding) lives in its own worker process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, enforce_eager, fp32, greedy, OMP threads = --threads, unbound), at most two at
+once (k = 0 and the k being measured: each holds a model and its KV cache); our engine runs in this process with the
+same thread count. Every request is the first turn of a question under the chat template, served alone (batch 1 on
+both sides: vLLM gets one request per `generate` call), stopping at EOS or M tokens. For each k, after one untimed
+warm-up pass, each repeat runs ours and vLLM at k = 0 and at k once over all prompts, taking turns so a drift of the
+machine's load hits each alike (k = 0 is measured beside every k; its median pools all of them); tokens/s = new
+tokens / wall seconds of the pass (prefill included on both sides), the median over repeats; speedup = a k's
+tokens/s / the same engine's k = 0 tokens/s. Acceptance: tau = 1 + accepted / drafts from vLLM's spec-decode
+counters (disable_log_stats=False) and from our engine's rounds, same definitions.
 
 JSON: ar_tokens_per_s_ours, ar_tokens_per_s_vllm, rows [{k, speedup_ours, speedup_vllm, tokens_per_s_ours,
 tokens_per_s_vllm, tau_ours, tau_vllm, acceptance_rate_ours, acceptance_rate_vllm, identical_outputs}], and the
@@ -127,12 +129,18 @@ class VllmWorker:
         raise RuntimeError(f"the vLLM worker for k = {self.k} exited; its log: {self.log.name}")
 
     def run(self, prompts: list[list[int]]) -> dict:
-        self.proc.stdin.write(json.dumps({"prompts": prompts}) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps({"prompts": prompts}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise RuntimeError(f"the vLLM worker for k = {self.k} exited; its log: {self.log.name}") from None
         return self._read()
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it already exited (its log says why)
+            pass
         self.proc.wait(timeout=120)
         self.log.close()
 
@@ -204,21 +212,29 @@ def main(argv=None) -> int:
         print(f"server_speedup: error: {err}", file=sys.stderr)
         return 2
     prompts = [render_prompt(target.tokenizer, q.turns[:1], [], True) for q in questions]
-    workers = {k: VllmWorker(args, k, target.name_or_path) for k in [0] + ks}
     passes: dict = {}
+    plain = VllmWorker(args, 0, target.name_or_path)
     try:
-        for attempt in range(args.repeats + 1):  # attempt 0 warms every engine up, untimed
-            for k in [0] + ks:
-                for engine in ("ours", "vllm"):
-                    result = (ours_pass(target, drafter, prompts, k, args.max_new_tokens) if engine == "ours"
-                              else workers[k].run(prompts))
-                    if attempt:
-                        passes.setdefault((engine, k), []).append(result)
-                    print(f"pass {attempt} {engine} k={k}: {sum(map(len, result['tokens'])) / result['seconds']:.1f}"
-                          f" tok/s", file=sys.stderr, flush=True)
+        for k in ks:  # at most two vLLM engines alive at once (k = 0 and this k): each holds its own model and cache
+            speculative = VllmWorker(args, k, target.name_or_path)
+            try:
+                for attempt in range(args.repeats + 1):  # attempt 0 warms both engines up, untimed
+                    for width, engine in ((0, "ours"), (0, "vllm"), (k, "ours"), (k, "vllm")):
+                        worker = plain if width == 0 else speculative
+                        result = (ours_pass(target, drafter, prompts, width, args.max_new_tokens) if engine == "ours"
+                                  else worker.run(prompts))
+                        if attempt:
+                            passes.setdefault((engine, width), []).append(result)
+                        print(f"k={k} pass {attempt} {engine} k={width}: "
+                              f"{sum(map(len, result['tokens'])) / result['seconds']:.1f} tok/s", file=sys.stderr,
+                              flush=True)
+            finally:
+                speculative.close()
+    except (RuntimeError, BrokenPipeError) as err:
+        print(f"server_speedup: error: a vLLM worker stopped ({err}); see the logs beside --out", file=sys.stderr)
+        return 1
     finally:
-        for worker in workers.values():
-            worker.close()
+        plain.close()
     import torch
     import transformers
     import vllm
@@ -226,7 +242,7 @@ def main(argv=None) -> int:
     result = summarise(passes, ks)
     result.update({"target": target.name_or_path, "drafter": args.drafter, "prompts": args.prompts,
                    "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-                   "vllm_threads": workers[0].info.get("threads"), "repeats": args.repeats,
+                   "vllm_threads": plain.info.get("threads"), "repeats": args.repeats,
                    "target_path": target.path, "load_1min": os.getloadavg()[0], "torch": torch.__version__,
                    "transformers": transformers.__version__, "vllm": vllm.__version__})
     with open(args.out, "w") as handle:

@@ -81,7 +81,11 @@ def test_greedy_eval_matches_plain_greedy_and_writes_the_report(dirs, tmp_path, 
     drafter_names = {record["drafter"] for record in records}
     assert drafter_names == {"none", "ngram", "draft_model:draft"}
     # the draft model is an unrelated random 1-layer LM: it is rarely accepted, but the output stays lossless
-    assert (tmp_path / "report.md").read_text().count("\n") == len(records) + 2
+    table, roofline = (tmp_path / "report.md").read_text().split("\n\n")
+    assert table.count("\n") == len(records) + 1  # header, rule, one row per record
+    assert roofline.startswith("roofline: target path fast-cpu-linear")  # a float32 target runs the fast path
+    assert all(record["target_path"] == "fast-cpu-linear" and record["achieved_gb_per_s"]["ar"] > 0
+               and record["stream_gb_per_s"] > 0 for record in records)
     assert (tmp_path / "report_acceptance_questions_small.png").is_file()
     assert (tmp_path / "report_speedup_questions_small.png").is_file()
     lines = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]

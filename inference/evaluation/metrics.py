@@ -142,7 +142,7 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
         max_draft_tokens: the drafter's longest proposal (Drafter.max_draft_tokens), None when unbounded; the
             recommended k never exceeds it.
         roofline: {"target_path", "weight_bytes", "stream_gb_per_s"} of the target (see `roofline_keys`).
-        cost_profile: the drafter's profiled cost curves (adaptive.CostCurves.to_dict), kept in the record.
+        cost_profile: the drafter's profiled costs (engine/costs.CostProfile.to_dict), kept in the record.
     """
     k = out.num_draft_tokens  # with adaptive k: the largest width it could choose
     counts = acceptance_counts(out)
