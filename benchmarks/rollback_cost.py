@@ -11,7 +11,8 @@ keep_after with rows keeping different counts. Three variants, interleaved round
 - rerun:    the block in one chunked call, then the state restored and the kept prefix stepped again.
 Two shapes: the hybrid debug target `debug:tiny-qwen3.5` (4 layers, hidden 64) and real-width Qwen3.5-27B layers
 (hidden 5120, MLP 17408): one gated-DeltaNet layer (16 key / 48 value heads of 128, conv kernel 4) and one full
-attention layer (24 heads of 256, 4 KV heads), random weights, fp32, after a 64-token (real width: 16-token) prefill. Prints the median seconds per round and the ratios to `none`.
+attention layer (24 heads of 256, 4 KV heads), random weights, fp32, after a 64-token (real width: 16-token)
+prefill. Prints the median seconds per round and the ratios to `none`.
 """
 
 from __future__ import annotations

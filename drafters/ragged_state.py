@@ -76,7 +76,8 @@ class FamilyState:
             mixer = getattr(layers[index], "linear_attn", None)
             if mixer is None or not hasattr(mixer, "conv1d"):
                 raise ValueError(f"target family {self.family}: layer {index} is linear attention but not a gated "
-                                 "DeltaNet mixer (`linear_attn` with a conv1d); missing: a per-row rollback of its state")
+                                 "DeltaNet mixer (`linear_attn` with a conv1d); missing: a per-row rollback of its "
+                                 "state")
             existing = getattr(mixer, "_draftsmith_recorder", None)
             recorders[index] = existing if existing is not None else LinearStateRecorder(mixer, index)
             recorders[index].mechanism = mechanism
@@ -88,7 +89,8 @@ class FamilyState:
 
     def check_kv_layers(self, kv_layers) -> None:
         """A drafter reads K/V of attention layers only (linear-attention layers hold a state, not K/V)."""
-        linear = [int(i) for i in kv_layers if 0 <= int(i) < len(self.types) and self.types[int(i)] == "linear_attention"]
+        linear = [int(i) for i in kv_layers
+                  if 0 <= int(i) < len(self.types) and self.types[int(i)] == "linear_attention"]
         if linear:
             allowed = [i for i, kind in enumerate(self.types) if kind != "linear_attention"]
             raise ValueError(f"drafter.kv_layers: target layers {linear} of {self.family} are linear attention (a "
@@ -180,6 +182,7 @@ class FamilyState:
         before it (index 0)."""
         if valid is not None and bool(valid.all()):
             valid = None
+        parents = None if parents is None else parents.tolist()  # read on the host once, not once per layer
         for recorder in self.recorders.values():
             recorder.begin(cache, valid, parents)
 
@@ -190,6 +193,7 @@ class FamilyState:
     def keep_states(self, cache: DynamicCache, index: torch.Tensor) -> None:
         """Row b's linear states become those recorded at index[b] (0 = before the first recorded block, i = after
         its i-th position); the records are then dropped."""
+        index = index.tolist()  # one host read for every layer
         for recorder in self.recorders.values():
             recorder.select(cache, index)
 
@@ -262,7 +266,7 @@ class LinearStateRecorder:
         outputs = []
         for j in range(hidden_states.shape[1] if upto is None else upto):
             if self.parents is not None:  # tree: start from the parent's state (record 0 = before the block)
-                self._load(cache, self.parents[:, j] + len(self.conv) - j)
+                self._load(cache, [row[j] + len(self.conv) - j for row in self.parents])
             before = (conv.clone(), recurrent.clone()) if valid is not None else None
             outputs.append(self.original(hidden_states=hidden_states[:, j:j + 1], cache=cache, attention_mask=None,
                                          **kwargs))
@@ -274,14 +278,13 @@ class LinearStateRecorder:
             self.recurrent.append(recurrent.clone())
         return torch.cat(outputs, dim=1)
 
-    def _load(self, cache, index: torch.Tensor) -> None:
+    def _load(self, cache, index: list[int]) -> None:
+        """Row b's state := record index[b] (one row copied per row, never the whole record stack)."""
         conv, recurrent = self._states(cache)
-        rows = torch.arange(conv.shape[0], device=conv.device)
-        index = index.to(conv.device)
-        conv.copy_(torch.stack(self.conv)[index, rows])
-        recurrent.copy_(torch.stack(self.recurrent)[index, rows])
+        conv.copy_(torch.stack([self.conv[i][b] for b, i in enumerate(index)]))
+        recurrent.copy_(torch.stack([self.recurrent[i][b] for b, i in enumerate(index)]))
 
-    def select(self, cache, index: torch.Tensor) -> None:
+    def select(self, cache, index: list[int]) -> None:
         """Row b's state := record index[b]; then the records are dropped."""
         if not self.conv:
             return
@@ -290,7 +293,7 @@ class LinearStateRecorder:
         self._load(cache, index)
         self.clear()
 
-    def _rerun(self, cache, index: torch.Tensor) -> None:
+    def _rerun(self, cache, index: list[int]) -> None:
         """Restore the state before the blocks and step their inputs again up to the furthest kept position."""
         conv, recurrent = self._states(cache)
         conv.copy_(self.conv[0])
@@ -301,6 +304,6 @@ class LinearStateRecorder:
             [torch.ones(b.shape[:2], dtype=torch.bool, device=b.device) if v is None else v
              for b, v in zip(self.inputs, self.valids)], dim=1)
         self.inputs, self.valid = [], None
-        upto = int(index.max())
+        upto = max(index)
         if upto > 0:
             self._step(inputs, cache, valid, {}, upto=upto)

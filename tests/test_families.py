@@ -173,3 +173,106 @@ def test_unsupported_family_is_refused_in_one_line():
         TargetModel(model)
     message = str(error.value)
     assert "\n" not in message and "lfm2" in message and "'conv'" in message and "missing" in message
+
+
+@torch.no_grad()
+def test_gemma4_assistant_past_four_windows_drafts_as_transformers_and_is_greedy_exact(tmp_path):
+    """A Gemma-4-layout assistant (transformers' Gemma4AssistantForCausalLM, random, imported through its
+    `gemma4_assistant` reader) over tiny-gemma4's sliding (window 16) and global K/V after 70 tokens: its draft
+    logits equal transformers' assistant driven as its candidate generator drives it, and greedy output over
+    sequences past 4 windows == plain greedy at batch 3."""
+    pytest.importorskip("transformers.models.gemma4_assistant", reason="transformers without Gemma 4 assistants")
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    from drafters.base import DraftContext
+
+    target = family_target("tiny-gemma4")
+    config = target.model.config
+    text = Gemma4TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=config.vocab_size,
+                            layer_types=["sliding_attention", "full_attention"], sliding_window=config.sliding_window,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                            hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                            max_position_embeddings=2048, pad_token_id=config.pad_token_id,
+                            eos_token_id=config.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    helper = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64))
+    with torch.no_grad():  # off the unit-norm, zero-scalar start
+        for parameter in helper.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    helper.save_pretrained(str(tmp_path / "assistant"))
+    helper = helper.double().eval()
+    drafter = load_drafter(str(tmp_path / "assistant"), target.target_info()).to(torch.float64).eval()
+
+    length = 70
+    prompt = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(5))
+    _, served = target.prefill(prompt, torch.ones_like(prompt), drafter.feature_request())
+    next_token = torch.tensor([50])
+    drafter.begin(DraftContext(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.arange(length)[None],
+                               next_tokens=next_token, **served))
+    drafts, logits, _ = drafter.draft_logits(3)
+    out = target.model(input_ids=prompt, output_hidden_states=True, return_shared_kv_states=True)
+    shared = dict(out.shared_kv_states)
+    token, hidden = next_token[:, None], out.hidden_states[-1][:, -1:]
+    for step in range(3):
+        embeds = torch.cat([target.model.get_input_embeddings()(token), hidden], dim=-1)
+        reference = helper(inputs_embeds=embeds, attention_mask=torch.ones(1, length, dtype=torch.long),
+                           position_ids=torch.tensor([[length]]), shared_kv_states=shared, use_cache=False)
+        # Gemma 4's RMSNorm computes in float32 even for float64 inputs, hence the tolerance
+        torch.testing.assert_close(logits[:, step], reference.logits[:, 0], rtol=0, atol=1e-5)
+        token, hidden = reference.logits.argmax(-1), reference.last_hidden_state
+        assert int(token) == int(drafts[0, step])
+
+    max_new = 4 * config.sliding_window  # rows end at 71-84 tokens
+    plain = speculative_generate(target, None, prompts(), num_draft_tokens=0, max_new_tokens=max_new,
+                                 eos_token_ids=[])
+    chain = speculative_generate(target, drafter, prompts(), num_draft_tokens=3, max_new_tokens=max_new,
+                                 eos_token_ids=[])
+    assert chain.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_debug_targets_resolve_by_name_with_native_mtp_in_the_qwen_layout(name):
+    """Every debug name resolves through resolve_target (train, prepare, eval, export, doctor and calibrate all go
+    through it) to a directory transformers loads; the Qwen ones hold one MTP module where vLLM's Qwen3-Next / Qwen3.5
+    MTP loaders look (mtp.fc, mtp.pre_fc_norm_*, mtp.layers.0.* with its input_layernorm, mtp.norm)."""
+    import json
+    import os
+
+    from drafters.mtp.export import checkpoint_index, find_native
+    from inference.assets.store import resolve_target
+
+    directory = resolve_target("debug:" + name)
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    assert config["vocab_size"] == 260 and config["hidden_size"] == 64
+    names = set(checkpoint_index(directory))
+    if name in HYBRIDS:
+        assert config["mtp_num_hidden_layers"] == 1
+        assert {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                "mtp.norm.weight", "mtp.layers.0.input_layernorm.weight"} <= names
+        assert any(n.startswith("mtp.layers.0.self_attn.") for n in names)  # a full-attention layer
+        assert find_native(directory, config["num_hidden_layers"], config["model_type"]).num_modules == 1
+    else:
+        assert not any(n.startswith("mtp.") for n in names)
+
+
+def test_eval_refuses_an_unsupported_family_in_one_line_exit_2(tmp_path, capsys):
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    from inference.assets.debug_target import build_tokenizer
+    from train.cli import main as cli
+
+    tokenizer = build_tokenizer()
+    Lfm2ForCausalLM(Lfm2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                               bos_token_id=None)).save_pretrained(str(tmp_path / "lfm2"))
+    tokenizer.save_pretrained(str(tmp_path / "lfm2"))
+    argv = ["eval", "--target", str(tmp_path / "lfm2"), "--drafter", "ngram", "--prompts", "mt_bench",
+            "--num-prompts", "1", "--max-new-tokens", "4", "--num-draft-tokens", "1", "--out",
+            str(tmp_path / "report.json")]
+    assert cli(argv) == 2
+    stderr = capsys.readouterr().err.replace("\r", "\n")
+    errors = [line for line in stderr.splitlines() if ": error: " in line]
+    assert "Traceback" not in stderr and len(errors) == 1
+    assert "target family lfm2: layer types ['conv'] are not supported" in errors[0]

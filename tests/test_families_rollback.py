@@ -37,7 +37,8 @@ def row_state(runner: RaggedLM, row: int) -> list:
     state = []
     for layer in runner.cache.layers:
         if isinstance(layer, LinearAttentionLayer):
-            state.append((layer.conv_states[0][row].clone(), layer.recurrent_states[0][row].clone()))  # updated in place
+            # cloned: the cache updates these in place
+            state.append((layer.conv_states[0][row].clone(), layer.recurrent_states[0][row].clone()))
         elif getattr(layer, "keys", None) is not None:
             state.append((layer.keys[row][:, valid], layer.values[row][:, valid]))
     return state
@@ -97,8 +98,8 @@ def test_tree_rollback_equals_recompute(name):
     #    / \     \
     #   3   4     5
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2]] * 3)
-    tree = DraftTree(tokens=torch.tensor([[11, 12, 13, 14, 15, 16], [21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36]]),
-                     parents=parents, depth=torch.tensor([[0, 1, 1, 2, 2, 2]] * 3),
+    tokens = torch.tensor([[11, 12, 13, 14, 15, 16], [21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36]])
+    tree = DraftTree(tokens=tokens, parents=parents, depth=torch.tensor([[0, 1, 1, 2, 2, 2]] * 3),
                      valid=torch.ones(3, 6, dtype=torch.bool))
     path = torch.tensor([[0, 1, 4], [0, 2, 5], [0, -1, -1]])
     keep = torch.tensor([3, 3, 1])

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drafters.base import FeatureRequest, TargetInfo
 from drafters.ragged_lm import RaggedLM
@@ -163,10 +163,7 @@ class TargetModel:
         are monotonic, so this is the model's own argmax. The forward always runs to the end: training serves the
         final hidden state (the teacher) and the argmax with every batch."""
         self.check_request(FeatureRequest(layer_ids=tuple(layer_ids), kv_layers=tuple(kv_layers)))
-        # A hybrid's linear-attention layers need their own state slots in the cache; other layers stay full length.
-        types = getattr(self.model.config.get_text_config(decoder=True), "layer_types", None) or ()
-        fresh = DynamicCache(config=self.model.config) if "linear_attention" in types else DynamicCache()
-        cache = {self.runner.cache_arg: fresh} if kv_layers else {}
+        cache = {self.runner.cache_arg: self.runner.family.new_cache()} if kv_layers else {}  # every slot kept
         keep = {} if return_logits else {"logits_to_keep": 1}
         with self.capture(layer_ids, want_last_hidden=True) as captured:
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=bool(kv_layers),
