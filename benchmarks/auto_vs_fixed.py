@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measured passes (0: replay only)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--save-traces", default=None, help="write the prompts, continuations and profile (in AR "
+                        "steps) as tests/data/ngram_traces_smollm2.json holds them")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = TargetModel.from_pretrained(args.target)
@@ -87,6 +89,11 @@ def main() -> None:
         for index, prompt in enumerate(prompts):
             out = speculative_generate(target, None, [prompt], num_draft_tokens=0, max_new_tokens=args.max_new_tokens)
             continuations[index] = out.tokens[0]
+    if args.save_traces:
+        steps = costs.in_ar_steps()
+        with open(args.save_traces, "w") as f:
+            json.dump({"d": steps["d"], "v": steps["v"], "traces": [
+                {"prompt": prompt, "continuation": continuations[index]} for index, prompt in enumerate(prompts)]}, f)
     replayed = {}
     policies = {**{f"k={k}": FixedWidth(k) for k in ks}, "auto": AdaptiveK(costs, max_width=auto_width)}
     for name, policy in policies.items():

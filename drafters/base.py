@@ -231,7 +231,7 @@ class Drafter(nn.Module):
 
         A commit may also follow another commit (or `begin`) with no `propose` in between: a catch-up, when the
         engine ran rounds without drafts (adaptive k = 0) and hands their verified tokens over at once, as a block
-        [t_0, t_1..t_n-1] whose n - 1 "drafts" were all accepted (inference/engine/generate.py `_Deferred`)."""
+        [t_0, t_1..t_n-1] whose n - 1 "drafts" were all accepted (inference/engine/rounds.py `Deferred`)."""
         raise NotImplementedError
 
     # ---- inference: dropping finished rows ------------------------------------------------------------------------

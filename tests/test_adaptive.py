@@ -128,19 +128,29 @@ def _draft_model(target: TargetModel, model) -> DraftModelDrafter:
     return DraftModelDrafter(DraftModelConfig(path="tiny"), target.target_info(), model=model)
 
 
-def test_falls_to_zero_with_a_useless_drafter_and_explores_rarely():
+@pytest.mark.parametrize("share", [0.0, 0.02])
+def test_falls_to_zero_with_a_useless_drafter_and_explores_rarely(share):
+    """Explorations get rarer until a failed one costs `explore_share` of the AR time since the last (0: they keep
+    doubling to max_explore_after)."""
     target = TargetModel(make_tiny_model("llama"))
     useless = _draft_model(target, make_tiny_model("llama", seed=11, num_layers=1))
-    adaptive = AdaptiveK(chain_costs(6), explore_after=8, max_explore_after=64)
+    costs = chain_costs(6)
+    adaptive = AdaptiveK(costs, explore_after=8, max_explore_after=64, explore_share=share)
     out = speculative_generate(target, useless, random_prompts(1, seed=3), num_draft_tokens=6, max_new_tokens=120,
                                eos_token_ids=[], adaptive=adaptive)
     widths = out.chosen[0]
     assert sum(out.accept_lengths[0]) <= 2, "the test needs a drafter whose drafts are rejected"
-    assert widths[-40:].count(0) >= 38  # after the first rounds: plain AR, with at most a rare exploration
     explorations = [i for i, w in enumerate(widths) if w > 0 and i >= 10]
     gaps = [b - a for a, b in zip(explorations, explorations[1:])]
     assert all(w == 1 for i, w in enumerate(widths) if i in explorations)  # exploration is one draft
-    assert gaps == sorted(gaps), gaps  # and ever rarer
+    assert gaps == sorted(gaps), gaps  # and ever rarer, up to the cap
+    failed = costs.d(1) + costs.v(1) - costs.v(0)  # what an exploration that is rejected costs, in AR steps
+    cap = 64 if share == 0 else min(64, max(8, -(-failed // (share * costs.v(0)))))
+    assert adaptive.max_explore_after == cap and max(gaps) <= cap
+    if share == 0:
+        assert widths[-40:].count(0) >= 38  # after the first rounds: plain AR, with at most a rare exploration
+    else:  # cheap explorations (0.15 AR steps) reach the cap at once: every 8 rounds, 1.9% of the AR time
+        assert set(gaps) == {cap} and failed / cap <= share * costs.v(0)
 
 
 def test_rises_to_the_largest_k_with_a_drafter_that_copies_the_target():
@@ -225,7 +235,7 @@ def test_an_exploration_the_drafter_answered_with_nothing_is_retried_when_that_c
         assert len(explorations) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # backs off as before
 
 
-@pytest.mark.parametrize("bad", [dict(prior=1.5), dict(decay=0.0), dict(explore_after=0)])
+@pytest.mark.parametrize("bad", [dict(prior=1.5), dict(decay=0.0), dict(explore_after=0), dict(explore_share=1.0)])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError, match="adaptive k"):
         AdaptiveK(chain_costs(2), **bad)

@@ -1,5 +1,5 @@
 """Draft trees (inference/engine/tree/draft.py), tree verification (inference/engine/tree/verify.py) and the tree engine
-(inference/engine/tree/generate.py), for every drafter kind of the contract test.
+(inference/engine/tree/rounds.py), for every drafter kind of the contract test.
 
 Naive references: DDTree against brute-force enumeration of every prefix; EAGLE-3's branch expansion against its own
 chain proposal and against each branch expanded alone; the sibling-by-sibling sampling rule against the target's

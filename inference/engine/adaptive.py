@@ -26,8 +26,10 @@ nothing and hands the verified tokens over in one `commit` before the next propo
 whose drafts are always rejected costs a share of AR time bounded by the exploration below.
 
 Exploration: after `explore_after` rounds of W = 0 in a row, one round proposes W = 1 so a drafter that recovers is
-found again; each exploration that does not end the streak doubles the interval up to `max_explore_after`, so over
-N tokens a useless drafter costs about log2(max / min) + N / max explorations of d(1) + v(1) - v(0) each. An
+found again; each exploration that does not end the streak doubles the interval, up to `max_explore_after` or the
+interval at which a rejected exploration (d(1) + v(1) - v(0)) costs `explore_share` of the AR time between two,
+whichever is smaller: a useless drafter costs at most about that share, and a drafter whose good runs come and go
+is looked at again within a run's length where exploring is cheap. An
 exploration the drafter answered with nothing saw nothing: when such a round costs under 5% of an AR step (d(1)
 small: the n-gram drafter) the next round asks again, otherwise it counts as done.
 
@@ -44,6 +46,8 @@ interval with them, so only the first request pays for learning that a drafter i
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -75,19 +79,24 @@ class AdaptiveK(WidthPolicy):
 
     def __init__(self, costs: CostProfile, *, max_width: int | None = None, prior: float = 0.5,
                  prior_weight: float = 2.0, decay: float = 0.95, explore_after: int = 8, max_explore_after: int = 256,
-                 regimes: bool = True):
+                 explore_share: float = 0.02, regimes: bool = True):
         if not 0.0 <= prior <= 1.0 or prior_weight <= 0 or not 0.0 < decay <= 1.0:
             raise ValueError(f"adaptive k: need prior in [0, 1], prior_weight > 0, decay in (0, 1]; got {prior}, "
                              f"{prior_weight}, {decay}")
-        if not 1 <= explore_after <= max_explore_after:
-            raise ValueError(f"adaptive k: need 1 <= explore_after <= max_explore_after, got {explore_after}, "
-                             f"{max_explore_after}")
+        if not 1 <= explore_after <= max_explore_after or not 0.0 <= explore_share < 1.0:
+            raise ValueError(f"adaptive k: need 1 <= explore_after <= max_explore_after and explore_share in [0, 1), "
+                             f"got {explore_after}, {max_explore_after}, {explore_share}")
         max_width = costs.max_width if max_width is None else max_width
         if not 1 <= max_width <= costs.max_width:
             raise ValueError(f"adaptive k: max_width {max_width} must be in 1..{costs.max_width} (the profiled widths)")
         self.costs, self.max_width = costs, max_width
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        # the interval stops growing where a failed exploration costs explore_share of the AR time between two
         self.explore_after, self.max_explore_after = explore_after, max_explore_after
+        if explore_share > 0:
+            failed = costs.d(1) + costs.v(1) - costs.v(0)
+            self.max_explore_after = min(max_explore_after, max(explore_after, math.ceil(
+                failed / (explore_share * costs.v(0)))))
         self._seconds = costs.round_seconds()[: max_width + 1]
         self.num_regimes = 2 if regimes else 1
         # pooled (survived, offered) per regime and position, carried from one generation to the next

@@ -10,7 +10,7 @@ time (inference/engine/adaptive.py) up to the drafter's longest proposal (infere
 from cost curves profiled at start-up for every drafter and batch size; the same profile calibrates the predicted
 speedup of every k in the records. Questions are FastChat records; turn t+1 is asked after the
 model's own answer to turn t, so turns run index by index, batched within a category. `--tree-budget B,...` adds,
-per drafter, tree verification with B nodes per round (inference/engine/tree/generate.py): its records are the drafter's
+per drafter, tree verification with B nodes per round (inference/engine/tree/rounds.py): its records are the drafter's
 name + "@tree", num_draft_tokens B - 1 (the chain of equal verify budget) and tree_budget B. Records (inference/evaluation/metrics.py)
 cover every dataset x category (plus "all") x method, the baseline included as drafter "none", k = 0. The report
 (inference/evaluation/report.py) is the JSON at --out, a Markdown table beside it (also printed) and PNG plots. Every input is
