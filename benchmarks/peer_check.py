@@ -143,6 +143,7 @@ def _serve_drafter(drafter, checkpoint: str, target, prompts: list, args) -> lis
     method, formats = SERVED[drafter.kind]
     # a block drafter proposes block_size - 1 tokens a round, which is the k vLLM serves it with
     k = drafter.config.block_size - 1 if hasattr(drafter.config, "block_size") else args.k
+    k = min(k, drafter.max_draft_tokens() or k)  # e.g. one MTP module drafts one token
     work = os.path.join(VENVS, "serve", drafter.kind)
     os.makedirs(work, exist_ok=True)
     ours_path = os.path.join(work, "ours.json")
