@@ -84,6 +84,9 @@ def train(adapter, dump: dict, steps: int, out_json: str, name: str, log_every: 
         meter["loss"] += float(loss.detach())
         meter["acc"] += torch.tensor(depth_accuracy(draft_ids.detach(), labels, valid))
         meter["n"] += 1
+        if weights_dir and ((step + 1) % save_every == 0 or step + 1 == steps):
+            adapter.save(os.path.join(weights_dir, f"step_{step + 1}"))  # every one kept: equal-step evaluation
+            curve.setdefault("weights_steps", []).append(step + 1)
         if (step + 1) % log_every == 0 or step + 1 == steps:
             per_depth = (meter["acc"] / meter["n"]).tolist()
             curve["steps"].append(step + 1)
@@ -93,9 +96,6 @@ def train(adapter, dump: dict, steps: int, out_json: str, name: str, log_every: 
             curve.update(wall_s=wall, cpu_s=cpu, tokens_per_s=curve["tokens"] / max(wall, 1e-9),
                          tokens_per_cpu_s=curve["tokens"] / max(cpu, 1e-9))
             meter = {"loss": 0.0, "acc": torch.zeros(depths), "n": 0}
-            if weights_dir and ((step + 1) % save_every == 0 or step + 1 == steps):
-                adapter.save(os.path.join(weights_dir, f"step_{step + 1}"))  # every one kept: equal-step evaluation
-                curve.setdefault("weights_steps", []).append(step + 1)
             write_json(out_json, curve)
             print(f"{name} step {step + 1}: loss {curve['loss'][-1]:.3f} acc {curve['accuracy'][-1]:.3f} "
                   f"({curve['tokens_per_cpu_s']:.0f} tokens per CPU-s)", flush=True)

@@ -129,7 +129,7 @@ def run(args) -> None:
     while pending or running:
         while pending and len(running) < args.parallel:
             name = pending.pop(0)
-            python = sys.executable if name == "ours" else python_of(args.envs, name)
+            python = sys.executable if name.split("-")[0] == "ours" else python_of(args.envs, name)
             out = os.path.join(work, name)
             os.makedirs(out, exist_ok=True)
             log = open(os.path.join(out, "log.txt"), "w")
@@ -148,9 +148,23 @@ def run(args) -> None:
     with open(args.out, "w") as f:
         json.dump({"drafter": args.drafter, "steps": args.steps, "rows": rows}, f, indent=1)
     plot(args, rows, os.path.splitext(args.out)[0] + ".png")
+    print(markdown_table(args.drafter, rows))
+
+
+def markdown_table(drafter: str, rows: list[dict]) -> str:
+    """drafter x trainer x held-out tau x tokens/s x steps, with loss and accuracy at the evaluated step."""
+    lines = ["| drafter | trainer | steps reached | evaluated at step | held-out tau | training loss / accuracy there "
+             "| tokens per s (per CPU-s) |", "|---|---|---|---|---|---|---|"]
     for row in rows:
-        print(f"| {args.drafter} | {row['trainer']} | {row.get('heldout_tau')} | {row.get('tokens_per_s')} | "
-              f"{row['steps'][-1] if row.get('steps') else 0} |")
+        if not row.get("steps"):
+            lines.append(f"| {drafter} | {row['trainer']} | 0 | - | - | {row.get('error', '')[:80]} | - |")
+            continue
+        step = row.get("heldout_step")
+        at = row["steps"].index(step) if step in row["steps"] else -1
+        lines.append(f"| {drafter} | {row['trainer']} | {row['steps_reached']} | {step or '-'} | "
+                     f"{row.get('heldout_tau', '-')} | {row['loss'][at]:.3f} / {row['accuracy'][at]:.3f} | "
+                     f"{row['tokens_per_s']:.0f} ({row['tokens_per_cpu_s']:.0f}) |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
