@@ -34,3 +34,15 @@ def test_features_without_logits_equal_the_full_forward(monkeypatch):
     with_logits = target.features(input_ids, attention_mask, (0, 2, 3), return_logits=True)
     assert torch.equal(with_logits.logits, logits) and torch.equal(with_logits.argmax, features.argmax)
     torch.testing.assert_close(with_logits.hidden[3], features.hidden[3], rtol=0, atol=0)
+
+
+def test_pad_id_and_feature_dtype_have_one_rule(tiny_target):
+    """Training, prepare and estimate read the pad id and the cache dtype from TargetModel: the tokenizer's pad id or
+    0, and features.dtype "auto" = the dtype the target computes in."""
+    assert tiny_target.pad_token_id == 0  # no tokenizer
+    tiny_target.tokenizer = type("Tok", (), {"pad_token_id": 7})()
+    assert tiny_target.pad_token_id == 7
+    tiny_target.tokenizer.pad_token_id = None
+    assert tiny_target.pad_token_id == 0
+    assert tiny_target.feature_dtype("auto") == torch.float64  # the tiny targets compute in float64
+    assert tiny_target.feature_dtype("bfloat16") == torch.bfloat16

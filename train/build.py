@@ -81,7 +81,7 @@ def feature_provider(recipe: Recipe, split: str, target: TargetModel, request, n
         return FeatureProvider(mode, target, request)
     if not recipe.features.cache_dir:
         raise ValueError(f"features.cache_dir must be set for features.mode={mode}")
-    dtype = target.model.dtype if recipe.features.dtype == "auto" else getattr(torch, recipe.features.dtype)
+    dtype = target.feature_dtype(recipe.features.dtype)
     meta = cache_meta(target.target_info(), training_request(request, mode), dtype, num_samples)
     cache = FeatureCache(os.path.join(recipe.features.cache_dir, split), meta, rank=rank)
     return FeatureProvider(mode, target, request, cache)
@@ -125,7 +125,7 @@ def build_trainer(recipe: Recipe) -> Trainer:
         eval_prompts=(load_eval_prompts(target.tokenizer, recipe.eval.prompts, recipe.eval.num_prompts,
                                         recipe.data.chat_template, recipe.data.chat_template_kwargs)
                       if recipe.eval.num_prompts > 0 else []),
-        pad_token_id=target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0)
+        pad_token_id=target.pad_token_id)
     if resume is not None:
         trainer.restore(load_checkpoint(accelerator, resume, trainer.model.target_info))
         accelerator.print(f"resumed from {resume} at step {trainer.step}")

@@ -223,13 +223,12 @@ def print_cache_estimate(recipe: Recipe, target, data, request, num_processes: i
     from train.features import sample_lengths
 
     layer_ids = request.layer_ids
-    dtype = target.model.dtype if recipe.features.dtype == "auto" else getattr(torch, recipe.features.dtype)
+    dtype = target.feature_dtype(recipe.features.dtype)
     info = target.target_info()
     lengths = {split: sum(sample_lengths(dataset)) for split, dataset in (("train", data.train), ("eval", data.eval))}
     total_tokens = sum(lengths.values())
     per_token = cache_bytes_per_token(len(layer_ids), info.hidden_size, dtype, request.top_k_logits)
-    pad_token_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    rate = measure_throughput(target, data.train, request, recipe.train.batch_size, pad_token_id)
+    rate = measure_throughput(target, data.train, request, recipe.train.batch_size, target.pad_token_id)
     seconds = total_tokens / rate
     print(f"target {info.name_or_path}: D={info.hidden_size}, layer ids {list(layer_ids)} + final norm, "
           f"cache dtype {str(dtype).removeprefix('torch.')}")

@@ -92,6 +92,16 @@ class TargetModel:
         return cls(model, tokenizer, name_or_path=path, fast_path=fast_path)
 
     @property
+    def pad_token_id(self) -> int:
+        """The tokenizer's pad id, else 0: padded positions are masked out of attention and loss, so any id works."""
+        pad = getattr(self.tokenizer, "pad_token_id", None) if self.tokenizer is not None else None
+        return 0 if pad is None else int(pad)
+
+    def feature_dtype(self, name: str) -> torch.dtype:
+        """A recipe's features.dtype: "auto" stores features in the dtype the target computes in, else that dtype."""
+        return self.model.dtype if name == "auto" else getattr(torch, name)
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
