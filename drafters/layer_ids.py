@@ -1,7 +1,7 @@
 """Which target hidden states a drafter reads, per target family: `layer_ids: auto` and the hybrid rule.
 
-Ids follow ARCHITECTURE.md section 3: id k is the residual stream entering decoder layer k, i.e. the output of layer
-k - 1 (id 0 = the embeddings, id N = the final pre-norm output). `auto` (also what a recipe gets when it leaves the
+Ids follow docs/ARCHITECTURE.md's convention: id k is the residual stream entering decoder layer k, i.e. the output
+of layer k - 1 (id 0 = the embeddings, id N = the final pre-norm output). `auto` (also what a recipe gets when it leaves the
 field out) is each drafter's published default on an ordinary target.
 
 Hybrid targets (config.layer_types mixes "linear_attention" with "full_attention": Qwen3-Next, Qwen3.5 / 3.6) may
