@@ -119,12 +119,12 @@ def write_features(recipe: Recipe, target, state: PartialState) -> None:
 
     data = load_data(recipe, target, state)
     request = build_drafter(recipe, target).feature_request()
-        for split, dataset in (("train", data.train), ("eval", data.eval)):
+    for split, dataset in (("train", data.train), ("eval", data.eval)):
         cache = feature_provider(recipe, split, target, request, len(dataset), state.process_index).cache
         started = time.perf_counter()
-        written = write_cache(target, dataset, cache, batch_size=recipe.train.batch_size, pad_token_id=target.pad_token_id,
-                              rank=state.process_index, world_size=state.num_processes,
-                              progress=state.is_local_main_process)
+        written = write_cache(target, dataset, cache, batch_size=recipe.train.batch_size,
+                              pad_token_id=target.pad_token_id, rank=state.process_index,
+                              world_size=state.num_processes, progress=state.is_local_main_process)
         print(f"rank {state.process_index}: {split}: wrote features of {written} samples to {cache.directory} "
               f"in {time.perf_counter() - started:.1f} s")
     state.wait_for_everyone()
