@@ -23,7 +23,12 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import CacheLayerMixin, DummyLayer, DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttentionLayer
+
+try:  # transformers >= 5.2x; an older one (e.g. the 5.19 vLLM 0.32 pins) has no placeholder layers to accept
+    from transformers.cache_utils import DummyLayer
+except ImportError:
+    DummyLayer = None
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 MASKABLE_ATTENTION = ("sdpa", "eager")
