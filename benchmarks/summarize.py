@@ -176,7 +176,21 @@ def main_job_rows(prefix: str) -> list[list[str]]:
              "the README main job as written (MT-Bench 4 x 2 turns, 96 tokens)",
              f"tau {f2(k1['tau'])} at k = 1 ({x(k1['speedup'])}), {f2(k3['tau'])} at k = 3 ({x(k3['speedup'])}); "
              f"greedy output = plain greedy: {f2(min(k1['greedy_exact_match'], k3['greedy_exact_match']))}",
-             raw("main_job_readme_run", prefix)]]
+             raw("main_job_readme_run", prefix)],
+            fast_path_row(prefix)]
+
+
+def fast_path_row(prefix: str) -> list[str]:
+    """The README main job's drafter on the target's fast path, quiet machine, 2 threads."""
+    k1, auto = record("main_job_fast_path", "eagle3:final", 1), record("main_job_fast_path", "eagle3:final", "auto")
+    paths = load("perf_forward_t2_quiet")["paths"]
+    v = {name: paths[name]["v"]["1"] for name in ("hf", "fast-cpu-linear")}
+    return [link("engine", "on-the-quiet-machine-the-numbers-to-read", prefix),
+            "the README main job's drafter on the target's fast path (MT-Bench 4 x 2 turns, 96 tokens, 2 threads)",
+            f"v(1) {f2(v['fast-cpu-linear'])} decode steps (HF path {f2(v['hf'])}); tau {f2(k1['tau'])} at k = 1 "
+            f"({x(k1['speedup'])}); auto {x(auto['speedup'])}; greedy output = plain greedy: "
+            f"{f2(min(k1['greedy_exact_match'], auto['greedy_exact_match']))}",
+            raw("main_job_fast_path", prefix)]
 
 
 def drafter_rows(prefix: str) -> list[list[str]]:
@@ -239,14 +253,15 @@ def load_rows(prefix: str) -> list[list[str]]:
 
 
 def server_rows(prefix: str) -> list[list[str]]:
-    run = load("server_speedup_t1")
-    parts = [f"k = {r['k']}: tau {f2(r['tau_ours'])} ours, {f2(r['tau_vllm'])} vLLM, outputs identical "
-             f"{r['identical_outputs']}" for r in run["rows"]]
-    return [[link("exports served", "the-speedup-vllm-cpu-measures-beside-ours", prefix),
-             f"vLLM CPU {run['vllm']} serving an EAGLE-3 export beside our engine, same prompts and threads",
+    run = load("server_speedup_quiet")
+    parts = [f"k = {r['k']}: {x(r['speedup_ours'])} ours, {x(r['speedup_vllm'])} vLLM, tau {f2(r['tau_ours'])} ours, "
+             f"{f2(r['tau_vllm'])} vLLM, outputs identical {r['identical_outputs']}" for r in run["rows"]]
+    return [[link("exports served", "on-the-quiet-machine-the-numbers-to-read", prefix),
+             f"vLLM CPU {run['vllm']} serving an EAGLE-3 export beside our engine, same prompts, "
+             f"{run['threads']} thread each",
              "; ".join(parts) + f"; plain decoding {run['ar_tokens_per_s_ours']:.1f} tokens/s ours, "
-             f"{run['ar_tokens_per_s_vllm']:.1f} vLLM (load {run['load_1min']:.0f}: speedups not comparable)",
-             raw("server_speedup_t1", prefix)]]
+             f"{run['ar_tokens_per_s_vllm']:.1f} vLLM",
+             raw("server_speedup_quiet", prefix)]]
 
 
 def summary_table() -> str:
