@@ -133,28 +133,38 @@ def dflash_config(drafter) -> dict[str, Any]:
     }
 
 
-def speculators_config(drafter) -> dict[str, Any]:
-    """The speculators config.json dict (no top-level model_type; vLLM routes on speculators_config)."""
+def block_speculators_config(drafter, model_type: str, architecture: str, *, draft_vocab_size: int,
+                             num_speculative_tokens: int, sample_from_anchor: bool, ours: Mapping[str, Any],
+                             heads: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The speculators config.json dict of a block drafter (DFlash, and DSpark on DFlash's backbone): no top-level
+    model_type; vLLM routes on speculators_config. `heads`: extra keys after sample_from_anchor (DSpark's heads)."""
     info = drafter.target_info
-    block_size = int(drafter.config.block_size)
     return {
-        "speculators_model_type": "dflash",
+        "speculators_model_type": model_type,
         "speculators_version": SPECULATORS_VERSION,
-        "architectures": ["DFlashSpeculator"],
+        "architectures": [architecture],
         "transformer_layer_config": {**dict(drafter.layer_config), "model_type": "qwen3"},
-        "draft_vocab_size": _draft_vocab_size(drafter),
-        "block_size": block_size,
+        "draft_vocab_size": draft_vocab_size,
+        "block_size": int(drafter.config.block_size),
         "target_hidden_size": info.hidden_size,
         "aux_hidden_state_layer_ids": [int(i) for i in drafter.layer_ids],
         "mask_token_id": int(drafter.mask_token_id),
         "sliding_window_non_causal": False,
-        "sample_from_anchor": False,
+        "sample_from_anchor": sample_from_anchor,
+        **(heads or {}),
         "torch_dtype": dtype_name(drafter),
         "tie_word_embeddings": False,
-        # the anchor is the bonus token (sample_from_anchor false): block_size - 1 drafts
-        "speculators_config": speculators_section("dflash", info, block_size - 1),
-        _OURS: _ours(drafter),
+        "speculators_config": speculators_section(model_type, info, num_speculative_tokens),
+        _OURS: ours,
     }
+
+
+def speculators_config(drafter) -> dict[str, Any]:
+    """DFlash's speculators config.json dict. The anchor is the bonus token (sample_from_anchor false), so a block
+    of block_size slots proposes block_size - 1 drafts."""
+    return block_speculators_config(drafter, "dflash", "DFlashSpeculator", draft_vocab_size=_draft_vocab_size(drafter),
+                                    num_speculative_tokens=int(drafter.config.block_size) - 1,
+                                    sample_from_anchor=False, ours=_ours(drafter))
 
 
 # ---- reading ------------------------------------------------------------------------------------------------------

@@ -35,16 +35,15 @@ import torch
 from safetensors.torch import save_file
 
 from drafters.base import NATIVE_KIND_KEY, TargetInfo, check_target_match
-from drafters.dflash.export import check_layer_shapes, check_supported, dtype_name, load_weights
+from drafters.dflash.export import (block_speculators_config, check_layer_shapes, check_supported, dtype_name,
+                                    load_weights)
 from drafters.dspark.config import DSparkConfig
 from drafters.dspark.layers import backbone_config
 from drafters.dspark.readers import CHECKS
 from drafters.files import write_json_atomic
 from drafters.layers import rope_parameters
-from drafters.speculators import speculators_section
 
 EXPORT_FORMATS = ("speculators", "deepspec")
-SPECULATORS_VERSION = "0.9.0"
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"
 _OURS = "draftsmith"
 _TRAINING_FIELDS = ("num_anchors", "allow_text_mask_token", "ce_weight", "l1_weight", "confidence_weight",
@@ -95,27 +94,12 @@ def _ours(drafter) -> dict[str, Any]:
 
 
 def speculators_config(drafter) -> dict[str, Any]:
-    """The speculators config.json dict (no top-level model_type; vLLM routes on speculators_config)."""
-    info = drafter.target_info
-    block_size = int(drafter.config.block_size)
-    return {
-        "speculators_model_type": "dspark",
-        "speculators_version": SPECULATORS_VERSION,
-        "architectures": ["DSparkSpeculator"],
-        "transformer_layer_config": {**dict(drafter.layer_config), "model_type": "qwen3"},
-        "draft_vocab_size": info.vocab_size,
-        "block_size": block_size,
-        "target_hidden_size": info.hidden_size,
-        "aux_hidden_state_layer_ids": [int(i) for i in drafter.layer_ids],
-        "mask_token_id": int(drafter.mask_token_id),
-        "sliding_window_non_causal": False,
-        "sample_from_anchor": True,  # slot 0 drafts too: block_size speculative tokens
-        **_heads(drafter),
-        "torch_dtype": dtype_name(drafter),
-        "tie_word_embeddings": False,
-        "speculators_config": speculators_section("dspark", info, block_size),
-        _OURS: _ours(drafter),
-    }
+    """DSpark's speculators config.json dict: slot 0 drafts too (sample_from_anchor), so a block proposes block_size
+    speculative tokens; the full target vocabulary; the heads' settings after sample_from_anchor."""
+    return block_speculators_config(drafter, "dspark", "DSparkSpeculator",
+                                    draft_vocab_size=drafter.target_info.vocab_size,
+                                    num_speculative_tokens=int(drafter.config.block_size), sample_from_anchor=True,
+                                    ours=_ours(drafter), heads=_heads(drafter))
 
 
 def deepspec_config(drafter) -> dict[str, Any]:
