@@ -185,6 +185,8 @@ class FamilyState:
         each node, stepped from its parent's state). valid [B, S] (chain; None = all) marks the slots that advance a
         row's state; parents [B, N] (tree, -1 at the root). The first block after `clear` also keeps the state
         before it (index 0)."""
+        if not self.recorders:  # no linear-attention layer: nothing to record, and no host sync on the verify path
+            return
         if valid is not None and bool(valid.all()):
             valid = None
         parents = None if parents is None else parents.tolist()  # read on the host once, not once per layer
