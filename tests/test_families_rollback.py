@@ -67,10 +67,8 @@ def prefilled(name: str):
     return target, [list(p) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_chain_rollback_equals_recompute(name):
-    """Four verify blocks of 4 tokens; rows keep 1-4 of each (holes in the batched cache, none in a state)."""
-    target, sequences = prefilled(name)
+def verify_and_keep(target, sequences: list[list[int]]) -> None:
+    """Four verify blocks of 4 random tokens; row b keeps KEEPS[i][b] of block i, appended to sequences[b]."""
     generator = torch.Generator().manual_seed(0)
     for keep in KEEPS:
         block = torch.randint(0, 256, (3, 4), generator=generator)
@@ -79,6 +77,13 @@ def test_chain_rollback_equals_recompute(name):
         target.keep_after(mark, torch.tensor(keep))
         for row, kept in enumerate(keep):
             sequences[row] += block[row, :kept].tolist()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_chain_rollback_equals_recompute(name):
+    """Four verify blocks of 4 tokens; rows keep 1-4 of each (holes in the batched cache, none in a state)."""
+    target, sequences = prefilled(name)
+    verify_and_keep(target, sequences)
     assert min(map(len, sequences)) > 16  # past the sliding window
     assert_equals_fresh_prefill(target, sequences, torch.tensor([7, 8, 9]), name)
 
@@ -149,12 +154,5 @@ def test_mistral_rollback_past_its_window_equals_recompute():
     input_ids, mask = left_pad(PROMPTS, 0)
     target.prefill(input_ids, mask)
     sequences = [list(p) for p in PROMPTS]
-    generator = torch.Generator().manual_seed(0)
-    for keep in KEEPS:
-        block = torch.randint(0, 256, (3, 4), generator=generator)
-        mark = target.mark()
-        target.extend(block)
-        target.keep_after(mark, torch.tensor(keep))
-        for row, kept in enumerate(keep):
-            sequences[row] += block[row, :kept].tolist()
+    verify_and_keep(target, sequences)
     assert_equals_fresh_prefill(target, sequences, torch.tensor([7, 8, 9]), "mistral")
