@@ -49,3 +49,12 @@ def random_prompts(num: int, seed: int = 0, min_len: int = 3, max_len: int = 12,
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (num,), generator=gen).tolist()
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def joint_counts(token_rows, vocab: int) -> torch.Tensor:
+    """Counts [vocab ** 3] (float64) of the first three tokens of each row, indexed t0 * V^2 + t1 * V + t2: the
+    empirical joint law that the sampling-law tests compare with the target's exact one."""
+    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
+    for tokens in token_rows:
+        counts[tokens[0] * vocab * vocab + tokens[1] * vocab + tokens[2]] += 1
+    return counts

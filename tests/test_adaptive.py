@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from conftest import make_tiny_model, random_prompts
+from conftest import joint_counts, make_tiny_model, random_prompts
 from test_contract import KINDS, NUM_DRAFTS, SAMPLING, build, exact_joint, tiny_target
 
 from drafters.draft_model import DraftModelConfig, DraftModelDrafter
@@ -112,9 +112,7 @@ def test_adaptive_sampling_law_is_the_targets(kind):
     adaptive = AdaptiveK(chain_costs(2, draft_step=0.05, verify_slope=0.3))
     out = speculative_generate(target, drafter, [prompt] * rows, num_draft_tokens=2, max_new_tokens=3,
                                temperature=1.0, seed=0, eos_token_ids=[], adaptive=adaptive)
-    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
-    for tokens in out.tokens:
-        counts[tokens[0] * vocab * vocab + tokens[1] * vocab + tokens[2]] += 1
+    counts = joint_counts(out.tokens, vocab)
     expected = exact_joint(target.model, prompt, vocab) * rows
     keep = expected >= 5
     chi2 = (((counts - expected) ** 2) / expected)[keep].sum()

@@ -18,7 +18,7 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import joint_counts, make_tiny_model
 
 from drafters import DRAFTERS, load_drafter
 from drafters.assistant import AssistantConfig, AssistantDrafter
@@ -271,9 +271,7 @@ def test_sampling_law_is_the_targets(kind):
     prompt = [1, 4, 2, 5, 3]
     out = speculative_generate(target, drafter, [prompt] * rows, num_draft_tokens=2, max_new_tokens=3,
                                temperature=1.0, seed=0, eos_token_ids=[])
-    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
-    for tokens in out.tokens:
-        counts[tokens[0] * vocab * vocab + tokens[1] * vocab + tokens[2]] += 1
+    counts = joint_counts(out.tokens, vocab)
     expected = exact_joint(target.model, prompt, vocab) * rows
     keep = expected >= 5
     chi2 = (((counts - expected) ** 2) / expected)[keep].sum()

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import joint_counts, make_tiny_model
 
 from drafters import DRAFTERS, load_drafter
 from drafters.base import DraftContext
@@ -380,9 +380,7 @@ def test_sampling_law_at_temperature_one():
     out = speculative_generate(target, drafter, [prompt] * rows, num_draft_tokens=2, max_new_tokens=3,
                                temperature=1.0, seed=0, eos_token_ids=[])
     assert sum(sum(a) for a in out.accept_lengths) > 0.05 * rows  # drafts were accepted, not only rejected
-    counts = torch.zeros(vocab**3, dtype=torch.float64)
-    for tokens in out.tokens:
-        counts[tokens[0] * vocab * vocab + tokens[1] * vocab + tokens[2]] += 1
+    counts = joint_counts(out.tokens, vocab)
     seqs = torch.tensor([[a, b] for a in range(vocab) for b in range(vocab)])
     with torch.no_grad():
         probs = torch.softmax(model(input_ids=torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)).logits,

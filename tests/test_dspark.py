@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_model
+from conftest import joint_counts, make_tiny_model
 
 from drafters import DRAFTERS, load_drafter
 from drafters.base import DraftContext
@@ -282,9 +282,7 @@ def test_sampling_law_through_the_engine_with_schedules(schedule):
                                temperature=1.0, seed=0, eos_token_ids=[], schedule=chosen)
     proposed = [n for row in out.proposed for n in row]
     assert 0 < sum(proposed) < 3 * len(proposed)  # truncated, but not to nothing
-    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
-    for tokens in out.tokens:
-        counts[tokens[0] * vocab * vocab + tokens[1] * vocab + tokens[2]] += 1
+    counts = joint_counts(out.tokens, vocab)
     seqs = torch.tensor([[a, b] for a in range(vocab) for b in range(vocab)])
     with torch.no_grad():
         logits = target.model(input_ids=torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)).logits

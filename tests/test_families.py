@@ -14,6 +14,7 @@ import functools
 
 import pytest
 import torch
+from conftest import joint_counts
 from test_contract import exact_joint
 from test_tree import assert_chi_square
 from transformers import AutoModelForCausalLM
@@ -107,9 +108,7 @@ def test_sampling_law_is_the_targets(name):
     prompt = [1, 4, 2, 5, 3]
     out = speculative_generate(target, drafter, [prompt] * rows, num_draft_tokens=2, max_new_tokens=3,
                                temperature=1.0, seed=0, eos_token_ids=[])
-    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
-    for tokens in out.tokens:
-        counts[tokens[0] * vocab * vocab + tokens[1] * vocab + tokens[2]] += 1
+    counts = joint_counts(out.tokens, vocab)
     assert_chi_square(counts, exact_joint(model, prompt, vocab) * rows)
     accepted = sum(map(sum, out.accept_lengths))
     assert 0 < accepted < 2 * sum(map(len, out.accept_lengths))  # drafts were accepted and rejected

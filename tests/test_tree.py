@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from conftest import joint_counts
 from test_contract import FACTORIES, NUM_DRAFTS, SAMPLING, build, exact_joint, tiny_target
 
 from drafters.base import DraftContext
@@ -257,9 +258,7 @@ def test_tree_sampling_law_through_the_engine(kind):
     prompt = [1, 4, 2, 5, 3]
     out = tree_speculative_generate(target, drafter, [prompt] * rows, tree_budget=5, max_new_tokens=3,
                                     temperature=1.0, seed=0, eos_token_ids=[])
-    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
-    for tokens in out.tokens:
-        counts[tokens[0] * vocab * vocab + tokens[1] * vocab + tokens[2]] += 1
+    counts = joint_counts(out.tokens, vocab)
     assert_chi_square(counts, exact_joint(target.model, prompt, vocab) * rows)
     assert sum(map(sum, out.accept_lengths)) > 0 or kind == "ngram"  # the tree took part
 
