@@ -21,6 +21,10 @@ def dump_batches(args, work: str) -> tuple[str, str]:
     once; a later run with the same work directory reuses them."""
     dump_path, init = os.path.join(work, "dump.pt"), os.path.join(work, "init")
     if os.path.exists(dump_path) and os.path.exists(os.path.join(init, "native")):
+        made_with = torch.load(dump_path, weights_only=False)["meta"]["recipe_override"]
+        if list(made_with) != list(args.recipe_override):
+            raise SystemExit(f"peer_train_parity: --recipe-override: {work} was dumped with {made_with}, not "
+                             f"{list(args.recipe_override)}; pass the same overrides or remove that directory")
         return dump_path, init
     from accelerate import PartialState
 
@@ -142,7 +146,7 @@ def evaluate(args, work: str, trainers: list[str]) -> list[dict]:
             rows.append(row)
             continue
         drafter = load_drafter(weights, target.target_info()).eval()
-        k = drafter.max_draft_tokens()
+        k = args.eval_k or drafter.max_draft_tokens() or dump_meta["num_depths"]  # EAGLE-3: the blocks' length
         out = speculative_generate(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=args.max_new_tokens)
         counts = acceptance_counts(out)
         row.update(heldout_tau=round(1 + counts["accepted"] / counts["rounds"], 4), heldout_step=step, heldout_k=k,

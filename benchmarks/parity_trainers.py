@@ -103,6 +103,56 @@ class Ours:
         self.model.save(directory, "native")
 
 
+class Eagle3(Ours):
+    """draftsmith's EAGLE-3 (recipes/smollm2/eagle3.yaml's drafter: TTT 3 at 0.8^k, an 8k draft vocabulary picked
+    from the dumped batches' loss tokens) on the same batches, steps and optimizer settings, reading 3 of the dumped
+    feature layers (the recipe's [2, 15, 27] -> the dump's nearest [2, 15, 28]): the equal-data baseline the block
+    drafters are held against. Its cells are mapped onto the block layout (anchor = the last known token, depth d
+    predicts anchor + 1 + d), so its accuracy is counted on the same cells at depths < TTT steps (deeper ones: 0)."""
+
+    def __init__(self, dump, init_dir, overrides=()):
+        import yaml
+
+        from drafters import DRAFTERS
+        from drafters.eagle3.config import Eagle3Config
+        from inference.engine.target import TargetModel
+
+        info = TargetModel.from_pretrained(dump["meta"]["target"]).target_info()
+        self.layer_ids = dump["meta"]["layer_ids"]
+        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "recipes", "smollm2", "eagle3.yaml")) as f:
+            settings = dict(yaml.safe_load(f)["drafter"])
+        settings.pop("kind")
+        settings["layer_ids"] = [min(self.layer_ids, key=lambda i: abs(i - wanted)) for wanted in settings["layer_ids"]]
+        settings.update({key: yaml.safe_load(value) for key, _, value in (item.partition("=") for item in overrides)})
+        self.kind, self.depths = "eagle3", dump["meta"]["num_depths"]
+        torch.manual_seed(0)
+        self.model = DRAFTERS["eagle3"](Eagle3Config(**settings), info).train()
+        counts = torch.zeros(info.vocab_size, dtype=torch.long)
+        for batch in dump["batches"]:
+            kept = batch["input_ids"][(batch["loss_mask"] * batch["attention_mask"]).bool()]
+            counts += torch.bincount(kept, minlength=info.vocab_size)
+        self.model.init_from_data(counts)
+
+    def step(self, batch, anchors, valid):
+        batch = self._batch(batch)
+        out = self.model(batch)
+        loss, _ = self.model.loss(out, batch)
+        ids = out.target_ids(out.logits.detach().argmax(dim=-1))  # [N, K]: row n = label position s + 1 at every k
+        depths = ids.shape[1]
+        # the block cell (b, anchor p, depth d) is the EAGLE-3 cell of row b with label position p + 1 + d at depth d
+        lookup = {}
+        for n, (b, label) in enumerate(zip(out.batch_index.tolist(), out.label_position[:, 0].tolist())):
+            lookup[(b, label)] = n
+        draft = torch.full((*anchors.shape, self.depths), -1, dtype=torch.long)
+        for b, a in valid.nonzero().tolist():
+            for d in range(depths):
+                n = lookup.get((b, int(anchors[b, a]) + 1 + d))
+                if n is not None and out.depth_valid[n, d]:
+                    draft[b, a, d] = ids[n, d]
+        return loss, draft
+
+
 def _given_anchors(anchors, valid):
     return lambda *args, **kwargs: (anchors, valid)
 
@@ -230,12 +280,12 @@ class ModelOpt:
         _save_zlab(directory, self.module.state_dict(), self.raw)
 
 
-TRAINERS = {"ours": Ours, "specforge": SpecForge, "modelopt": ModelOpt}
+TRAINERS = {"ours": Ours, "eagle3": Eagle3, "specforge": SpecForge, "modelopt": ModelOpt}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trainer", help="ours, ours-VARIANT (with --set), specforge, modelopt or speculators")
+    parser.add_argument("trainer", help="ours, ours-VARIANT (with --set), eagle3, specforge, modelopt or speculators")
     parser.add_argument("--dump", required=True)
     parser.add_argument("--init", required=True)
     parser.add_argument("--steps", type=int, required=True)
@@ -248,6 +298,8 @@ def main(argv=None) -> None:
     dump = torch.load(args.dump, weights_only=False)
     if args.trainer == "ours" or args.trainer.startswith("ours-"):
         adapter = Ours(dump, args.init, args.set)
+    elif args.trainer == "eagle3":
+        adapter = Eagle3(dump, args.init, args.set)
     elif args.trainer in TRAINERS:
         adapter = TRAINERS[args.trainer](dump, args.init)
     else:

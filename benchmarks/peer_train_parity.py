@@ -5,7 +5,7 @@ parity").
     python benchmarks/peer_train_parity.py setup DIR
     python benchmarks/peer_train_parity.py run --envs DIR --drafter dflash|dspark \
         --peers specforge,modelopt,speculators --steps N --out FILE.json \
-        [--variant dpace:loss_weighting=dpace] [--recipe-override key=value ...]
+        [--variant dpace:loss_weighting=dpace] [--eagle3] [--recipe-override key=value ...]
 
 - setup: one throwaway venv per peer under DIR (torch==2.13.0 first and pinned by a constraints file, then the peer
   --no-deps and the few packages its model classes import) and a `plot` venv with matplotlib. Nothing here is a
@@ -122,14 +122,14 @@ def run(args) -> None:
     dump, init = dump_batches(args, work)
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     variants = dict(parse_variant(v) for v in args.variant)
-    trainers = ["ours", *[f"ours-{name}" for name in variants], *peers]
+    trainers = ["ours", *[f"ours-{name}" for name in variants], *(["eagle3"] if args.eagle3 else []), *peers]
     only = [t for t in args.only.split(",") if t] or trainers
     pending = [] if args.eval_only else [t for t in trainers if t in only and not finished(work, t, args.steps)]
     running = {}
     while pending or running:
         while pending and len(running) < args.parallel:
             name = pending.pop(0)
-            python = sys.executable if name.split("-")[0] == "ours" else python_of(args.envs, name)
+            python = sys.executable if name.split("-")[0] in ("ours", "eagle3") else python_of(args.envs, name)
             out = os.path.join(work, name)
             os.makedirs(out, exist_ok=True)
             log = open(os.path.join(out, "log.txt"), "w")
@@ -188,6 +188,10 @@ def main(argv=None) -> None:
                        help="override recipes/smollm2/<drafter>.yaml (e.g. drafter.num_layers=2)")
     p_run.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...",
                        help="also train ours with these drafter settings as trainer ours-NAME")
+    p_run.add_argument("--eagle3", action="store_true",
+                       help="also train draftsmith's EAGLE-3 (recipes/smollm2/eagle3.yaml's drafter) on the same batches")
+    p_run.add_argument("--eval-k", type=int, default=None,
+                       help="proposal length of the held-out decoding (default: the block drafter's longest)")
     p_run.add_argument("--eval-step", type=int, default=None,
                        help="evaluate every trainer's weights at this step (default: the last step all saved)")
     p_run.add_argument("--only", default="", help="train only these trainers (comma-separated); evaluate all")
