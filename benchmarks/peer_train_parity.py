@@ -144,7 +144,7 @@ def run(args) -> None:
                 log.close()
                 print(f"{name}: exit {proc.returncode}", flush=True)
                 del running[name]
-    rows = evaluate(args, work, trainers)
+    rows = evaluate(args, work, [t for t in trainers if t in only] if args.eval_only else trainers)
     with open(args.out, "w") as f:
         json.dump({"drafter": args.drafter, "steps": args.steps, "rows": rows}, f, indent=1)
     plot(args, rows, os.path.splitext(args.out)[0] + ".png")
@@ -194,7 +194,7 @@ def main(argv=None) -> None:
                        help="proposal length of the held-out decoding (default: the block drafter's longest)")
     p_run.add_argument("--eval-step", type=int, default=None,
                        help="evaluate every trainer's weights at this step (default: the last step all saved)")
-    p_run.add_argument("--only", default="", help="train only these trainers (comma-separated); evaluate all")
+    p_run.add_argument("--only", default="", help="train only these trainers (comma-separated); evaluate all (with --eval-only: evaluate only these)")
     p_run.add_argument("--eval-only", action="store_true", help="reuse the trained weights under DIR/work")
     args = parser.parse_args(argv)
     if args.command == "setup":
