@@ -26,9 +26,10 @@ import torch
 
 def check_placement(recipe) -> None:
     """ValueError naming the field when the placement cannot work with the rest of the recipe."""
-    if recipe.target.placement == "served" and recipe.features.mode != "offline":
-        raise ValueError(f"target.placement: served needs features.mode: offline (mode {recipe.features.mode} runs "
-                         "the target in training); fill the cache with draftsmith prepare first")
+    if recipe.target.placement == "served" and recipe.features.mode not in ("offline", "streamed"):
+        raise ValueError(f"target.placement: served needs features.mode: offline or streamed (mode "
+                         f"{recipe.features.mode} runs the target in training); fill the cache with draftsmith "
+                         "prepare first, or stream it")
     if recipe.target.placement == "sharded" and recipe.features.mode != "online":
         raise ValueError(f"target.placement: sharded needs features.mode: online (mode {recipe.features.mode} runs "
                          "the target on some processes only, and a sharded forward is collective); use a replicated "
