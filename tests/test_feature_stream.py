@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -77,6 +76,64 @@ class Producer:
         return self.written[0]
 
 
+class ProducerRanks:
+    """Producer ranks 0..ranks-1 (train.stream_producer.run_producer, HF extraction), each in a thread with its own
+    target, as `accelerate launch -m train.prepare` would run them in processes."""
+
+    def __init__(self, overrides, ranks: int):
+        from inference.engine.target import TargetModel
+        from train.build import build_drafter, feature_provider
+        from train.data import build_dataset
+        from train.features import cache_meta, training_request, write_cache
+        from train.stream import StreamDir
+        from train.stream_producer import run_producer
+
+        recipe = load_recipe(DEBUG_RECIPE, overrides)
+        self.threads, self.written, self.errors = [], [], []
+        for rank in range(ranks):
+            target = TargetModel.from_pretrained(recipe.target.name_or_path)
+            data = build_dataset(target.tokenizer, recipe.data)
+            with torch.random.fork_rng():
+                request = build_drafter(recipe, target).feature_request()
+
+            def extract(cache, dataset, indices, target=target, rank=rank):
+                return write_cache(target, dataset, cache, batch_size=recipe.train.batch_size, rank=rank,
+                                   world_size=ranks, pad_token_id=target.pad_token_id, indices=indices,
+                                   progress=False)
+
+            extract(feature_provider(recipe, "eval", target, request, len(data.eval), rank).cache, data.eval, None)
+            meta = cache_meta(target.target_info(), training_request(request, "streamed"), torch.float32,
+                              len(data.train))
+
+            def body(rank=rank, data=data, meta=meta, extract=extract):
+                try:
+                    self.written.append(run_producer(StreamDir(recipe.features.cache_dir), data.train, meta, extract,
+                                                     rank=rank, ranks=ranks, log=lambda line: None))
+                except BaseException as err:  # noqa: BLE001 - re-raised by join in the test's thread
+                    self.errors.append(err)
+
+            self.threads.append(threading.Thread(target=body, daemon=True))
+            self.threads[-1].start()
+
+    def join(self) -> list[int]:
+        for thread in self.threads:
+            thread.join(timeout=120)
+        if self.errors:
+            raise self.errors[0]
+        return self.written
+
+
+def directory_bytes(path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except FileNotFoundError:  # deleted (or renamed with its directory) while counted
+                pass
+    return total
+
+
 class DiskWatch:
     """Polls the stream's shard directories from a thread: the most of them and of their bytes seen at once, and
     the largest single shard."""
@@ -91,11 +148,7 @@ class DiskWatch:
 
     def _run(self):
         while not self.done.is_set():
-            sizes = []
-            for name in os.listdir(self.stream.shards):
-                sizes.append(sum(os.path.getsize(os.path.join(root, f)) for root, _, files in
-                                 os.walk(os.path.join(self.stream.shards, name)) for f in files
-                                 if os.path.exists(os.path.join(root, f))))
+            sizes = [directory_bytes(os.path.join(self.stream.shards, name)) for name in os.listdir(self.stream.shards)]
             self.most, self.most_bytes = max(self.most, len(sizes)), max(self.most_bytes, sum(sizes))
             self.largest = max([self.largest, *sizes])
             time.sleep(0.001)
@@ -147,8 +200,7 @@ def test_streamed_features_equal_offline_bit_for_bit_and_disk_stays_in_the_windo
     watch.stop()
     assert producer.join() == 8  # one shard per step, every one written, at most two on disk at any time
     assert 1 <= watch.most <= 2 and all(on_disk <= 2 for *_, on_disk in served)
-    offline_bytes = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in
-                        os.walk(tmp_path / "offline" / "train") for f in files)
+    offline_bytes = directory_bytes(tmp_path / "offline" / "train")
     assert watch.most_bytes <= 2 * watch.largest and 4 * watch.most_bytes < offline_bytes  # 2 samples, not 36
     assert os.listdir(cache / "stream" / "train") == []  # the trainer deleted every shard it read
     reference = FeatureCache(str(tmp_path / "offline" / "train"), off.train_features.cache.meta)
@@ -169,14 +221,15 @@ class Crash(Exception):
 
 
 def test_a_crashed_trainer_resumed_from_its_checkpoint_trains_bitwise_the_uninterrupted_run(workdir, tmp_path):
+    """The uninterrupted run is fed by two producer ranks, the crashed and resumed one by one (which stays up)."""
     from train.build import build_trainer
 
     # 8 training samples, global batch 2: 4 steps an epoch, so 7 steps stream two epochs (shards 0..6)
     common = ("data.num_samples=8", "train.max_steps=7", "train.save_every=3", "train.log_every=1")
     reset_accelerate()
-    producer = Producer(streamed(workdir, tmp_path / "full", tmp_path / "c1", *common))
+    producers = ProducerRanks(streamed(workdir, tmp_path / "full", tmp_path / "c1", *common), ranks=2)
     _, full_final, _ = train(streamed(workdir, tmp_path / "full", tmp_path / "c1", *common))
-    producer.join()
+    assert sorted(producers.join()) == [3, 4]  # shards 0, 2, 4, 6 and 1, 3, 5: two ranks share them
     crashed = streamed(workdir, tmp_path / "crashed", tmp_path / "c2", *common)
     reset_accelerate()
     producer = Producer(crashed)  # stays up across the trainer's crash and restart, as a separate process would
@@ -294,7 +347,6 @@ def test_a_dead_producer_stops_training_with_one_line_and_status_2(workdir, tmp_
     assert err[0].startswith(f"draftsmith train: error: stream producer rank 0 of 1 (pid {producer.pid} on ")
     assert "; last shard written: " in err[0] and "is gone (its process exited) while the trainer waits for shard" \
         in err[0] and err[0].endswith("it continues at the trainer's position")
-    shutil.rmtree(tmp_path / "c")
 
 
 @pytest.mark.parametrize("field, line", [

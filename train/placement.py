@@ -4,7 +4,7 @@
   while it fits: no collective in its forward).
 - "served": the target runs in a serving engine (vLLM, `features.extractor: vllm`) that filled the offline cache;
   training loads only the embeddings, final norm and lm_head (train/vllm_features.head_target), which the drafter
-  shares or reads. Offline features only; a warm start from target decoder layers is not available then.
+  shares or reads. Offline or streamed features only; a warm start from target decoder layers is not available then.
 - "sharded": torch FSDP2 (`fully_shard`) over all training processes, forward only. Every decoder layer is its own
   unit and the rest (embeddings, final norm, lm_head) the root's; a unit's weights are all-gathered for its forward
   and freed after it, so a process holds 1/W of the target plus one layer gathered at a time. Nothing is trained,

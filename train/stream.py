@@ -50,8 +50,8 @@ from train.features import FeatureCache, FeatureProvider
 
 POLL_S = 0.05  # how often a waiting trainer or an idle producer looks again
 HEARTBEAT_S = 2.0  # how often a producer rewrites its heartbeat
-_RESTART = "start it again with `draftsmith prepare RECIPE` (the trainer's recipe and overrides): it continues at the " \
-           "trainer's position"
+_RESTART = ("start it again with `draftsmith prepare RECIPE` (the trainer's recipe and overrides): it continues at "
+            "the trainer's position")
 
 
 class ProducerError(RuntimeError):
@@ -224,15 +224,15 @@ def producer_problem(stream: StreamDir, shard: int | None, waited_s: float, sinc
         if beat is None or beat["time"] < since:
             if waited_s > timeout_s:
                 last = "" if beat is None else f" (its last run ended at shard {beat['last_shard']})"
-                return f"{where} is not running{last} and the trainer has waited {waited_s:.0f} s for {what}; " + \
-                       _RESTART.replace("it again", "it")
+                return (f"{where} is not running{last} and the trainer has waited {waited_s:.0f} s for {what}; "
+                        + _RESTART.replace("it again", "it"))
             continue
         where += f" (pid {beat['pid']} on {beat['host']}; last shard written: {beat['last_shard']})"
         if beat["host"] == host and not pid_alive(beat["pid"]):
             return f"{where} is gone (its process exited) while the trainer waits for {what}; {_RESTART}"
         if now - beat["time"] > max(timeout_s, 5 * HEARTBEAT_S):
-            return f"{where} is gone (no heartbeat for {now - beat['time']:.0f} s) while the trainer waits for " \
-                   f"{what}; {_RESTART}"
+            return (f"{where} is gone (no heartbeat for {now - beat['time']:.0f} s) while the trainer waits for "
+                    f"{what}; {_RESTART}")
         if waited_s > timeout_s:
             return (f"{where} runs but {what} has not come in {waited_s:.0f} s: the producer falls behind; start "
                     "more producer ranks (accelerate launch, or features.vllm.data_parallel_size jobs) or raise "
@@ -326,5 +326,6 @@ class StreamedEvalFeatures(FeatureProvider):
                 f"the eval features in {self.cache.directory}")
             if problem:
                 raise ProducerError(problem)
-            time.sleep(0 if self.complete else POLL_S)
+            if not self.complete:
+                time.sleep(POLL_S)
         return super().__call__(batch)
