@@ -349,6 +349,34 @@ def test_a_dead_producer_stops_training_with_one_line_and_status_2(workdir, tmp_
         in err[0] and err[0].endswith("it continues at the trainer's position")
 
 
+@pytest.mark.slow
+def test_two_trainer_processes_read_the_stream_of_two_producer_ranks(workdir, tmp_path):
+    """gloo DDP, 2 processes x batch 1, fed by 2 producer ranks == 1 process x batch 1 x accumulation 2 offline
+    (the same global batches; each sample extracted alone in both, so the features are bitwise equal)."""
+    from train import prepare
+
+    common = ("train.batch_size=1", "train.max_steps=4", "train.log_every=1")
+    cache = tmp_path / "streamed"
+    overrides = streamed(workdir, tmp_path / "two", cache, *common, "train.grad_accum=1")
+    producers = ProducerRanks(overrides, ranks=2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    config = os.path.join(ROOT, "recipes", "accelerate", "cpu_ddp2.yaml")
+    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "-m", "train",
+                          DEBUG_RECIPE, *overrides], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "world_size=2" in two.stdout + two.stderr and sorted(producers.join()) == [2, 2]
+    offline = tiny_overrides(workdir, str(tmp_path / "one"), "features.mode=offline",
+                             f"features.cache_dir={tmp_path / 'offline'}", *common, "train.grad_accum=2")
+    reset_accelerate()
+    assert prepare.main([DEBUG_RECIPE, *offline]) == 0
+    reset_accelerate()
+    _, one_final, _ = train(offline)
+    expected, got = weights(one_final), weights(str(tmp_path / "two" / "final"))
+    for key in expected:  # DDP averages the two processes' gradients: equal up to the order of that sum
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5)
+    assert os.listdir(cache / "stream" / "train") == []
+
+
 @pytest.mark.parametrize("field, line", [
     ("features.stream.window_shards=0", "features.stream.window_shards must be >= 1, got 0"),
     ("features.stream.steps_per_shard=-1", "features.stream.steps_per_shard must be >= 1, got -1"),
