@@ -15,7 +15,7 @@ from accelerate.utils import set_seed
 from drafters import DRAFTERS
 from inference.engine.target import TargetModel
 from train.checkpoint import load_checkpoint, resolve_resume
-from train.config import Recipe, derive, recipe_to_dict, save_recipe
+from train.config import Derived, Recipe, derive, recipe_to_dict, save_recipe
 from train.data import build_dataset
 from train.features import FeatureCache, FeatureProvider, cache_meta, training_request
 from train.loop import RunClock, Trainer
@@ -73,9 +73,10 @@ def build_drafter(recipe: Recipe, target: TargetModel) -> torch.nn.Module:
 
 
 def feature_provider(recipe: Recipe, split: str, target: TargetModel, request, num_samples: int,
-                     rank: int) -> FeatureProvider:
+                     rank: int, derived: Derived | None = None) -> FeatureProvider:
     """The split's provider for the drafter's FeatureRequest; offline/hybrid ones read/write
-    <features.cache_dir>/<split>."""
+    <features.cache_dir>/<split>; streamed ones read the stream (train/stream.py; the train split needs the run's
+    `derived` values, which fix the data order) and the eval cache."""
     mode = recipe.features.mode
     if mode == "online":
         return FeatureProvider(mode, target, request)
@@ -83,6 +84,17 @@ def feature_provider(recipe: Recipe, split: str, target: TargetModel, request, n
         raise ValueError(f"features.cache_dir must be set for features.mode={mode}")
     dtype = target.feature_dtype(recipe.features.dtype)
     meta = cache_meta(target.target_info(), training_request(request, mode), dtype, num_samples)
+    if mode == "streamed":
+        from train.stream import StreamDir, StreamedEvalFeatures, StreamedFeatures, StreamPlan
+
+        stream, settings = StreamDir(recipe.features.cache_dir), recipe.features.stream
+        if split == "eval":
+            cache = FeatureCache(os.path.join(recipe.features.cache_dir, split), meta, rank=rank)
+            return StreamedEvalFeatures(target, request, cache, stream, settings, num_samples)
+        plan = StreamPlan(num_samples=num_samples, seed=recipe.train.seed, global_batch_size=derived.global_batch_size,
+                          steps_per_epoch=derived.steps_per_epoch, max_steps=derived.max_steps,
+                          steps_per_shard=settings.steps_per_shard)
+        return StreamedFeatures(target, request, meta, stream, plan, settings, main=rank == 0)
     cache = FeatureCache(os.path.join(recipe.features.cache_dir, split), meta, rank=rank)
     return FeatureProvider(mode, target, request, cache)
 
@@ -120,7 +132,7 @@ def build_trainer(recipe: Recipe) -> Trainer:
     trainer = Trainer(
         recipe=recipe, derived=derived, accelerator=accelerator, target=target, drafter=drafter, optimizer=optimizer,
         scheduler=scheduler, clock=clock, data=data,
-        train_features=feature_provider(recipe, "train", target, request, len(data.train), rank),
+        train_features=feature_provider(recipe, "train", target, request, len(data.train), rank, derived),
         eval_features=feature_provider(recipe, "eval", target, request, len(data.eval), rank),
         eval_prompts=(load_eval_prompts(target.tokenizer, recipe.eval.prompts, recipe.eval.num_prompts,
                                         recipe.data.chat_template, recipe.data.chat_template_kwargs)

@@ -43,8 +43,9 @@ DEBUG_ENV = "DRAFTSMITH_DEBUG"
 
 
 def is_user_error(err: BaseException) -> bool:
-    """Errors the user can fix (a recipe that is not valid YAML included); anything else is a bug: traceback."""
-    return (isinstance(err, USER_ERRORS + (yaml.YAMLError,))
+    """Errors the user can fix (a recipe that is not valid YAML included, or an error class that says so with
+    `user_error = True`, as a lost stream producer does); anything else is a bug: traceback."""
+    return (isinstance(err, USER_ERRORS + (yaml.YAMLError,)) or getattr(err, "user_error", False) is True
             or (isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS))
 
 

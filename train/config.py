@@ -62,17 +62,31 @@ class VllmEngineConfig:
 
 
 @dataclass(kw_only=True)
+class StreamConfig:
+    """`features.mode: streamed` (train/stream.py): a shard holds `steps_per_shard` optimizer steps' global batches;
+    at most `window_shards` shards are on disk at once (the one the trainer reads and those ahead of it). The
+    trainer stops with one line when a producer is gone or a shard has not come within `timeout_s` seconds."""
+
+    window_shards: int = 4
+    steps_per_shard: int = 1
+    timeout_s: float = 900.0
+
+
+@dataclass(kw_only=True)
 class FeaturesConfig:
     """online: target forward inside each step; offline: read the cache `draftsmith prepare` wrote; hybrid: compute
-    online and write the cache the first time a sample is seen, read it afterwards. dtype "auto" = the target's.
-    extractor: what `draftsmith prepare` computes the cache with: "hf" (the target's HF forward in this process)
-    or "vllm" (vLLM's hidden-state extraction, train/vllm_features.py; the cache is the same either way)."""
+    online and write the cache the first time a sample is seen, read it afterwards; streamed: `draftsmith prepare`
+    runs beside the training and writes shards just ahead of it, which training deletes once read (`stream:`).
+    dtype "auto" = the target's. extractor: what `draftsmith prepare` computes features with: "hf" (the target's
+    HF forward in this process) or "vllm" (vLLM's hidden-state extraction, train/vllm_features.py; the shards are
+    the same either way)."""
 
-    mode: Literal["online", "offline", "hybrid"] = "online"
+    mode: Literal["online", "offline", "hybrid", "streamed"] = "online"
     cache_dir: str | None = None
     dtype: Dtype = "auto"
     extractor: Literal["hf", "vllm"] = "hf"
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
 
 
 @dataclass(kw_only=True)
@@ -242,6 +256,9 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     from train.vllm_features import check_settings  # the vLLM engine fields (vLLM itself is not imported)
 
     check_settings(recipe.features.vllm)
+    from train.stream import check_stream
+
+    check_stream(recipe.features)
     from train.placement import check_placement
 
     check_placement(recipe)

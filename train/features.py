@@ -209,14 +209,15 @@ class FeatureProvider:
     """Fills a batch with target features. The drafter never learns which mode produced them.
 
     Args:
-        mode: "online" | "offline" | "hybrid".
+        mode: "online" | "offline" | "hybrid" (| "streamed": train/stream.py's subclass, which sets the cache
+            of the shard it reads in `at_step`).
         target: the frozen TargetModel (used by online and hybrid).
         request: the drafter's `feature_request()`.
         cache: the split's FeatureCache (offline and hybrid), else None.
     """
 
     def __init__(self, mode: str, target, request: FeatureRequest, cache: FeatureCache | None = None):
-        if mode != "online" and cache is None:
+        if mode in ("offline", "hybrid") and cache is None:
             raise ValueError(f"features.mode={mode} needs features.cache_dir")
         self.mode, self.target, self.cache = mode, target, cache
         self.request = training_request(request, mode)
@@ -284,6 +285,12 @@ class FeatureProvider:
             features.update(target_top_k_values=top_values.to(device), target_top_k_ids=top_ids.to(device))
         return features
 
+    def at_step(self, step: int) -> None:
+        """The trainer is about to run optimizer step `step` (the streamed provider waits for its shard)."""
+
+    def close(self) -> None:
+        """The run's last step is done (the streamed provider deletes what is left and releases the producers)."""
+
     def flush(self) -> None:
         if self.cache is not None and self.mode == "hybrid":
             self.cache.flush()
@@ -321,14 +328,19 @@ def make_batch(dataset, indices: list[int], pad_token_id: int) -> dict[str, torc
 
 
 def write_cache(target, dataset, cache: FeatureCache, *, batch_size: int, pad_token_id: int, rank: int = 0,
-                world_size: int = 1, progress: bool = True) -> int:
+                world_size: int = 1, progress: bool = True, indices: list[int] | None = None) -> int:
     """Compute and store the features of this rank's share of `dataset` (index % world_size == rank), skipping samples
-    already in the cache, longest first so a crash loses little and memory peaks early. Returns samples written."""
+    already in the cache, longest first so a crash loses little and memory peaks early. Returns samples written.
+    With `indices`, those samples in that order instead, batch_size at a time (a streamed shard: the trainer's
+    micro-batches exactly)."""
     from tqdm.auto import tqdm
 
-    lengths = sample_lengths(dataset)
-    todo = [i for i in range(rank, len(dataset), world_size) if i not in cache]
-    todo.sort(key=lambda i: -lengths[i])
+    if indices is not None:
+        todo = [i for i in indices if i not in cache]
+    else:
+        lengths = sample_lengths(dataset)
+        todo = [i for i in range(rank, len(dataset), world_size) if i not in cache]
+        todo.sort(key=lambda i: -lengths[i])
     request = FeatureRequest(layer_ids=tuple(cache.meta["layer_ids"]), top_k_logits=cache.meta.get("top_k_logits", 0))
     provider = FeatureProvider("online", target, request)
     bar = tqdm(total=len(todo), desc=f"features rank {rank}", disable=not progress, unit="sample")

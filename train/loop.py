@@ -4,7 +4,7 @@ The loop knows the drafter only through the contract in drafters/base.py: `targe
 `forward(batch)`, `loss(output, batch)`, `save(dir, "native")`, its `config` dataclass (phases set fields on it by
 name) and the inference methods the speculative-decoding probe drives. Only the drafter and its optimizer are
 prepared by accelerate; the target is frozen, unwrapped, on the accelerator's device, and features come from
-train/features.py (online, offline or hybrid).
+train/features.py (online, offline or hybrid) or train/stream.py (streamed).
 
 Data order is a pure function of (seed, epoch, step): each epoch is a seeded permutation cut into global batches of
 batch_size x processes x grad_accum sequences; micro-batch m of process r takes slice m * processes + r. So the
@@ -171,6 +171,7 @@ class Trainer:
             self._orders = {epoch: epoch_order(len(self.data.train), self.recipe.train.seed, epoch)}
         slices = step_indices(self._orders[epoch], position, self.derived, self.accelerator.process_index,
                               self.recipe.train.batch_size)
+        self.train_features.at_step(step)  # streamed features: wait for the step's shard
         return [self.to_device(make_batch(self.data.train, indices, self.pad_token_id), epoch) for indices in slices]
 
     def to_device(self, batch: dict[str, Any], epoch: int = 0) -> dict[str, Any]:
@@ -389,4 +390,5 @@ class Trainer:
                     raise Preempted(self.step, self.last_checkpoint() if self.saved_step == self.step else self.save())
                 if flags.out_of_time:
                     self.accelerator.print(f"wall budget train.max_time_minutes reached at step {self.step}; stopping")
+        self.train_features.close()
         return self.export_final()

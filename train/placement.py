@@ -4,7 +4,7 @@
   while it fits: no collective in its forward).
 - "served": the target runs in a serving engine (vLLM, `features.extractor: vllm`) that filled the offline cache;
   training loads only the embeddings, final norm and lm_head (train/vllm_features.head_target), which the drafter
-  shares or reads. Offline features only; a warm start from target decoder layers is not available then.
+  shares or reads. Offline or streamed features only; a warm start from target decoder layers is not available then.
 - "sharded": torch FSDP2 (`fully_shard`) over all training processes, forward only. Every decoder layer is its own
   unit and the rest (embeddings, final norm, lm_head) the root's; a unit's weights are all-gathered for its forward
   and freed after it, so a process holds 1/W of the target plus one layer gathered at a time. Nothing is trained,
@@ -26,9 +26,10 @@ import torch
 
 def check_placement(recipe) -> None:
     """ValueError naming the field when the placement cannot work with the rest of the recipe."""
-    if recipe.target.placement == "served" and recipe.features.mode != "offline":
-        raise ValueError(f"target.placement: served needs features.mode: offline (mode {recipe.features.mode} runs "
-                         "the target in training); fill the cache with draftsmith prepare first")
+    if recipe.target.placement == "served" and recipe.features.mode not in ("offline", "streamed"):
+        raise ValueError(f"target.placement: served needs features.mode: offline or streamed (mode "
+                         f"{recipe.features.mode} runs the target in training); fill the cache with draftsmith "
+                         "prepare first, or stream it")
     if recipe.target.placement == "sharded" and recipe.features.mode != "online":
         raise ValueError(f"target.placement: sharded needs features.mode: online (mode {recipe.features.mode} runs "
                          "the target on some processes only, and a sharded forward is collective); use a replicated "

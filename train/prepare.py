@@ -8,6 +8,8 @@
 2. When features.mode is offline or hybrid, every process writes the features of its share of the train and eval
    splits into <features.cache_dir>/{train,eval} (train/features.py); an interrupted run resumes from its index.
    features.extractor: vllm computes them in a vLLM engine per rank instead (train/vllm_features.py).
+3. When features.mode is streamed, every process is a producer that runs beside `draftsmith train` and writes the
+   train split's shards just ahead of it (train/stream_producer.py), until the trainer is done.
 
     draftsmith prepare recipes/smollm2/eagle3_full.yaml
     accelerate launch --config_file recipes/accelerate/8gpu_ddp.yaml -m train.prepare recipes/llama3.1-8b/eagle3.yaml
@@ -135,13 +137,9 @@ def write_features_vllm(recipe: Recipe, state: PartialState) -> None:
     the train and eval splits; this process loads only the target's embeddings, final norm and lm_head."""
     from inference.assets.store import resolve_target
     from train.build import build_drafter, feature_provider, load_data, resolve_dtype
-    from train.features import sample_lengths
-    from train.vllm_features import (clear_staging, data_parallel, engine_kwargs, head_target, pin_devices,
-                                     require_vllm, vllm_layer_ids, write_cache_vllm)
+    from train.vllm_features import data_parallel, head_target, require_vllm, write_cache_vllm
 
     require_vllm()
-    from vllm import LLM
-
     settings = recipe.features.vllm
     rank, ranks = data_parallel(settings, state.process_index, state.num_processes)
     path = resolve_target(recipe.target.name_or_path)
@@ -155,13 +153,7 @@ def write_features_vllm(recipe: Recipe, state: PartialState) -> None:
         print(f"rank {rank}: every feature of this rank's share is cached already")
         state.wait_for_everyone()
         return
-    staging = os.path.join(recipe.features.cache_dir, f"vllm-staging-rank{rank}")
-    clear_staging(staging)
-    pin_devices(settings, state.local_process_index, state.num_processes, state.device.type)
-    longest = max(max(sample_lengths(dataset), default=1) for _, dataset in splits)
-    llm = LLM(**engine_kwargs(path, str(dtype).removeprefix("torch."), settings, device_type=state.device.type,
-                              layer_ids=vllm_layer_ids(caches[0].meta["layer_ids"], target.num_layers),
-                              staging=staging, max_len=longest, seed=recipe.train.seed + rank))
+    llm = vllm_engine(recipe, state, target, request, [dataset for _, dataset in splits], rank)
     for cache, (split, dataset) in zip(caches, splits):
         started = time.perf_counter()
         written = write_cache_vllm(target, llm, dataset, cache, rank=rank, world_size=ranks,
@@ -169,6 +161,27 @@ def write_features_vllm(recipe: Recipe, state: PartialState) -> None:
         print(f"rank {rank}: {split}: wrote vLLM features of {written} samples to {cache.directory} "
               f"in {time.perf_counter() - started:.1f} s")
     state.wait_for_everyone()
+
+
+def vllm_engine(recipe: Recipe, state: PartialState, target, request, datasets, rank: int):
+    """The vllm.LLM that extracts this rank's features (on its own GPUs), sized for the longest sample."""
+    from vllm import LLM
+
+    from inference.assets.store import resolve_target
+    from train.build import resolve_dtype
+    from train.features import sample_lengths
+    from train.vllm_features import clear_staging, engine_kwargs, pin_devices, vllm_layer_ids
+
+    settings = recipe.features.vllm
+    staging = os.path.join(recipe.features.cache_dir, f"vllm-staging-rank{rank}")
+    clear_staging(staging)
+    pin_devices(settings, state.local_process_index, state.num_processes, state.device.type)
+    longest = max(max(sample_lengths(dataset), default=1) for dataset in datasets)
+    dtype = str(resolve_dtype(recipe.target.dtype, state.device)).removeprefix("torch.")
+    return LLM(**engine_kwargs(resolve_target(recipe.target.name_or_path), dtype, settings,
+                               device_type=state.device.type, layer_ids=vllm_layer_ids(request.layer_ids,
+                                                                                       target.num_layers),
+                               staging=staging, max_len=longest, seed=recipe.train.seed + rank))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         require_vllm()  # before any regeneration, so a missing vLLM costs nothing
     if recipe.regenerate is not None:
         regenerate_data(recipe, state)
-    if recipe.features.mode in ("offline", "hybrid") and recipe.features.extractor == "vllm":
+    if recipe.features.mode == "streamed":
+        from train.stream_producer import produce
+
+        produce(recipe, state)
+    elif recipe.features.mode in ("offline", "hybrid") and recipe.features.extractor == "vllm":
         write_features_vllm(recipe, state)
     elif recipe.features.mode in ("offline", "hybrid"):
         write_features(recipe, load_target(recipe, state.device, whole=True), state)

@@ -205,17 +205,20 @@ def clear_staging(staging: str) -> None:
 
 
 def write_cache_vllm(target, llm, dataset, cache, *, rank: int = 0, world_size: int = 1, chunk_size: int = 64,
-                     progress: bool = True) -> int:
+                     progress: bool = True, indices: list[int] | None = None) -> int:
     """vLLM's features of this rank's share of `dataset` (index % world_size == rank) into `cache`, skipping what it
-    holds, longest first (as train/features.write_cache). Returns samples written."""
+    holds, longest first (as train/features.write_cache), or of `indices` in their order. Returns samples written."""
     from safetensors.torch import load_file
     from tqdm.auto import tqdm
     from vllm import SamplingParams
 
     from train.features import sample_lengths
 
-    lengths = sample_lengths(dataset)
-    todo = sorted((i for i in range(rank, len(dataset), world_size) if i not in cache), key=lambda i: -lengths[i])
+    if indices is not None:
+        todo = [i for i in indices if i not in cache]
+    else:
+        lengths = sample_lengths(dataset)
+        todo = sorted((i for i in range(rank, len(dataset), world_size) if i not in cache), key=lambda i: -lengths[i])
     captured = vllm_layer_ids(cache.meta["layer_ids"], target.num_layers)
     top_k = cache.meta.get("top_k_logits", 0)
     params = SamplingParams(max_tokens=1, temperature=0.0)
