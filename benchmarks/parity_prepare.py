@@ -147,11 +147,20 @@ def evaluate(args, work: str, trainers: list[str]) -> list[dict]:
             continue
         drafter = load_drafter(weights, target.target_info()).eval()
         k = args.eval_k or drafter.max_draft_tokens() or dump_meta["num_depths"]  # EAGLE-3: the blocks' length
-        out = speculative_generate(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=args.max_new_tokens)
-        counts = acceptance_counts(out)
-        row.update(heldout_tau=round(1 + counts["accepted"] / counts["rounds"], 4), heldout_step=step, heldout_k=k,
-                   heldout_rounds=counts["rounds"], heldout_prompts=f"{args.prompts} x {len(prompts)}",
-                   read_as=_format_of(weights))
+        done = os.path.join(work, name, f"heldout_{step}_{args.prompts}_{len(prompts)}_{args.max_new_tokens}_{k}.json")
+        if os.path.exists(done):  # the same weights on the same prompts: decoded by an earlier run
+            with open(done) as f:
+                heldout = json.load(f)
+        else:
+            out = speculative_generate(target, drafter, prompts, num_draft_tokens=k,
+                                       max_new_tokens=args.max_new_tokens)
+            counts = acceptance_counts(out)
+            heldout = {"heldout_tau": round(1 + counts["accepted"] / counts["rounds"], 4), "heldout_step": step,
+                       "heldout_k": k, "heldout_rounds": counts["rounds"],
+                       "heldout_accepted_per_position": counts["survived"],
+                       "heldout_prompts": f"{args.prompts} x {len(prompts)}, {args.max_new_tokens} new tokens"}
+            write_json(done, heldout)
+        row.update(heldout, read_as=_format_of(weights))
         rows.append(row)
         write_json(os.path.join(work, "rows.json"), {"rows": rows})
     return rows
