@@ -9,7 +9,9 @@
 #   4. a short EAGLE-3 training on SmolLM2 and the engine's speedup with it and with n-gram lookup
 #      (draftsmith eval, k = 1 and 3, against autoregression through the same engine);
 #   5. the target on a distributed engine: sharded == replicated features, a sharded training on 2 GPUs (when
-#      there are 2), vLLM's features == HF's (when VLLM_PYTHON imports vllm).
+#      there are 2), vLLM's features == HF's (when VLLM_PYTHON imports vllm);
+#   6. streamed features against an offline cache (peak disk, tokens/s), with an HF and (when installed) a vLLM
+#      producer.
 # Every step writes its log under RESULTS_DIR; RESULTS_DIR/summary.md has one line per step (ok / FAILED, the number
 # it measured) and the machine it ran on; copy its numbers into docs/benchmarks.md. A failing step does not stop the
 # others; the exit status is the number of failed steps.
@@ -122,6 +124,19 @@ if "$VLLM_PYTHON" -c "import vllm" 2> /dev/null; then
 else
     echo "- skipped vLLM features: $VLLM_PYTHON cannot import vllm (docs/distributed.md, 'The vLLM environment')" \
         >> "$SUMMARY"
+fi
+
+# Streamed features (docs/distributed.md, "Streamed features"): the producer (draftsmith prepare) beside the trainer,
+# peak disk and tokens/s against an offline cache of the same data; with vLLM as the producer when it is installed.
+STREAM_SAMPLES=48
+[[ ${#CPU_FLAG[@]} -gt 0 ]] && STREAM_SAMPLES=8
+step "streamed vs offline features (SmolLM2, hf producer)" "$RESULTS/stream.log" \
+    python benchmarks/stream_features.py --out "$RESULTS/stream" --samples $STREAM_SAMPLES --repeats 1 \
+    --result "$RESULTS/stream/stream_features.json"
+if "$VLLM_PYTHON" -c "import vllm" 2> /dev/null; then
+    step "streamed vs offline features (SmolLM2, vLLM producer)" "$RESULTS/stream_vllm.log" \
+        python benchmarks/stream_features.py --out "$RESULTS/stream_vllm" --samples $STREAM_SAMPLES --repeats 1 \
+        --extractor vllm --python "$VLLM_PYTHON" --result "$RESULTS/stream_vllm/stream_features.json"
 fi
 
 echo "failed steps: $FAILED" >> "$SUMMARY"
