@@ -35,14 +35,15 @@ def rows_per_chunk(values_per_row: int, budget: int) -> int:
 
 
 def chunked_rows(function: Callable[[slice], Sequence[torch.Tensor]], num_rows: int, values_per_row: int,
-                 budget: int = LOSS_CHUNK_VALUES) -> tuple[torch.Tensor, ...]:
+                 budget: int | None = None) -> tuple[torch.Tensor, ...]:
     """function(rows) for consecutive row slices covering range(num_rows), outputs concatenated along dim 0.
 
-    function(rows) must return tensors whose dim 0 is the rows of the slice (e.g. per-cell losses [n, K] and draft
+    function(rows) returns tensors that concatenate along dim 0 in row order (e.g. per-cell losses [n, K] and draft
     argmaxes [n, K]); what it builds inside (logits [n, K, V]) lives only while its chunk runs, in the forward and
-    again in the backward. One slice covering every row runs plainly, without recomputation.
+    again in the backward. One slice covering every row runs plainly, without recomputation. budget: values of one
+    chunk's logits (None = LOSS_CHUNK_VALUES).
     """
-    step = rows_per_chunk(values_per_row, budget)
+    step = rows_per_chunk(values_per_row, LOSS_CHUNK_VALUES if budget is None else budget)
     if step >= num_rows:
         return tuple(function(slice(0, num_rows)))
     parts = [checkpoint(function, slice(start, min(num_rows, start + step)), use_reentrant=False,
@@ -65,14 +66,15 @@ def _causal_chunk(start: int, q, k, v, key_valid, diagonal_k, diagonal_v):
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
                      diagonal_k: Sequence[torch.Tensor] = (), diagonal_v: Sequence[torch.Tensor] = (),
-                     budget: int = ATTENTION_CHUNK_VALUES) -> torch.Tensor:
+                     budget: int | None = None) -> torch.Tensor:
     """Causal attention over keys that are valid (key_valid), each query also seeing its own position, plus one extra
     key per query for each entry of diagonal_k (EAGLE-3's training-time test: layers.attention_with_diagonal).
 
     Equals attention_with_diagonal(q, k, v, ((causal & key_valid) | eye)[:, None], diagonal_k, diagonal_v)
     (or `attention` without diagonal keys). Without diagonal keys and with every key valid it is one causal SDPA
-    (a flash kernel: no [n, n] scores). Otherwise query chunks of at most `budget` score values attend to the keys up
-    to their last row, each chunk recomputed in the backward pass, so memory is linear in n.
+    (a flash kernel: no [n, n] scores). Otherwise query chunks of at most `budget` score values (None =
+    ATTENTION_CHUNK_VALUES) attend to the keys up to their last row, each chunk recomputed in the backward pass, so
+    memory is linear in n.
 
     Args:
         q: [B, H, n, d]; k, v: [B, H_kv, n, d]; key_valid: [B, n] bool; diagonal_k / diagonal_v: J tensors like k.
@@ -83,7 +85,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     if not diagonal_k and bool(key_valid.all()):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                 enable_gqa=heads != k.shape[1])
-    step = rows_per_chunk(batch * heads * (n + len(diagonal_k)), budget)
+    step = rows_per_chunk(batch * heads * (n + len(diagonal_k)), ATTENTION_CHUNK_VALUES if budget is None else budget)
     if step >= n:
         return _causal_chunk(0, q, k, v, key_valid, tuple(diagonal_k), tuple(diagonal_v))
     parts = []

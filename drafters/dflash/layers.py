@@ -42,7 +42,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from drafters.base import DraftContext, TargetInfo
-from drafters.chunked import ATTENTION_CHUNK_VALUES, maybe_checkpoint
+from drafters import chunked
+from drafters.chunked import maybe_checkpoint
 from drafters.dflash.anchors import block_attention_mask, block_positions
 from drafters.dflash.config import DFlashConfig
 from drafters.layer_ids import auto_layer_ids, check_hybrid_ids, is_auto, nearest_distinct
@@ -242,20 +243,19 @@ def _block_chunk(q, k, v, context_k, context_v, anchors, anchor_valid, context_v
     return attention(q, keys, values, mask)
 
 
-def block_attention(q, k, v, context_k, context_v, blocks: Blocks,
-                    budget: int = ATTENTION_CHUNK_VALUES) -> torch.Tensor:
+def block_attention(q, k, v, context_k, context_v, blocks: Blocks) -> torch.Tensor:
     """Block queries q [B, H, A * S, d] over [context keys [B, H_kv, T, d] ; block keys k] by the training mask.
 
     One SDPA over the whole mask when it fits one chunk (blocks.mask); else chunks of anchors whose mask has at most
-    `budget` values, each over the context before its latest anchor only and recomputed in the backward pass, so
-    neither the [A * S, T + A * S] mask nor per-chunk copies of the context keys are held (memory linear in T).
+    chunked.ATTENTION_CHUNK_VALUES values, each over the context before its latest anchor only and recomputed in
+    the backward pass, so neither the [A * S, T + A * S] mask nor per-chunk copies of the context keys are held.
     """
     if blocks.mask is not None:
         keys, values = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
         return attention(q, keys, values, blocks.mask)
     batch, _, _, _ = q.shape
     size, seq_len = blocks.block_size, context_k.shape[2]
-    step = max(1, budget // (batch * size * (seq_len + size)))  # anchors per chunk
+    step = chunked.rows_per_chunk(batch * size * (seq_len + size), chunked.ATTENTION_CHUNK_VALUES)  # anchors
     parts = []
     for first in range(0, blocks.anchors.shape[1], step):
         last = min(blocks.anchors.shape[1], first + step)
@@ -290,15 +290,14 @@ def block_forward(layers, h: torch.Tensor, context: torch.Tensor, block_rope, co
 
 
 def anchored_blocks(layers, rotary, context: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
-                    anchor_valid: torch.Tensor, context_valid: torch.Tensor, checkpointing: bool = False,
-                    budget: int = ATTENTION_CHUNK_VALUES) -> torch.Tensor:
+                    anchor_valid: torch.Tensor, context_valid: torch.Tensor,
+                    checkpointing: bool = False) -> torch.Tensor:
     """Every block of every row through the draft layers in one forward (training; mask: anchors.block_attention_mask).
 
     Args:
         layers: DFlashDecoderLayer modules; rotary: their RotaryEmbedding. context: [B, T, D] fused target features.
         block_embeds: [B, A, S, D] the block inputs [x_a, MASK x (S-1)]; anchors, anchor_valid: [B, A];
         context_valid: [B, T] bool. checkpointing: recompute each layer's activations in the backward pass.
-        budget: mask values of one attention chunk (block_attention).
     Returns:
         [B, A, S, D] pre-norm block states.
     """
@@ -309,7 +308,7 @@ def anchored_blocks(layers, rotary, context: torch.Tensor, block_embeds: torch.T
     block_rope = rotary(block_positions(anchors, block_size), h.dtype)
     context_rope = rotary(context_positions, h.dtype)
     slots = num_anchors * block_size
-    whole = batch_size * slots * (seq_len + slots) <= budget
+    whole = batch_size * slots * (seq_len + slots) <= chunked.ATTENTION_CHUNK_VALUES  # the mask fits one chunk
     mask = block_attention_mask(anchors, anchor_valid, context_valid, block_size) if whole else None
     blocks = Blocks(anchors, anchor_valid, context_valid, block_size, mask)
     h = block_forward(layers, h, context, block_rope, context_rope, blocks, checkpointing)

@@ -154,8 +154,9 @@ class Eagle3Drafter(DraftHead, Drafter):
         in loss_mask and the target argmax at s is in the draft vocab; depth k predicts x_{s+1} from t = s-1-k.
 
         Returns:
-            DraftOutput with logits [N, K, V_d] (computed through its head when read): row n is the kept target position s (all K depths predict x_{s+1},
-            so label_position is s + 1 in every column), depth_valid [N, K] False where t = s-1-k < 0.
+            DraftOutput with logits [N, K, V_d] (through its head, when read): row n is the kept target position s
+            (all K depths predict x_{s+1}, so label_position is s + 1 in every column), depth_valid [N, K] False
+            where t = s-1-k < 0.
         """
         input_ids = batch["input_ids"]
         batch_size, seq_len = input_ids.shape
