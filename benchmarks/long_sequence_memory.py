@@ -18,7 +18,7 @@ and every target argmax lies in the draft vocabulary (the most loss cells a sequ
 query heads of 64 and 2 KV heads, MLP 768, 1 draft layer, target vocabulary 49,152 (SmolLM2's); EAGLE-3 with a 8,192
 draft vocabulary and TTT 3 or 7; DFlash and DSpark at their published block shapes (block 16 / 7, 512 anchors,
 DFlash through the full vocabulary, DSpark's vanilla Markov head of rank 256 and its confidence head). `predicted_bytes`
-is `draftsmith estimate`'s analytic model (train/memory_model.py) for the same point.
+is `draftsmith estimate`'s analytic model (drafters.step_memory.py) for the same point.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def run_point(spec: dict, cap_bytes: int) -> dict:
 
 def predicted(spec: dict) -> int | None:
     try:
-        from train.memory_model import StepShape, step_peak_bytes
+        from drafters.step_memory import StepShape, step_peak_bytes
     except ImportError:  # the model did not exist yet (the "before" run)
         return None
     kind, fields = VARIANTS[spec["variant"]]

@@ -33,6 +33,7 @@ Shapes: B batch, T sequence, D hidden, A anchors per row, S block size (slot 0 =
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -255,7 +256,9 @@ def block_attention(q, k, v, context_k, context_v, blocks: Blocks) -> torch.Tens
         return attention(q, keys, values, blocks.mask)
     batch, _, _, _ = q.shape
     size, seq_len = blocks.block_size, context_k.shape[2]
-    step = chunked.rows_per_chunk(batch * size * (seq_len + size), chunked.ATTENTION_CHUNK_VALUES)  # anchors
+    # c anchors hold a mask of B * cS * (T + cS) values: the largest c within the budget (at least one)
+    slots = (math.sqrt(seq_len**2 + 4 * chunked.ATTENTION_CHUNK_VALUES / batch) - seq_len) / 2
+    step = max(1, int(slots) // size)
     parts = []
     for first in range(0, blocks.anchors.shape[1], step):
         last = min(blocks.anchors.shape[1], first + step)

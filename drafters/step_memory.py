@@ -1,0 +1,182 @@
+"""Peak memory of one training step (forward, backward, AdamW step) of EAGLE-3, DFlash and DSpark, from the shapes
+alone: what `draftsmith estimate` prints as the drafter's step peak (`step_shape` reads them off a built drafter),
+checked against measurement by benchmarks/long_sequence_memory.py (docs/benchmarks.md, "Long sequences").
+
+The model counts values (then bytes per value) of what is alive at the peak:
+- static: the drafter's parameters and buffers, the target tensors it computes with (embedding, lm_head), the batch's
+  features ((number of layer ids + 1) x T x D) and its int64 rows, and torch's runtime (kernel code and buffers
+  first touched by a step, RUNTIME_BYTES);
+- state: gradients and the two AdamW moments of the trained parameters (3 values each);
+- activations: what autograd keeps for the backward pass, per token and draft layer (and per TTT step), counted tensor
+  by tensor in the functions below; with activation checkpointing only each layer's input and outputs stay;
+- the largest chunk computation alive on top of them (`peak_activation_values`): a loss chunk
+  (drafters/chunked.LOSS_CHUNK_VALUES logits) or an attention chunk (ATTENTION_CHUNK_VALUES scores or mask values),
+  or the whole tensor when a short sequence fits a single chunk.
+
+Shapes: B batch, T sequence, D hidden, H / H_kv heads of d, I MLP width, V vocabulary, V_d draft vocabulary,
+K depths (TTT steps), A anchors, S block size, n_f feature layers, P trained parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from drafters.chunked import ATTENTION_CHUNK_VALUES, LOSS_CHUNK_VALUES
+
+RUNTIME_BYTES = 80 << 20  # torch's kernels and buffers first touched by a training step, measured on CPU
+LOSS_CHUNK_COPIES = 2  # a loss chunk's recomputed logits and their gradient
+ATTENTION_CHUNK_COPIES = 5  # EAGLE-3's score chunk: scores, masked scores, with the diagonal, softmax, gradient
+MASK_CHUNK_COPIES = 2  # a DFlash block-mask chunk: the boolean mask and SDPA's float copy (1 + 4 bytes ~ 1.25 x 4)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One training step's shapes. kind: eagle3 | dflash | dspark. depths: TTT steps (EAGLE-3) or block size S.
+    anchors: A (block drafters). head_vocab: V_d of the trained or frozen head the loss runs through. markov_rank: r
+    of DSpark's sequential head (0 = none). num_features: n_f target layers. params: P trained parameters (None =
+    counted from the shapes)."""
+
+    kind: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    num_layers: int
+    vocab: int
+    head_vocab: int
+    num_features: int
+    seq_len: int
+    batch: int
+    depths: int
+    anchors: int = 0
+    markov_rank: int = 0
+    checkpointing: bool = False
+    bytes_per_value: int = 4
+    params: int | None = None
+
+    @classmethod
+    def for_drafter(cls, kind: str, config, *, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                    intermediate: int, vocab: int, num_features: int | None, seq_len: int, batch: int,
+                    checkpointing: bool, params: int | None = None) -> "StepShape":
+        """The shape of a drafter config (drafters/<kind>/config.py) on a target of the given widths."""
+        if kind == "eagle3":
+            depths, anchors, rank, head_vocab = config.ttt_steps, 0, 0, config.draft_vocab_size
+            features = num_features or 3
+        elif kind in ("dflash", "dspark"):
+            depths, anchors = config.block_size, min(config.num_anchors, max(1, seq_len - 1))
+            rank = config.markov_rank if kind == "dspark" and config.markov_head_type != "none" else 0
+            head_vocab = getattr(config, "draft_vocab_size", None) or vocab
+            features = num_features or 5
+        else:
+            raise ValueError(f"no memory model for drafter kind {kind!r} (eagle3, dflash, dspark)")
+        return cls(kind=kind, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                   intermediate=intermediate, num_layers=config.num_layers, vocab=vocab, head_vocab=head_vocab,
+                   num_features=features, seq_len=seq_len, batch=batch, depths=depths, anchors=anchors,
+                   markov_rank=rank, checkpointing=checkpointing, params=params)
+
+
+def layer_params(s: StepShape, input_width: int) -> int:
+    """q/k/v/o, the SwiGLU MLP and two norms of one draft layer whose q/k/v read input_width features."""
+    qkv = input_width * (s.heads + 2 * s.kv_heads) * s.head_dim
+    return qkv + s.heads * s.head_dim * s.hidden + 3 * s.hidden * s.intermediate + 2 * s.hidden
+
+
+def trained_params(s: StepShape) -> int:
+    if s.params is not None:
+        return s.params
+    fc = s.num_features * s.hidden * s.hidden
+    if s.kind == "eagle3":  # the first layer reads [embedding ; hidden], a trained draft head
+        return fc + layer_params(s, 2 * s.hidden) + (s.num_layers - 1) * layer_params(s, s.hidden) \
+            + s.head_vocab * s.hidden + 2 * s.hidden  # + hidden_norm and the final norm
+    layers = s.num_layers * (layer_params(s, s.hidden) + 2 * s.head_dim)  # + q_norm / k_norm
+    head = s.head_vocab * s.hidden if s.head_vocab != s.vocab else 0  # a reduced DFlash vocabulary is trained
+    markov = 2 * s.vocab * s.markov_rank + (s.hidden + s.markov_rank + 1 if s.markov_rank else 0)
+    return fc + layers + head + markov + 2 * s.hidden
+
+
+def eagle3_values_per_token(s: StepShape) -> int:
+    """Values autograd keeps per position: per TTT step and layer, the norms' outputs (hidden, embedding, post-
+    attention), the [embedding ; hidden] input, the residual and the output (7 D), q and k three times each
+    (projection, rotated half, RoPE result) and v, the o_proj input, the MLP's gate, up, SiLU and product (4 I);
+    per step the gathered, normed rows (2 D) and cos / sin (2 d); once the fc input and output, the embeddings and
+    the head input (n_f D + D + D + K D)."""
+    h, qd, kvd = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    per_layer = 7 * h + 4 * qd + 4 * kvd + 4 * s.intermediate
+    if s.checkpointing:  # a checkpointed layer keeps its output and this step's keys and values
+        per_layer = h + 2 * kvd
+    per_step = s.num_layers * per_layer + 2 * h + 2 * s.head_dim
+    return s.depths * per_step + (s.num_features + 2 + s.depths) * h
+
+
+def block_values(s: StepShape) -> tuple[int, int]:
+    """(values per context token, values per block slot) autograd keeps in a DFlash / DSpark step: the context's
+    fc input and output and its norm, per layer its keys (projection, k_norm, rotated, RoPE) and values; per slot
+    the embedding, cos / sin and per layer the block stream's norms, q and k four times each, v, the o_proj input,
+    the residual, the output and the MLP (4 D + 5 H d + 5 H_kv d + 4 I), plus the gathered final states."""
+    h, qd, kvd = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    context = (s.num_features + 2) * h + s.num_layers * 5 * kvd
+    per_layer = 4 * h + 5 * qd + 5 * kvd + 4 * s.intermediate
+    if s.checkpointing:
+        context, per_layer = (s.num_features + 2) * h, h
+    slot = h + 2 * s.head_dim + s.num_layers * per_layer + h
+    if s.kind == "dspark":  # post-norm hidden for the heads, and the Markov embedding of the previous token
+        slot += h + s.markov_rank
+    return context, slot
+
+
+def activation_values(s: StepShape) -> int:
+    """All values autograd keeps at the end of the forward pass."""
+    if s.kind == "eagle3":
+        return s.batch * s.seq_len * eagle3_values_per_token(s)
+    context, slot = block_values(s)
+    return s.batch * s.seq_len * context + s.batch * s.anchors * s.depths * slot
+
+
+def peak_activation_values(s: StepShape) -> int:
+    """Kept activations plus the largest chunk computation on top of them, the larger of two moments:
+    - the backward pass starts at the loss: every activation is kept while a loss chunk's logits and their gradient
+      (LOSS_CHUNK_COPIES chunks) are recomputed;
+    - EAGLE-3 reaches the attention of its last TTT step once that step's other tensors are freed (about 1 / K of
+      the activations), and a score chunk and its softmax and gradient (ATTENTION_CHUNK_COPIES) are live; a block
+      drafter's attention chunk holds the boolean block mask and SDPA's float copy of it (MASK_CHUNK_COPIES).
+    A sequence short enough for one chunk holds that one chunk, the whole tensor, as the one-shot path does."""
+    kept = activation_values(s)
+    if s.kind == "eagle3":
+        loss = min(s.batch * s.seq_len * s.depths * s.head_vocab, LOSS_CHUNK_VALUES)
+        scores = min(s.batch * s.heads * s.seq_len * (s.seq_len + s.depths), ATTENTION_CHUNK_VALUES)
+        attention = kept * (s.depths - 1) // s.depths + ATTENTION_CHUNK_COPIES * scores if s.depths > 1 else 0
+        return max(kept + LOSS_CHUNK_COPIES * loss, attention)
+    slots = s.anchors * s.depths
+    loss = min(s.batch * slots * s.head_vocab, LOSS_CHUNK_VALUES)
+    mask = min(s.batch * slots * (s.seq_len + slots), ATTENTION_CHUNK_VALUES)
+    return kept + max(LOSS_CHUNK_COPIES * loss, MASK_CHUNK_COPIES * mask)
+
+
+def step_peak_parts(s: StepShape) -> dict[str, int]:
+    """Bytes of each part of one step's peak (static, state, activations with the chunk on top) and their total."""
+    b = s.bytes_per_value
+    params = trained_params(s)
+    tokens = s.batch * s.seq_len
+    static = b * (params + 2 * s.vocab * s.hidden + (s.num_features + 1) * tokens * s.hidden) + 4 * 8 * tokens
+    parts = {"static": static + RUNTIME_BYTES, "gradients + AdamW": 3 * b * params,
+             "activations + chunk": b * peak_activation_values(s)}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def step_peak_bytes(s: StepShape) -> int:
+    return step_peak_parts(s)["total"]
+
+
+def step_shape(drafter, seq_len: int, batch: int, checkpointing: bool) -> StepShape | None:
+    """The StepShape of a built drafter (its layer config, target widths, layer ids and trained parameter count) for
+    micro-batches of batch x seq_len tokens; None for a kind this model does not cover."""
+    if drafter.kind not in ("eagle3", "dflash", "dspark"):
+        return None
+    layer = drafter.layer_config
+    return StepShape.for_drafter(
+        drafter.kind, drafter.config, hidden=layer["hidden_size"], heads=layer["num_attention_heads"],
+        kv_heads=layer["num_key_value_heads"], head_dim=layer["head_dim"], intermediate=layer["intermediate_size"],
+        vocab=drafter.target_info.vocab_size, num_features=len(drafter.layer_ids), seq_len=seq_len, batch=batch,
+        checkpointing=checkpointing, params=sum(p.numel() for p in drafter.parameters() if p.requires_grad))
