@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from drafters.layers import attention, attention_with_diagonal
@@ -57,14 +58,17 @@ def _causal_chunk(start: int, q, k, v, key_valid, diagonal_k, diagonal_v):
     end = k.shape[2]
     columns = torch.arange(end, device=q.device)
     rows = torch.arange(start, end, device=q.device).unsqueeze(1)
-    mask = ((columns <= rows) & key_valid[:, None, :end]) | (columns == rows)  # [B, c, end]
-    mask = mask.unsqueeze(1)
+    causal = columns <= rows  # [c, end]
+    if key_valid is None:
+        mask = causal[None, None]
+    else:
+        mask = ((causal & key_valid[:, None, :end]) | (columns == rows)).unsqueeze(1)  # [B, 1, c, end]
     if not diagonal_k:
         return attention(q, k, v, mask)
     return attention_with_diagonal(q, k, v, mask, list(diagonal_k), list(diagonal_v))
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
                      diagonal_k: Sequence[torch.Tensor] = (), diagonal_v: Sequence[torch.Tensor] = (),
                      budget: int | None = None) -> torch.Tensor:
     """Causal attention over keys that are valid (key_valid), each query also seeing its own position, plus one extra
@@ -77,14 +81,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     memory is linear in n.
 
     Args:
-        q: [B, H, n, d]; k, v: [B, H_kv, n, d]; key_valid: [B, n] bool; diagonal_k / diagonal_v: J tensors like k.
+        q: [B, H, n, d]; k, v: [B, H_kv, n, d]; key_valid: [B, n] bool, or None when every key is valid;
+        diagonal_k / diagonal_v: J tensors like k.
     Returns:
         [B, H, n, d]
     """
     batch, heads, n, _ = q.shape
-    if not diagonal_k and bool(key_valid.all()):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                enable_gqa=heads != k.shape[1])
+    if not diagonal_k and key_valid is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != k.shape[1])
     step = rows_per_chunk(batch * heads * (n + len(diagonal_k)), ATTENTION_CHUNK_VALUES if budget is None else budget)
     if step >= n:
         return _causal_chunk(0, q, k, v, key_valid, tuple(diagonal_k), tuple(diagonal_v))

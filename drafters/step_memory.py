@@ -51,6 +51,7 @@ class StepShape:
     depths: int
     anchors: int = 0
     markov_rank: int = 0
+    extra_params: int = 0  # DSpark's sequential-head gates and confidence head
     checkpointing: bool = False
     bytes_per_value: int = 4
     params: int | None = None
@@ -61,19 +62,31 @@ class StepShape:
                     checkpointing: bool, params: int | None = None) -> "StepShape":
         """The shape of a drafter config (drafters/<kind>/config.py) on a target of the given widths."""
         if kind == "eagle3":
-            depths, anchors, rank, head_vocab = config.ttt_steps, 0, 0, config.draft_vocab_size
+            depths, anchors, rank, head_vocab, extra = config.ttt_steps, 0, 0, config.draft_vocab_size, 0
             features = num_features or 3
         elif kind in ("dflash", "dspark"):
             depths, anchors = config.block_size, min(config.num_anchors, max(1, seq_len - 1))
             rank = config.markov_rank if kind == "dspark" and config.markov_head_type != "none" else 0
             head_vocab = getattr(config, "draft_vocab_size", None) or vocab
             features = num_features or 5
+            extra = dspark_head_params(config, hidden) if kind == "dspark" else 0
         else:
             raise ValueError(f"no memory model for drafter kind {kind!r} (eagle3, dflash, dspark)")
         return cls(kind=kind, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                    intermediate=intermediate, num_layers=config.num_layers, vocab=vocab, head_vocab=head_vocab,
                    num_features=features, seq_len=seq_len, batch=batch, depths=depths, anchors=anchors,
-                   markov_rank=rank, checkpointing=checkpointing, params=params)
+                   markov_rank=rank, extra_params=extra, checkpointing=checkpointing, params=params)
+
+
+def dspark_head_params(config, hidden: int) -> int:
+    """Parameters of DSpark's sequential-head gate (gated: [h ; W1 x] -> r, rnn: [s ; W1 x ; h] -> 3r, with biases)
+    and of its confidence head (a linear of [h ; W1 x] or h, with bias); the W1 / W2 tables are counted apart."""
+    rank, kind = config.markov_rank, config.markov_head_type
+    gate = {"gated": (hidden + rank + 1) * rank, "rnn": (2 * rank + hidden + 1) * 3 * rank}.get(kind, 0)
+    confidence = 0
+    if config.enable_confidence_head:
+        confidence = hidden + (rank if config.confidence_head_with_markov else 0) + 1
+    return gate + confidence
 
 
 def layer_params(s: StepShape, input_width: int) -> int:
@@ -91,8 +104,7 @@ def trained_params(s: StepShape) -> int:
             + s.head_vocab * s.hidden + 2 * s.hidden  # + hidden_norm and the final norm
     layers = s.num_layers * (layer_params(s, s.hidden) + 2 * s.head_dim)  # + q_norm / k_norm
     head = s.head_vocab * s.hidden if s.head_vocab != s.vocab else 0  # a reduced DFlash vocabulary is trained
-    markov = 2 * s.vocab * s.markov_rank + (s.hidden + s.markov_rank + 1 if s.markov_rank else 0)
-    return fc + layers + head + markov + 2 * s.hidden
+    return fc + layers + head + 2 * s.vocab * s.markov_rank + s.extra_params + 2 * s.hidden
 
 
 def eagle3_values_per_token(s: StepShape) -> int:

@@ -173,11 +173,12 @@ class Eagle3Drafter(DraftHead, Drafter):
         features = torch.cat([batch["target_hidden"][i][:, :length] for i in self.layer_ids], dim=-1)
         hidden = self.fc(features.to(self.fc.weight.dtype))  # [B, L, D]
         positions = torch.arange(length, device=input_ids.device).expand(batch_size, length)
+        key_valid = None if bool(pair_valid.all()) else pair_valid  # None: plain causal attention (one host sync)
         step_keys: list[dict[str, Any]] = [{"diag_k": [], "diag_v": []} for _ in self.layers]
         normed = []
         for step in range(steps):
             cos, sin = self.rotary(positions + step, hidden.dtype)
-            hidden = self._ttt_layers(embeds[:, step : step + length], hidden, cos, sin, pair_valid, step_keys, step)
+            hidden = self._ttt_layers(embeds[:, step : step + length], hidden, cos, sin, key_valid, step_keys, step)
             rows = (target_position - 1 - step).clamp(min=0)
             normed.append(self.norm(hidden[batch_index, rows]))
         head_input = torch.stack(normed, dim=1)  # [N, K, D]; the head runs on it when the loss asks (chunks of N)
@@ -190,8 +191,8 @@ class Eagle3Drafter(DraftHead, Drafter):
     def _ttt_layers(self, embeds, hidden, cos, sin, key_valid, step_keys, step: int) -> torch.Tensor:
         """One TTT step through every draft layer. step_keys[i] keeps layer i's step-0 keys and diagonal keys.
 
-        Each query t attends to the step-0 keys at t' <= t where key_valid holds (and always its own), plus its own
-        keys of steps 1..step (drafters/chunked.causal_attention: no [L, L] tensor at long L)."""
+        Each query t attends to the step-0 keys at t' <= t where key_valid holds (None: all; always its own), plus
+        its own keys of steps 1..step (drafters/chunked.causal_attention: no [L, L] tensor at long L)."""
         x = hidden
         for layer, keys in zip(self.layers, step_keys):
             x, k, v = maybe_checkpoint(self.activation_checkpointing, self._ttt_layer, layer, embeds, x, cos, sin,
