@@ -154,6 +154,31 @@ def predicted(spec: dict) -> int | None:
     return step_peak_bytes(shape)
 
 
+def mib(value) -> str:
+    return f"{value / (1 << 20):,.0f}"
+
+
+def table(results: dict) -> str:
+    """The Markdown table of docs/benchmarks.md: before / after measured, predicted, ratio, per variant and length."""
+    lines = ["| drafter | T | before (MiB) | after (MiB) | after / before | predicted (MiB) | predicted / measured |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    after = results.get("after", {})
+    for key in sorted(after, key=lambda k: (k.split("@")[0], int(k.split("@")[1].split("+")[0]), k)):
+        variant, _, rest = key.partition("@")
+        point, before = after[key], results.get("before", {}).get(key, {})
+        if "over_cap" in before:
+            old = f"> {mib(before['cap_bytes'])} (stopped)"
+        else:
+            old = mib(before["measured_bytes"]) if "measured_bytes" in before else "-"
+        new = mib(point["measured_bytes"]) if "measured_bytes" in point else "-"
+        gain = (f"{point['measured_bytes'] / before['measured_bytes']:.2f}"
+                if "measured_bytes" in point and "measured_bytes" in before else "-")
+        name = variant + (" + checkpointing" if rest.endswith("+checkpointing") else "")
+        lines.append(f"| {name} | {rest.split('+')[0]} | {old} | {new} | {gain} | "
+                     f"{mib(point.get('predicted_bytes', 0))} | {point.get('predicted_over_measured', '-')} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -163,7 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpointing", action="store_true", help="train.activation_checkpointing: true")
     parser.add_argument("--cap-gib", type=float, default=7.0, help="stop a point whose resident set passes this")
     parser.add_argument("--out", default="docs/results/long_sequence_memory.json")
+    parser.add_argument("--table", action="store_true", help="print the Markdown table of --out and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        with open(args.out) as f:
+            print(table(json.load(f)))
+        return 0
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0

@@ -30,6 +30,20 @@ def maybe_checkpoint(enabled: bool, function: Callable, *args):
     return function(*args)
 
 
+def with_autocast_of_now(function: Callable, device: torch.device) -> Callable:
+    """function, to be called later under the autocast state `device` has now: a head built in `forward` (where an
+    accelerator's mixed precision applies) and run chunk by chunk in `loss` computes as it would in the forward."""
+    kind = device.type
+    enabled = torch.is_autocast_enabled(kind)
+    dtype = torch.get_autocast_dtype(kind)
+
+    def run(*args):
+        with torch.autocast(kind, dtype=dtype, enabled=enabled):
+            return function(*args)
+
+    return run
+
+
 def rows_per_chunk(values_per_row: int, budget: int) -> int:
     """How many rows of values_per_row values fit a chunk of `budget` values (at least one)."""
     return max(1, budget // max(1, values_per_row))

@@ -153,3 +153,15 @@ def test_one_shot_paths_do_build_them():
         loss, _ = drafter.loss(drafter(batch), batch)
         loss.backward()
     assert any(sum(d >= LENGTH // 2 for d in shape) >= 2 for _, shape in recorded.shapes)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash_vocab", "dspark"])
+def test_head_keeps_the_forwards_autocast(kind):
+    """The loss runs the head after the forward (a chunk at a time); it computes in the dtype the forward's mixed
+    precision would have given it, as when the head ran inside the forward."""
+    drafter = FACTORIES[kind](target_info())
+    batch = make_batch(drafter)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = drafter(batch)
+    assert mixed.logits_of(slice(0, 2)).dtype == torch.bfloat16
+    assert drafter(batch).logits_of(slice(0, 2)).dtype == torch.float32

@@ -52,7 +52,7 @@ from drafters.dflash import export
 from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.backbone import BlockBackbone
 from drafters.dflash.config import DFlashConfig
-from drafters.chunked import chunked_rows
+from drafters.chunked import chunked_rows, with_autocast_of_now
 from drafters.dflash.layers import check_config, decay_gamma
 from drafters.losses import depth_loss_weights, global_mean, output_metrics
 from drafters.vocab import DraftHead, DraftVocab
@@ -124,8 +124,9 @@ class DFlashDrafter(DraftHead, BlockBackbone):
         if self.lm_head is not None:
             row_index = rows.unsqueeze(1).expand_as(label_position)
             depth_valid &= self.t2d[self._labels(batch, row_index, label_position)]
+        head = with_autocast_of_now(lambda chunk: self._logits(head_input[chunk]), head_input.device)
         return DraftOutput(batch_index=rows, label_position=label_position, depth_valid=depth_valid,
-                           draft_ids=self.draft_ids(), head=lambda chunk: self._logits(head_input[chunk]))
+                           draft_ids=self.draft_ids(), head=head)
 
     def _labels(self, batch: Mapping[str, Any], rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Target ids each cell is trained to predict (config.label_source): the data token at its position, or the

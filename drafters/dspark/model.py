@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from drafters.base import DraftContext, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
-from drafters.chunked import chunked_rows
+from drafters.chunked import chunked_rows, with_autocast_of_now
 from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.backbone import BlockBackbone
 from drafters.dspark import export
@@ -117,8 +117,10 @@ class DSparkDrafter(BlockBackbone):
         row_index = rows.unsqueeze(1).expand_as(label_position)
         depth_valid = supervised.long().cumprod(dim=1).bool()  # contiguous from the front (DeepSpec)
         previous = input_ids[row_index, label_position - 1]  # x_{a+k}: the anchor at slot 0
+        head = with_autocast_of_now(lambda chunk: self.teacher_forced_logits(hidden[chunk], previous[chunk]),
+                                    hidden.device)
         return DraftOutput(batch_index=rows, label_position=label_position, depth_valid=depth_valid, hidden=hidden,
-                           head=lambda chunk: self.teacher_forced_logits(hidden[chunk], previous[chunk]))
+                           head=head)
 
     def teacher_forced_logits(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """U + B for a whole block at once: post-norm hidden [N, S, D], the token before each slot [N, S] (slot 0:

@@ -48,7 +48,7 @@ from drafters.layers import (
     draw_drafts,
     rope_inverse_frequencies,
 )
-from drafters.chunked import causal_attention, chunked_rows, maybe_checkpoint
+from drafters.chunked import causal_attention, chunked_rows, maybe_checkpoint, with_autocast_of_now
 from drafters.losses import decayed_sum, output_metrics, soft_cross_entropy
 from drafters.vocab import DraftHead
 
@@ -185,8 +185,9 @@ class Eagle3Drafter(DraftHead, Drafter):
         depth = torch.arange(steps, device=input_ids.device)
         depth_valid = target_position.unsqueeze(1) - 1 - depth >= 0
         label_position = (target_position + 1).unsqueeze(1).expand(-1, steps)
+        head = with_autocast_of_now(lambda rows: self.lm_head(head_input[rows]), head_input.device)
         return DraftOutput(batch_index=batch_index, label_position=label_position, depth_valid=depth_valid,
-                           draft_ids=self.draft_ids(), head=lambda rows: self.lm_head(head_input[rows]))
+                           draft_ids=self.draft_ids(), head=head)
 
     def _ttt_layers(self, embeds, hidden, cos, sin, key_valid, step_keys, step: int) -> torch.Tensor:
         """One TTT step through every draft layer. step_keys[i] keeps layer i's step-0 keys and diagonal keys.
