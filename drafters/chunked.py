@@ -21,6 +21,9 @@ from drafters.layers import attention, attention_with_diagonal
 
 ATTENTION_CHUNK_VALUES = 1 << 24  # score (or mask) values of one attention chunk: 64 MiB in fp32
 LOSS_CHUNK_VALUES = 1 << 24  # logits values of one loss chunk
+# Up to this many logits values a loss runs in one shot: recomputing chunks in the backward costs about half the
+# head's time again, which short-sequence CPU training (e.g. 2 x 384 tokens, TTT 7: 44M values) should not pay.
+LOSS_ONE_SHOT_VALUES = 1 << 26
 
 
 def maybe_checkpoint(enabled: bool, function: Callable, *args):
@@ -55,11 +58,12 @@ def chunked_rows(function: Callable[[slice], Sequence[torch.Tensor]], num_rows: 
 
     function(rows) returns tensors that concatenate along dim 0 in row order (e.g. per-cell losses [n, K] and draft
     argmaxes [n, K]); what it builds inside (logits [n, K, V]) lives only while its chunk runs, in the forward and
-    again in the backward. One slice covering every row runs plainly, without recomputation. budget: values of one
-    chunk's logits (None = LOSS_CHUNK_VALUES).
+    again in the backward. Up to LOSS_ONE_SHOT_VALUES values in all, one slice covering every row runs plainly,
+    without recomputation. budget: values of one chunk's logits, and the one-shot limit (None = the constants).
     """
+    one_shot = num_rows * values_per_row <= (LOSS_ONE_SHOT_VALUES if budget is None else budget)
     step = rows_per_chunk(values_per_row, LOSS_CHUNK_VALUES if budget is None else budget)
-    if step >= num_rows:
+    if one_shot or step >= num_rows:
         return tuple(function(slice(0, num_rows)))
     parts = [checkpoint(function, slice(start, min(num_rows, start + step)), use_reentrant=False,
                         preserve_rng_state=False) for start in range(0, num_rows, step)]

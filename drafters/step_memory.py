@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drafters.chunked import ATTENTION_CHUNK_VALUES, LOSS_CHUNK_VALUES
+from drafters.chunked import ATTENTION_CHUNK_VALUES, LOSS_CHUNK_VALUES, LOSS_ONE_SHOT_VALUES
 
 RUNTIME_BYTES = 80 << 20  # torch's kernels and buffers first touched by a training step, measured on CPU
 LOSS_CHUNK_COPIES = 2  # a loss chunk's recomputed logits and their gradient
@@ -145,6 +145,12 @@ def activation_values(s: StepShape) -> int:
     return s.batch * s.seq_len * context + s.batch * s.anchors * s.depths * slot
 
 
+def loss_chunk_values(cells: int) -> int:
+    """Logits values one loss computation holds at once (drafters/chunked.chunked_rows): all of them up to the
+    one-shot limit, else one chunk."""
+    return cells if cells <= LOSS_ONE_SHOT_VALUES else LOSS_CHUNK_VALUES
+
+
 def peak_activation_values(s: StepShape) -> int:
     """Kept activations plus the largest chunk computation on top of them, the larger of two moments:
     - the backward pass starts at the loss: every activation is kept while a loss chunk's logits and their gradient
@@ -152,15 +158,16 @@ def peak_activation_values(s: StepShape) -> int:
     - EAGLE-3 reaches the attention of its last TTT step once that step's other tensors are freed (about 1 / K of
       the activations), and a score chunk and its softmax and gradient (ATTENTION_CHUNK_COPIES) are live; a block
       drafter's attention chunk holds the boolean block mask and SDPA's float copy of it (MASK_CHUNK_COPIES).
-    A sequence short enough for one chunk holds that one chunk, the whole tensor, as the one-shot path does."""
+    A short sequence's loss holds all its logits at once (chunked.LOSS_ONE_SHOT_VALUES), and attention that fits one
+    chunk holds that chunk, the whole tensor, as the one-shot paths do."""
     kept = activation_values(s)
     if s.kind == "eagle3":
-        loss = min(s.batch * s.seq_len * s.depths * s.head_vocab, LOSS_CHUNK_VALUES)
+        loss = loss_chunk_values(s.batch * s.seq_len * s.depths * s.head_vocab)
         scores = min(s.batch * s.heads * s.seq_len * (s.seq_len + s.depths), ATTENTION_CHUNK_VALUES)
         attention = kept * (s.depths - 1) // s.depths + ATTENTION_CHUNK_COPIES * scores if s.depths > 1 else 0
         return max(kept + LOSS_CHUNK_COPIES * loss, attention)
     slots = s.anchors * s.depths
-    loss = min(s.batch * slots * s.head_vocab, LOSS_CHUNK_VALUES)
+    loss = loss_chunk_values(s.batch * slots * s.head_vocab)
     mask = min(s.batch * slots * (s.seq_len + slots), ATTENTION_CHUNK_VALUES)
     return kept + max(LOSS_CHUNK_COPIES * loss, MASK_CHUNK_COPIES * mask)
 

@@ -82,6 +82,7 @@ def assert_same(reference, other):
 def small_budgets(monkeypatch):
     monkeypatch.setattr(chunked, "ATTENTION_CHUNK_VALUES", 4000)  # a few query rows / anchors per chunk
     monkeypatch.setattr(chunked, "LOSS_CHUNK_VALUES", 2000)  # a few rows of logits per chunk
+    monkeypatch.setattr(chunked, "LOSS_ONE_SHOT_VALUES", 2000)
 
 
 @pytest.mark.parametrize("kind", sorted(FACTORIES))
