@@ -107,33 +107,43 @@ def trained_params(s: StepShape) -> int:
     return fc + layers + head + 2 * s.vocab * s.markov_rank + s.extra_params + 2 * s.hidden
 
 
-def eagle3_values_per_token(s: StepShape) -> int:
-    """Values autograd keeps per position: per TTT step and layer, the norms' outputs (hidden, embedding, post-
+def eagle3_layer_values(s: StepShape, checkpointed: bool) -> int:
+    """Values one EAGLE-3 layer keeps per position and TTT step: the norms' outputs (hidden, embedding, post-
     attention), the [embedding ; hidden] input, the residual and the output (7 D), q and k three times each
     (projection, rotated half, RoPE result) and v, the o_proj input, the MLP's gate, up, SiLU and product (4 I);
-    per step the gathered, normed rows (2 D) and cos / sin (2 d); once the fc input and output, the embeddings and
-    the head input (n_f D + D + D + K D)."""
+    checkpointed, only its output and this step's keys and values."""
     h, qd, kvd = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    per_layer = 7 * h + 4 * qd + 4 * kvd + 4 * s.intermediate
-    if s.checkpointing:  # a checkpointed layer keeps its output and this step's keys and values
-        per_layer = h + 2 * kvd
-    per_step = s.num_layers * per_layer + 2 * h + 2 * s.head_dim
+    return h + 2 * kvd if checkpointed else 7 * h + 4 * qd + 4 * kvd + 4 * s.intermediate
+
+
+def eagle3_values_per_token(s: StepShape) -> int:
+    """Values autograd keeps per position: every layer of every TTT step (eagle3_layer_values), per step the
+    gathered, normed rows (2 D) and cos / sin (2 d); once the fc input and output, the embeddings and the head
+    input (n_f D + D + D + K D)."""
+    h = s.hidden
+    per_step = s.num_layers * eagle3_layer_values(s, s.checkpointing) + 2 * h + 2 * s.head_dim
     return s.depths * per_step + (s.num_features + 2 + s.depths) * h
+
+
+def block_layer_values(s: StepShape, checkpointed: bool) -> tuple[int, int]:
+    """(per context token, per block slot) values one DFlash / DSpark layer keeps: the context's keys (projection,
+    k_norm, rotated, RoPE) and values; the block stream's norms, q and k four times each, v, the o_proj input, the
+    residual, the output and the MLP (4 D + 5 H d + 5 H_kv d + 4 I); checkpointed, only its output."""
+    h, qd, kvd = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    if checkpointed:
+        return 0, h
+    return 5 * kvd, 4 * h + 5 * qd + 5 * kvd + 4 * s.intermediate
 
 
 def block_values(s: StepShape) -> tuple[int, int]:
     """(values per context token, values per block slot) autograd keeps in a DFlash / DSpark step: the context's
-    fc input and output and its norm, per layer its keys (projection, k_norm, rotated, RoPE) and values; per slot
-    the embedding, cos / sin and per layer the block stream's norms, q and k four times each, v, the o_proj input,
-    the residual, the output and the MLP (4 D + 5 H d + 5 H_kv d + 4 I), plus the gathered final states."""
-    h, qd, kvd = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    context = (s.num_features + 2) * h + s.num_layers * 5 * kvd
-    per_layer = 4 * h + 5 * qd + 5 * kvd + 4 * s.intermediate
-    if s.checkpointing:
-        context, per_layer = (s.num_features + 2) * h, h
-    slot = h + 2 * s.head_dim + s.num_layers * per_layer + h
-    if s.kind == "dspark":  # post-norm hidden for the heads, and the Markov embedding of the previous token
-        slot += h + s.markov_rank
+    fc input and output and its norm, every layer (block_layer_values), per slot the embedding, cos / sin and the
+    gathered final state (DSpark: also the post-norm state and the Markov embedding of the previous token)."""
+    layer_context, layer_slot = block_layer_values(s, s.checkpointing)
+    context = (s.num_features + 2) * s.hidden + s.num_layers * layer_context
+    slot = 2 * s.hidden + 2 * s.head_dim + s.num_layers * layer_slot
+    if s.kind == "dspark":
+        slot += s.hidden + s.markov_rank
     return context, slot
 
 
@@ -145,6 +155,16 @@ def activation_values(s: StepShape) -> int:
     return s.batch * s.seq_len * context + s.batch * s.anchors * s.depths * slot
 
 
+def recomputed_values(s: StepShape) -> int:
+    """With activation checkpointing, the values of the one layer (and TTT step) the backward pass recomputes."""
+    if not s.checkpointing:
+        return 0
+    if s.kind == "eagle3":
+        return s.batch * s.seq_len * eagle3_layer_values(s, False)
+    context, slot = block_layer_values(s, False)
+    return s.batch * s.seq_len * context + s.batch * s.anchors * s.depths * slot
+
+
 def loss_chunk_values(cells: int) -> int:
     """Logits values one loss computation holds at once (drafters/chunked.chunked_rows): all of them up to the
     one-shot limit, else one chunk."""
@@ -152,24 +172,27 @@ def loss_chunk_values(cells: int) -> int:
 
 
 def peak_activation_values(s: StepShape) -> int:
-    """Kept activations plus the largest chunk computation on top of them, the larger of two moments:
+    """Kept activations plus the largest computation on top of them, the larger of two moments:
     - the backward pass starts at the loss: every activation is kept while a loss chunk's logits and their gradient
-      (LOSS_CHUNK_COPIES chunks) are recomputed;
-    - EAGLE-3 reaches the attention of its last TTT step once that step's other tensors are freed (about 1 / K of
-      the activations), and a score chunk and its softmax and gradient (ATTENTION_CHUNK_COPIES) are live; a block
-      drafter's attention chunk holds the boolean block mask and SDPA's float copy of it (MASK_CHUNK_COPIES).
+      (LOSS_CHUNK_COPIES chunks; EAGLE-3 also its teacher, 1 / K of them) are live;
+    - then the layers: EAGLE-3 reaches the attention of its last TTT step once that step's other tensors are freed
+      (about 1 / K of the activations) with a score chunk and its softmax and gradient (ATTENTION_CHUNK_COPIES)
+      live; a block drafter's attention chunk holds the boolean block mask and SDPA's float copy of it
+      (MASK_CHUNK_COPIES); with checkpointing, the recomputed layer's activations are live too.
     A short sequence's loss holds all its logits at once (chunked.LOSS_ONE_SHOT_VALUES), and attention that fits one
     chunk holds that chunk, the whole tensor, as the one-shot paths do."""
-    kept = activation_values(s)
+    kept, recomputed = activation_values(s), recomputed_values(s)
     if s.kind == "eagle3":
         loss = loss_chunk_values(s.batch * s.seq_len * s.depths * s.head_vocab)
         scores = min(s.batch * s.heads * s.seq_len * (s.seq_len + s.depths), ATTENTION_CHUNK_VALUES)
-        attention = kept * (s.depths - 1) // s.depths + ATTENTION_CHUNK_COPIES * scores if s.depths > 1 else 0
-        return max(kept + LOSS_CHUNK_COPIES * loss, attention)
+        layers = kept * (s.depths - 1) // s.depths + recomputed
+        if s.depths > 1:
+            layers += ATTENTION_CHUNK_COPIES * scores
+        return max(kept + LOSS_CHUNK_COPIES * loss + loss // s.depths, layers)
     slots = s.anchors * s.depths
     loss = loss_chunk_values(s.batch * slots * s.head_vocab)
     mask = min(s.batch * slots * (s.seq_len + slots), ATTENTION_CHUNK_VALUES)
-    return kept + max(LOSS_CHUNK_COPIES * loss, MASK_CHUNK_COPIES * mask)
+    return max(kept + LOSS_CHUNK_COPIES * loss, kept + recomputed + MASK_CHUNK_COPIES * mask)
 
 
 def step_peak_parts(s: StepShape) -> dict[str, int]:
