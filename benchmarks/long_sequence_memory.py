@@ -65,11 +65,10 @@ def target_info(torch):
                       config=config, unused_token_ids=(3,))
 
 
-def drafter_config(kind: str, fields: dict, checkpointing: bool):
+def drafter_config(kind: str, fields: dict):
     from drafters import DRAFTERS
 
-    config = DRAFTERS[kind].Config(num_layers=1, **fields)
-    return config
+    return DRAFTERS[kind].Config(num_layers=1, **fields)
 
 
 def make_batch(torch, drafter, length: int, draft_vocab: int) -> dict:
@@ -97,7 +96,7 @@ def child(spec: dict) -> dict:
     kind, fields = VARIANTS[spec["variant"]]
     info = target_info(torch)
     torch.manual_seed(0)
-    drafter = DRAFTERS[kind](drafter_config(kind, fields, spec["checkpointing"]), info)
+    drafter = DRAFTERS[kind](drafter_config(kind, fields), info)
     if spec["checkpointing"]:
         drafter.activation_checkpointing = True
     draft_vocab = fields.get("draft_vocab_size") or VOCAB
@@ -147,7 +146,7 @@ def predicted(spec: dict) -> int | None:
     except ImportError:  # the model did not exist yet (the "before" run)
         return None
     kind, fields = VARIANTS[spec["variant"]]
-    config = drafter_config(kind, fields, spec["checkpointing"])
+    config = drafter_config(kind, fields)
     shape = StepShape.for_drafter(kind, config, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                                   intermediate=MLP, vocab=VOCAB, num_features=None, seq_len=spec["length"], batch=1,
                                   checkpointing=spec["checkpointing"])

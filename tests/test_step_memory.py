@@ -27,7 +27,7 @@ def test_parameter_count_is_the_drafters(kind):
 
 def bench_shape(variant: str, length: int, checkpointing: bool = False) -> StepShape:
     kind, fields = bench.VARIANTS[variant]
-    return StepShape.for_drafter(kind, bench.drafter_config(kind, fields, checkpointing), hidden=bench.HIDDEN,
+    return StepShape.for_drafter(kind, bench.drafter_config(kind, fields), hidden=bench.HIDDEN,
                                  heads=bench.HEADS, kv_heads=bench.KV_HEADS, head_dim=bench.HEAD_DIM,
                                  intermediate=bench.MLP, vocab=bench.VOCAB, num_features=None, seq_len=length,
                                  batch=1, checkpointing=checkpointing)

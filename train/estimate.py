@@ -9,7 +9,7 @@
    shard), DeepSpeed ZeRO-2 and ZeRO-3 (`memory_plan`).
 3. Peak memory of one training step of the drafter (EAGLE-3, DFlash, DSpark) at data.max_length, from its shapes
    alone (drafters/step_memory.py: weights, features, gradients and AdamW, activations per token, the largest
-   chunk; within 20% of the measured peak at 2k-16k tokens, docs/benchmarks.md "Long sequences").
+   chunk; within 20% of the peak measured on CPU at 2k-16k tokens, docs/benchmarks.md "Long sequences").
 4. Steps per hour from a short probe (--probe-steps real optimizer steps of the recipe on this machine, online
    features, the drafter's full config; --no-probe skips it). The probe also measures the drafter's activation memory:
    the bytes autograd saves for backward on one micro-batch of the longest training samples, weights excluded.

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from drafters.base import DraftContext, TargetInfo
 from drafters import chunked
+from drafters.base import DraftContext, TargetInfo
 from drafters.chunked import maybe_checkpoint
 from drafters.dflash.anchors import block_attention_mask, block_positions
 from drafters.dflash.config import DFlashConfig

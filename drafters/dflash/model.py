@@ -48,11 +48,11 @@ import torch
 import torch.nn.functional as F
 
 from drafters.base import DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.chunked import chunked_rows, with_autocast_of_now
 from drafters.dflash import export
 from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.backbone import BlockBackbone
 from drafters.dflash.config import DFlashConfig
-from drafters.chunked import chunked_rows, with_autocast_of_now
 from drafters.dflash.layers import check_config, decay_gamma
 from drafters.losses import depth_loss_weights, global_mean, output_metrics
 from drafters.vocab import DraftHead, DraftVocab

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.chunked import causal_attention, chunked_rows, maybe_checkpoint, with_autocast_of_now
 from drafters.eagle3 import export as export_eagle3
 from drafters.eagle3.config import Eagle3Config
 from drafters.eagle3.layers import (
@@ -48,7 +49,6 @@ from drafters.layers import (
     draw_drafts,
     rope_inverse_frequencies,
 )
-from drafters.chunked import causal_attention, chunked_rows, maybe_checkpoint, with_autocast_of_now
 from drafters.losses import decayed_sum, output_metrics, soft_cross_entropy
 from drafters.vocab import DraftHead
 
