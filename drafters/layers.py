@@ -230,8 +230,9 @@ def attention_with_diagonal(
     over both.
 
     Args:
-        q: [B, H, n, d]; k, v: [B, H_kv, n, d]; mask: [B, 1, n, n] bool.
-        diagonal_k, diagonal_v: J tensors [B, H_kv, n, d].
+        q: [B, H, n, d]; k, v: [B, H_kv, C, d]; mask: [B, 1, n, C] bool (C = n for the whole sequence, more
+            for a chunk of queries: drafters/chunked.causal_attention).
+        diagonal_k, diagonal_v: J tensors [B, H_kv, n, d] (one per query).
     Returns:
         [B, H, n, d]
     """
@@ -239,13 +240,14 @@ def attention_with_diagonal(
     num_kv = k.shape[1]
     groups = num_heads // num_kv
     qg = q.view(batch, num_kv, groups, n, head_dim) * head_dim**-0.5
-    scores = qg @ k.unsqueeze(2).transpose(-1, -2)  # [B, H_kv, G, n, n]
+    scores = qg @ k.unsqueeze(2).transpose(-1, -2)  # [B, H_kv, G, n, C]
     scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
     dk = torch.stack(diagonal_k, dim=-2)  # [B, H_kv, n, J, d]
     dv = torch.stack(diagonal_v, dim=-2)
     diag_scores = torch.einsum("bhgnd,bhnjd->bhgnj", qg, dk)
     probs = torch.softmax(torch.cat([scores, diag_scores], dim=-1), dim=-1)
-    out = probs[..., :n] @ v.unsqueeze(2) + torch.einsum("bhgnj,bhnjd->bhgnd", probs[..., n:], dv)
+    columns = k.shape[2]
+    out = probs[..., :columns] @ v.unsqueeze(2) + torch.einsum("bhgnj,bhnjd->bhgnd", probs[..., columns:], dv)
     return out.reshape(batch, num_heads, n, head_dim)
 
 

@@ -85,7 +85,8 @@ def simulated_accept_length(per_depth_acc: Sequence[float]) -> float:
     return total
 
 
-def output_metrics(output, batch: Mapping[str, Any], cell_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+def output_metrics(output, batch: Mapping[str, Any], cell_loss: torch.Tensor,
+                   predicted: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The one way every drafter turns its DraftOutput into per-depth loss, accuracy and simulated acceptance.
 
     Accuracy at a cell is top-1 agreement with the target: the draft argmax (in target ids) against the target's
@@ -96,6 +97,8 @@ def output_metrics(output, batch: Mapping[str, Any], cell_loss: torch.Tensor) ->
             depth_valid [N, K], draft_ids).
         batch: the training batch (target_argmax [B, T]).
         cell_loss: [N, K] the drafter's per-cell loss (any weighting is the drafter's business).
+        predicted: [N, K] the draft argmax (draft-vocabulary indices) when the loss already has it (a chunked loss
+            never holds all logits); None = the argmax of output.logits.
     Returns:
         per-depth mean loss [K] (differentiable) and the metrics dict of `depth_metrics`.
     """
@@ -103,7 +106,9 @@ def output_metrics(output, batch: Mapping[str, Any], cell_loss: torch.Tensor) ->
     with torch.no_grad():
         rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
         agreed = batch["target_argmax"][rows, output.label_position - 1]  # label_position lies in 1..T-1
-        predicted = output.target_ids(output.logits.detach().argmax(dim=-1))
+        if predicted is None:
+            predicted = output.logits.detach().argmax(dim=-1)
+        predicted = output.target_ids(predicted)
         accuracy, _ = masked_depth_means((predicted == agreed).float(), valid)
     per_depth, counts = masked_depth_means(cell_loss, valid)
     return per_depth, depth_metrics(per_depth.detach(), accuracy, counts)

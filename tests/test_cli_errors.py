@@ -17,6 +17,7 @@ from train.cli import describe, main as cli, run_reporting_errors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "debug", "tiny_eagle3.yaml")
+MEDUSA = os.path.join(ROOT, "recipes", "debug", "tiny_medusa.yaml")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -44,6 +45,10 @@ def bad_inputs(tmp_path) -> list[tuple[list[str], str]]:
         (["prepare", RECIPE, "nosuch=1"], "draftsmith prepare: error: unknown config key(s) nosuch"),
         (["estimate", RECIPE, "train.batch_size=abc"],
          "draftsmith estimate: error: train.batch_size: expected int, got 'abc'"),
+        (["train", RECIPE, "train.activation_checkpointing=maybe"],
+         "draftsmith train: error: train.activation_checkpointing: expected a bool, got 'maybe'"),
+        (["estimate", MEDUSA, "train.activation_checkpointing=true", "--no-probe"],
+         "draftsmith estimate: error: train.activation_checkpointing: drafter kind 'medusa' does not checkpoint"),
         (["export", str(tmp_path / "empty"), "--format", "native", "--out", str(tmp_path / "out")],
          f"draftsmith export: error: {tmp_path / 'empty'}: not a drafter checkpoint (no config.json)"),
         (["export", str(step), "--format", "native", "--out", str(tmp_path / "out")],

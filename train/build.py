@@ -65,6 +65,11 @@ def load_data(recipe: Recipe, target: TargetModel, state: PartialState):
 def build_drafter(recipe: Recipe, target: TargetModel) -> torch.nn.Module:
     """DRAFTERS[kind] on its own copy of the drafter config (phases change the copy, never the recipe)."""
     drafter = DRAFTERS[recipe.drafter_kind](copy.deepcopy(recipe.drafter), target.target_info())
+    if recipe.train.activation_checkpointing:
+        if not drafter.supports_activation_checkpointing:
+            raise ValueError(f"train.activation_checkpointing: drafter kind {recipe.drafter_kind!r} does not "
+                             "checkpoint its layers (eagle3, dflash and dspark do); set it to false")
+        drafter.activation_checkpointing = True
     try:
         target.check_request(drafter.feature_request())
     except ValueError as err:

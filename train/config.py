@@ -143,7 +143,9 @@ class Phase:
 class TrainConfig:
     """batch_size is per process. Give at most one of global_batch_size / grad_accum, and max_steps or epochs.
     max_time_minutes is a wall-clock budget: the run stops there and exports (schedule.anneal_on says whether the
-    schedule follows it)."""
+    schedule follows it). activation_checkpointing: recompute each draft layer (and TTT step) in the backward pass
+    instead of keeping its activations: less memory at long sequences for about one more forward of the layers
+    (eagle3, dflash, dspark; docs/distributed.md, "Long sequences")."""
 
     batch_size: int = 1
     global_batch_size: int | None = None
@@ -158,6 +160,7 @@ class TrainConfig:
     eval_every: int | None = None
     resume_from: str | None = None
     phases: list[Phase] = field(default_factory=list)
+    activation_checkpointing: bool = False
 
 
 @dataclass(kw_only=True)

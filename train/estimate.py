@@ -7,7 +7,10 @@
    machine, after one warm-up batch.
 2. Memory per GPU for a world size (--world-size) under each strategy of recipes/accelerate: DDP, FSDP (FSDP2, full
    shard), DeepSpeed ZeRO-2 and ZeRO-3 (`memory_plan`).
-3. Steps per hour from a short probe (--probe-steps real optimizer steps of the recipe on this machine, online
+3. Peak memory of one training step of the drafter (EAGLE-3, DFlash, DSpark) at data.max_length, from its shapes
+   alone (drafters/step_memory.py: weights, features, gradients and AdamW, activations per token, the largest
+   chunk; within 20% of the peak measured on CPU at 2k-16k tokens, docs/benchmarks.md "Long sequences").
+4. Steps per hour from a short probe (--probe-steps real optimizer steps of the recipe on this machine, online
    features, the drafter's full config; --no-probe skips it). The probe also measures the drafter's activation memory:
    the bytes autograd saves for backward on one micro-batch of the longest training samples, weights excluded.
 
@@ -274,6 +277,22 @@ def print_memory(sizes: RecipeSizes, world_size: int, recipe: Recipe) -> None:
         print("  (drafter activations not measured: --no-probe)")
 
 
+def print_step_peak(recipe: Recipe, drafter: torch.nn.Module) -> int | None:
+    """One training step's peak (drafters/step_memory.py) for the recipe's micro-batch at data.max_length; None for a
+    drafter the model does not cover."""
+    from drafters.step_memory import step_peak_parts, step_shape
+
+    shape = step_shape(drafter, recipe.data.max_length, recipe.train.batch_size, recipe.train.activation_checkpointing)
+    if shape is None:
+        return None
+    parts = step_peak_parts(shape)
+    detail = ", ".join(f"{part} {human_bytes(size)}" for part, size in parts.items() if part != "total")
+    print(f"one training step of the drafter (model, fp32, micro-batch {shape.batch} x {shape.seq_len} tokens, "
+          f"activation checkpointing {'on' if shape.checkpointing else 'off'}): peak {human_bytes(parts['total'])} "
+          f"({detail})")
+    return parts["total"]
+
+
 def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_bytes: int,
                      gpu_source: str) -> str | None:
     """Target memory per GPU under each target.placement, the DDP total with it, and the first placement that fits
@@ -327,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         print_cache_estimate(recipe, target, data, request, state.num_processes, state.device)
         sizes = recipe_sizes(recipe, target, drafter, None if result is None else result.activation_bytes)
         print_memory(sizes, world_size, recipe)
+        print_step_peak(recipe, drafter)
         print_placements(sizes, world_size, recipe, *gpu)
         if result is not None:
             print_probe(result, recipe, trainer.derived, state.device)

@@ -43,6 +43,7 @@ class BlockBackbone(Drafter):
     `block_states` and `next_block_states`, and `max_draft_tokens`."""
 
     row_state = ("_caches", "_state")  # per-row inference state (drafters/base.py keep_rows)
+    supports_activation_checkpointing = True
 
     def __init__(self, config: Any, target_info: TargetInfo, backbone: DFlashConfig):
         super().__init__(config, target_info)
@@ -80,7 +81,7 @@ class BlockBackbone(Drafter):
         anchor_valid = torch.ones_like(anchors, dtype=torch.bool) if anchor_valid is None else anchor_valid.bool()
         context = fuse_context(batch["target_hidden"], self.layer_ids, self.fc, self.hidden_norm)  # [B, T, D]
         h = anchored_blocks(self.layers, self.rotary, context, self._block_embeds(input_ids.gather(1, anchors)),
-                            anchors, anchor_valid, batch["attention_mask"].bool())
+                            anchors, anchor_valid, batch["attention_mask"].bool(), self.activation_checkpointing)
         return anchors, anchor_valid, h
 
     # ---- inference ---------------------------------------------------------------------------------------------

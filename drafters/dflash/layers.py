@@ -33,13 +33,18 @@ Shapes: B batch, T sequence, D hidden, A anchors per row, S block size (slot 0 =
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from drafters import chunked
 from drafters.base import DraftContext, TargetInfo
+from drafters.chunked import maybe_checkpoint
 from drafters.dflash.anchors import block_attention_mask, block_positions
 from drafters.dflash.config import DFlashConfig
 from drafters.layer_ids import auto_layer_ids, check_hybrid_ids, is_auto, nearest_distinct
@@ -217,33 +222,85 @@ def backbone_modules(layer_config: Mapping[str, Any], num_features: int,
             RotaryEmbedding(*rope_inverse_frequencies(layer_config)))
 
 
-def block_forward(layers, h: torch.Tensor, context: torch.Tensor, block_rope, context_rope,
-                  mask: torch.Tensor) -> torch.Tensor:
-    """All draft layers over the block stream h [B, n, D], every query seeing [context keys ; block keys] by `mask`.
+@dataclass(frozen=True)
+class Blocks:
+    """Where a training row's blocks sit (anchors, anchor_valid [B, A], context_valid [B, T], block_size S) and, when
+    the whole mask fits one attention chunk, that mask (anchors.block_attention_mask), else None."""
+
+    anchors: torch.Tensor
+    anchor_valid: torch.Tensor
+    context_valid: torch.Tensor
+    block_size: int
+    mask: torch.Tensor | None
+
+
+def _block_chunk(q, k, v, context_k, context_v, anchors, anchor_valid, context_valid, block_size: int):
+    """Attention of the blocks at `anchors` (q, k, v [B, H(_kv), c * S, d]) over the context keys before their
+    latest anchor and their own block keys, by block_attention_mask: nothing of other blocks or later context."""
+    limit = int((anchors * anchor_valid).max()) if anchors.numel() else 0  # a block sees context j < its anchor
+    mask = block_attention_mask(anchors, anchor_valid, context_valid[:, :limit], block_size)
+    keys = torch.cat([context_k[:, :, :limit], k], dim=2)
+    values = torch.cat([context_v[:, :, :limit], v], dim=2)
+    return attention(q, keys, values, mask)
+
+
+def block_attention(q, k, v, context_k, context_v, blocks: Blocks) -> torch.Tensor:
+    """Block queries q [B, H, A * S, d] over [context keys [B, H_kv, T, d] ; block keys k] by the training mask.
+
+    One SDPA over the whole mask when it fits one chunk (blocks.mask); else chunks of anchors whose mask has at most
+    chunked.ATTENTION_CHUNK_VALUES values, each over the context before its latest anchor only and recomputed in
+    the backward pass, so neither the [A * S, T + A * S] mask nor per-chunk copies of the context keys are held.
+    """
+    if blocks.mask is not None:
+        keys, values = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
+        return attention(q, keys, values, blocks.mask)
+    batch, _, _, _ = q.shape
+    size, seq_len = blocks.block_size, context_k.shape[2]
+    # c anchors hold a mask of B * cS * (T + cS) values: the largest c within the budget (at least one)
+    slots = (math.sqrt(seq_len**2 + 4 * chunked.ATTENTION_CHUNK_VALUES / batch) - seq_len) / 2
+    step = max(1, int(slots) // size)
+    parts = []
+    for first in range(0, blocks.anchors.shape[1], step):
+        last = min(blocks.anchors.shape[1], first + step)
+        slots = slice(first * size, last * size)
+        parts.append(checkpoint(_block_chunk, q[:, :, slots], k[:, :, slots], v[:, :, slots], context_k, context_v,
+                                blocks.anchors[:, first:last], blocks.anchor_valid[:, first:last],
+                                blocks.context_valid, size, use_reentrant=False, preserve_rng_state=False))
+    return torch.cat(parts, dim=2)
+
+
+def _block_layer(layer, h, context, block_rope, context_rope, blocks: Blocks) -> torch.Tensor:
+    q, k, v = layer.block_qkv(h, *block_rope)
+    context_k, context_v = layer.context_kv(context, *context_rope)
+    return layer.finish(h, block_attention(q, k, v, context_k, context_v, blocks))
+
+
+def block_forward(layers, h: torch.Tensor, context: torch.Tensor, block_rope, context_rope, blocks: Blocks,
+                  checkpointing: bool = False) -> torch.Tensor:
+    """All draft layers over the block stream h [B, n, D], every query seeing [context keys ; block keys] by the
+    training mask (block_attention).
 
     Args:
         layers: DFlashDecoderLayer modules. context: [B, T, D] fused target features.
         block_rope, context_rope: (cos, sin) pairs from RotaryEmbedding for the n block / T context positions.
-        mask: [B, 1, n, T + n] bool (block_attention_mask).
+        blocks: where the blocks sit (Blocks). checkpointing: recompute each layer in the backward pass.
     Returns:
         [B, n, D] pre-norm output.
     """
     for layer in layers:
-        q, k, v = layer.block_qkv(h, *block_rope)
-        context_k, context_v = layer.context_kv(context, *context_rope)
-        keys, values = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
-        h = layer.finish(h, attention(q, keys, values, mask))
+        h = maybe_checkpoint(checkpointing, _block_layer, layer, h, context, block_rope, context_rope, blocks)
     return h
 
 
 def anchored_blocks(layers, rotary, context: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
-                    anchor_valid: torch.Tensor, context_valid: torch.Tensor) -> torch.Tensor:
+                    anchor_valid: torch.Tensor, context_valid: torch.Tensor,
+                    checkpointing: bool = False) -> torch.Tensor:
     """Every block of every row through the draft layers in one forward (training; mask: anchors.block_attention_mask).
 
     Args:
         layers: DFlashDecoderLayer modules; rotary: their RotaryEmbedding. context: [B, T, D] fused target features.
         block_embeds: [B, A, S, D] the block inputs [x_a, MASK x (S-1)]; anchors, anchor_valid: [B, A];
-        context_valid: [B, T] bool.
+        context_valid: [B, T] bool. checkpointing: recompute each layer's activations in the backward pass.
     Returns:
         [B, A, S, D] pre-norm block states.
     """
@@ -253,8 +310,11 @@ def anchored_blocks(layers, rotary, context: torch.Tensor, block_embeds: torch.T
     context_positions = torch.arange(seq_len, device=context.device).expand(batch_size, seq_len)
     block_rope = rotary(block_positions(anchors, block_size), h.dtype)
     context_rope = rotary(context_positions, h.dtype)
-    mask = block_attention_mask(anchors, anchor_valid, context_valid, block_size)
-    h = block_forward(layers, h, context, block_rope, context_rope, mask)
+    slots = num_anchors * block_size
+    whole = batch_size * slots * (seq_len + slots) <= chunked.ATTENTION_CHUNK_VALUES  # the mask fits one chunk
+    mask = block_attention_mask(anchors, anchor_valid, context_valid, block_size) if whole else None
+    blocks = Blocks(anchors, anchor_valid, context_valid, block_size, mask)
+    h = block_forward(layers, h, context, block_rope, context_rope, blocks, checkpointing)
     return h.view(batch_size, num_anchors, block_size, -1)
 
 

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from drafters.base import DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.chunked import chunked_rows, with_autocast_of_now
 from drafters.dflash import export
 from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.backbone import BlockBackbone
@@ -119,12 +120,13 @@ class DFlashDrafter(DraftHead, BlockBackbone):
         anchors, anchor_valid, h = self.block_states(batch, anchors, anchor_valid)  # h [B, A, S, D]
         rows, columns, label_position, depth_valid = block_cells(
             anchors, anchor_valid, self.config.block_size - 1, batch["attention_mask"], batch["loss_mask"])
-        logits = self._logits(h[rows, columns, 1:])  # [N, S-1, V_d]: slots 1..S-1 only
+        head_input = h[rows, columns, 1:]  # [N, S-1, D]: slots 1..S-1 only; logits when the loss asks (chunks of N)
         if self.lm_head is not None:
             row_index = rows.unsqueeze(1).expand_as(label_position)
             depth_valid &= self.t2d[self._labels(batch, row_index, label_position)]
-        return DraftOutput(logits=logits, batch_index=rows, label_position=label_position, depth_valid=depth_valid,
-                           draft_ids=self.draft_ids())
+        head = with_autocast_of_now(lambda chunk: self._logits(head_input[chunk]), head_input.device)
+        return DraftOutput(batch_index=rows, label_position=label_position, depth_valid=depth_valid,
+                           draft_ids=self.draft_ids(), head=head)
 
     def _labels(self, batch: Mapping[str, Any], rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Target ids each cell is trained to predict (config.label_source): the data token at its position, or the
@@ -142,21 +144,26 @@ class DFlashDrafter(DraftHead, BlockBackbone):
         """sum of w_d * CE over valid cells / sum of w_d over valid cells of all processes (global_mean). Hard labels:
         the data token at each cell's label position, or the target's argmax before it (config.label_source), as a draft
         index with a reduced vocabulary."""
-        logits = output.logits
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        num_rows, depths, vocab = logits.shape
+        num_rows, depths = output.depth_valid.shape
         rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
         labels = self._labels(batch, rows, output.label_position)
         if self.lm_head is not None:
             labels = DraftVocab(self.draft_ids(), self.target_info.vocab_size).to_draft(labels)
         valid = output.depth_valid
         labels = torch.where(valid, labels, torch.zeros_like(labels))
-        cell_ce = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), reduction="none")
-        cell_ce = cell_ce.view(num_rows, depths)
-        decay = self.depth_weights(depths, logits.device, logits.dtype)
+
+        def cells(chunk):  # one chunk of rows: its logits [n, S-1, V_d] exist only here
+            logits = output.logits_of(chunk)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            ce = F.cross_entropy(logits.flatten(0, 1), labels[chunk].flatten(), reduction="none")
+            return ce.view(logits.shape[:2]), logits.detach().argmax(dim=-1)
+
+        vocab = self.target_info.vocab_size if self.lm_head is None else self.lm_head.out_features
+        cell_ce, predicted = chunked_rows(cells, num_rows, depths * vocab)
+        decay = self.depth_weights(depths, cell_ce.device, cell_ce.dtype)
         weights = depth_loss_weights(self.config.loss_weighting, decay, cell_ce, valid, self.config.dpace_alpha)
         loss = global_mean((weights * cell_ce).sum(), weights.sum(), batch)
-        _, metrics = output_metrics(output, batch, cell_ce)
+        _, metrics = output_metrics(output, batch, cell_ce, predicted)
         return loss, metrics
 
     # ---- inference: a stateful block proposer (begin / commit: drafters/dflash/backbone.py) --------------------

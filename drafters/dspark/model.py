@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from drafters.base import DraftContext, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.chunked import chunked_rows, with_autocast_of_now
 from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.backbone import BlockBackbone
 from drafters.dspark import export
@@ -116,9 +117,10 @@ class DSparkDrafter(BlockBackbone):
         row_index = rows.unsqueeze(1).expand_as(label_position)
         depth_valid = supervised.long().cumprod(dim=1).bool()  # contiguous from the front (DeepSpec)
         previous = input_ids[row_index, label_position - 1]  # x_{a+k}: the anchor at slot 0
-        logits = self.teacher_forced_logits(hidden, previous)
-        return DraftOutput(logits=logits, batch_index=rows, label_position=label_position, depth_valid=depth_valid,
-                           hidden=hidden)
+        head = with_autocast_of_now(lambda chunk: self.teacher_forced_logits(hidden[chunk], previous[chunk]),
+                                    hidden.device)
+        return DraftOutput(batch_index=rows, label_position=label_position, depth_valid=depth_valid, hidden=hidden,
+                           head=head)
 
     def teacher_forced_logits(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """U + B for a whole block at once: post-norm hidden [N, S, D], the token before each slot [N, S] (slot 0:
@@ -131,33 +133,40 @@ class DSparkDrafter(BlockBackbone):
     def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """ce_weight CE + l1_weight L1 + confidence_weight BCE per valid cell, weighted exp(-k / gamma), over the
         weight sum of all processes (losses.global_mean). See the module docstring."""
-        logits = output.logits
-        compute = torch.promote_types(logits.dtype, torch.float32)
+        compute = torch.promote_types(self.fc.weight.dtype, torch.float32)
         valid = output.depth_valid
-        num_rows, depths, _ = logits.shape
-        rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)[valid]
-        positions = output.label_position[valid]
+        num_rows, depths = valid.shape
+        row_index = output.batch_index.unsqueeze(1).expand_as(output.label_position)
+        rows, positions = row_index[valid], output.label_position[valid]
         depth = valid.nonzero(as_tuple=True)[1]
-        labels = batch["input_ids"][rows, positions]
-        log_draft = torch.log_softmax(logits[valid].to(compute), dim=-1)  # [M, V]
-        teacher_hidden = batch["target_last_hidden"][rows, positions - 1].to(self.fc.weight.dtype)
-        teacher = torch.softmax(F.linear(teacher_hidden, self._target_tensor("lm_head_weight")).to(compute), dim=-1)
-        ce = -log_draft.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        l1 = (log_draft.exp() - teacher).abs().sum(dim=-1)
+        labels = batch["input_ids"][row_index, output.label_position]  # [N, S]
+        teacher_hidden = batch["target_last_hidden"][row_index, output.label_position - 1]  # [N, S, D]
+        lm_head = self._target_tensor("lm_head_weight")
+
+        def cells(chunk):  # one chunk of rows: its logits and teacher [m, V] exist only here
+            logits = output.logits_of(chunk)  # [n, S, V]
+            keep = valid[chunk]
+            log_draft = torch.log_softmax(logits[keep].to(compute), dim=-1)  # [m, V]
+            teacher = torch.softmax(F.linear(teacher_hidden[chunk][keep].to(lm_head.dtype), lm_head).to(compute), -1)
+            ce = -log_draft.gather(-1, labels[chunk][keep].unsqueeze(-1)).squeeze(-1)
+            l1 = (log_draft.exp() - teacher).abs().sum(dim=-1)
+            return ce, l1, logits.detach().argmax(dim=-1)
+
+        ce, l1, predicted = chunked_rows(cells, num_rows, depths * self.target_info.vocab_size)  # ce, l1 [M]
         accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()  # the acceptance probability of rejection sampling
         cell = self.config.ce_weight * ce + self.config.l1_weight * l1
         confidence = self.confidence_logits(output.hidden[valid], batch["input_ids"][rows, positions - 1])
         if confidence is not None:
             bce = F.binary_cross_entropy_with_logits(confidence.to(compute), accept, reduction="none")
             cell = cell + self.config.confidence_weight * bce
-        ce_cells = torch.zeros(num_rows, depths, device=logits.device, dtype=compute)
+        ce_cells = torch.zeros(num_rows, depths, device=ce.device, dtype=compute)
         ce_cells = ce_cells.index_put((*valid.nonzero(as_tuple=True),), ce.detach())
         weights = depth_loss_weights(self.config.loss_weighting, depth_weights(depths, self.config.loss_decay_gamma,
-                                     logits.device, compute), ce_cells, valid, self.config.dpace_alpha)[valid]
+                                     ce.device, compute), ce_cells, valid, self.config.dpace_alpha)[valid]
         loss = global_mean((weights * cell).sum(), weights.sum(), batch)
-        cell_loss = torch.zeros(num_rows, depths, device=logits.device, dtype=compute)
+        cell_loss = torch.zeros(num_rows, depths, device=ce.device, dtype=compute)
         cell_loss = cell_loss.index_put((*valid.nonzero(as_tuple=True),), cell)
-        _, metrics = output_metrics(output, batch, cell_loss)
+        _, metrics = output_metrics(output, batch, cell_loss, predicted)
         if depth.numel():
             metrics.update(ce=float(ce.detach().mean()), l1=float(l1.detach().mean()),
                            accept_rate=float(accept.mean()))

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.chunked import causal_attention, chunked_rows, maybe_checkpoint, with_autocast_of_now
 from drafters.eagle3 import export as export_eagle3
 from drafters.eagle3.config import Eagle3Config
 from drafters.eagle3.layers import (
@@ -45,7 +46,6 @@ from drafters.layers import (
     RMSNorm,
     RotaryEmbedding,
     attention,
-    attention_with_diagonal,
     draw_drafts,
     rope_inverse_frequencies,
 )
@@ -60,6 +60,7 @@ class Eagle3Drafter(DraftHead, Drafter):
     """EAGLE-3 drafter. See the module docstring for the training, inference and export contracts."""
 
     kind = "eagle3"
+    supports_activation_checkpointing = True
     row_state = ("_caches", "_state")  # per-row inference state (drafters/base.py keep_rows)
     Config = Eagle3Config
     export_module = export_eagle3  # the serving layouts speculators, eagle3, sglang (save / load in drafters/base.py)
@@ -153,8 +154,9 @@ class Eagle3Drafter(DraftHead, Drafter):
         in loss_mask and the target argmax at s is in the draft vocab; depth k predicts x_{s+1} from t = s-1-k.
 
         Returns:
-            DraftOutput with logits [N, K, V_d]: row n is the kept target position s (all K depths predict x_{s+1},
-            so label_position is s + 1 in every column), depth_valid [N, K] False where t = s-1-k < 0.
+            DraftOutput with logits [N, K, V_d] (through its head, when read): row n is the kept target position s
+            (all K depths predict x_{s+1}, so label_position is s + 1 in every column), depth_valid [N, K] False
+            where t = s-1-k < 0.
         """
         input_ids = batch["input_ids"]
         batch_size, seq_len = input_ids.shape
@@ -170,39 +172,50 @@ class Eagle3Drafter(DraftHead, Drafter):
         embeds = F.embedding(tokens, self._target_tensor("embed_weight"))  # [B, L + K - 1, D]
         features = torch.cat([batch["target_hidden"][i][:, :length] for i in self.layer_ids], dim=-1)
         hidden = self.fc(features.to(self.fc.weight.dtype))  # [B, L, D]
-        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
-        eye = torch.eye(length, dtype=torch.bool, device=input_ids.device)
-        mask = ((causal & pair_valid[:, None, :]) | eye).unsqueeze(1)  # [B, 1, L, L]; eye keeps rows non-empty
         positions = torch.arange(length, device=input_ids.device).expand(batch_size, length)
+        key_valid = None if bool(pair_valid.all()) else pair_valid  # None: plain causal attention (one host sync)
         step_keys: list[dict[str, Any]] = [{"diag_k": [], "diag_v": []} for _ in self.layers]
         normed = []
         for step in range(steps):
             cos, sin = self.rotary(positions + step, hidden.dtype)
-            hidden = self._ttt_layers(embeds[:, step : step + length], hidden, cos, sin, mask, step_keys, step)
+            hidden = self._ttt_layers(embeds[:, step : step + length], hidden, cos, sin, key_valid, step_keys, step)
             rows = (target_position - 1 - step).clamp(min=0)
             normed.append(self.norm(hidden[batch_index, rows]))
-        logits = self.lm_head(torch.stack(normed, dim=1))  # [N, K, V_d]: one head GEMM for all depths
+        head_input = torch.stack(normed, dim=1)  # [N, K, D]; the head runs on it when the loss asks (chunks of N)
         depth = torch.arange(steps, device=input_ids.device)
         depth_valid = target_position.unsqueeze(1) - 1 - depth >= 0
         label_position = (target_position + 1).unsqueeze(1).expand(-1, steps)
-        return DraftOutput(logits=logits, batch_index=batch_index, label_position=label_position,
-                           depth_valid=depth_valid, draft_ids=self.draft_ids())
+        head = with_autocast_of_now(lambda rows: self.lm_head(head_input[rows]), head_input.device)
+        return DraftOutput(batch_index=batch_index, label_position=label_position, depth_valid=depth_valid,
+                           draft_ids=self.draft_ids(), head=head)
 
-    def _ttt_layers(self, embeds, hidden, cos, sin, mask, step_keys, step: int) -> torch.Tensor:
-        """One TTT step through every draft layer. step_keys[i] keeps layer i's step-0 keys and diagonal keys."""
+    def _ttt_layers(self, embeds, hidden, cos, sin, key_valid, step_keys, step: int) -> torch.Tensor:
+        """One TTT step through every draft layer. step_keys[i] keeps layer i's step-0 keys and diagonal keys.
+
+        Each query t attends to the step-0 keys at t' <= t where key_valid holds (None: all; always its own), plus
+        its own keys of steps 1..step (drafters/chunked.causal_attention: no [L, L] tensor at long L)."""
         x = hidden
         for layer, keys in zip(self.layers, step_keys):
-            attention_in, residual = layer.attention_input(embeds, x)
-            q, k, v = layer.self_attn.project(attention_in, cos, sin)
+            x, k, v = maybe_checkpoint(self.activation_checkpointing, self._ttt_layer, layer, embeds, x, cos, sin,
+                                       key_valid, keys.get("k"), keys.get("v"), tuple(keys["diag_k"]),
+                                       tuple(keys["diag_v"]))
             if step == 0:
                 keys["k"], keys["v"] = k, v
-                attended = attention(q, k, v, mask)
             else:
                 keys["diag_k"].append(k)
                 keys["diag_v"].append(v)
-                attended = attention_with_diagonal(q, keys["k"], keys["v"], mask, keys["diag_k"], keys["diag_v"])
-            x = layer.finish(attended, residual)
         return x
+
+    @staticmethod
+    def _ttt_layer(layer, embeds, x, cos, sin, key_valid, step0_k, step0_v, diag_k, diag_v):
+        """One draft layer of one TTT step: (output [B, L, D], this step's keys and values)."""
+        attention_in, residual = layer.attention_input(embeds, x)
+        q, k, v = layer.self_attn.project(attention_in, cos, sin)
+        if step0_k is None:
+            attended = causal_attention(q, k, v, key_valid)
+        else:
+            attended = causal_attention(q, step0_k, step0_v, key_valid, (*diag_k, k), (*diag_v, v))
+        return layer.finish(attended, residual), k, v
 
     def _loss_positions(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch index [N], target position s [N]) of the positions that carry a loss (see `forward`)."""
@@ -220,12 +233,19 @@ class Eagle3Drafter(DraftHead, Drafter):
         renormalised on the draft vocab; acc_k is top-1 agreement with the target's own argmax (losses.output_metrics).
         """
         batch_index, target_position = output.batch_index, output.label_position[:, 0] - 1
-        with torch.no_grad():
-            head = self._target_tensor("lm_head_weight").index_select(0, self.draft_ids())  # [V_d, D]
-            teacher_hidden = batch["target_last_hidden"][batch_index, target_position].to(head.dtype)
-            teacher_logits = teacher_hidden @ head.T  # [N, V_d]
-            teacher = torch.softmax(teacher_logits.to(torch.promote_types(head.dtype, torch.float32)), dim=-1)
-        per_depth, metrics = output_metrics(output, batch, soft_cross_entropy(output.logits, teacher))
+        head = self._target_tensor("lm_head_weight").index_select(0, self.draft_ids())  # [V_d, D]
+        teacher_hidden = batch["target_last_hidden"][batch_index, target_position].to(head.dtype)  # [N, D]
+
+        def cells(rows):  # one chunk of rows: its logits [n, K, V_d] and teacher [n, V_d] exist only here
+            logits = output.logits_of(rows)
+            with torch.no_grad():
+                teacher_logits = teacher_hidden[rows] @ head.T
+                teacher = torch.softmax(teacher_logits.to(torch.promote_types(head.dtype, torch.float32)), dim=-1)
+            return soft_cross_entropy(logits, teacher), logits.detach().argmax(dim=-1)
+
+        depths, vocab = output.depth_valid.shape[1], head.shape[0]
+        cell_loss, predicted = chunked_rows(cells, output.num_rows, depths * vocab)
+        per_depth, metrics = output_metrics(output, batch, cell_loss, predicted)
         return decayed_sum(per_depth, self.config.step_decay), metrics
 
     # ---- inference: a stateful chain proposer ----------------------------------------------------------------
