@@ -92,8 +92,9 @@ class Ours:
             out = self.model.block_logits(batch, anchors, valid)
         else:
             out = self.model.block_outputs(batch, anchors, valid)
+        logits = out.logits  # computed once here; the loss then reads slices of it (drafters/base.DraftOutput)
         loss, _ = self.model.loss(out, batch)
-        ids = out.target_ids(out.logits.detach().argmax(dim=-1))  # [N, K]
+        ids = out.target_ids(logits.detach().argmax(dim=-1))  # [N, K]
         draft = torch.full((*anchors.shape, ids.shape[1]), -1, dtype=torch.long)
         rows, cols = valid.nonzero(as_tuple=True)
         draft[rows, cols] = ids
@@ -137,8 +138,9 @@ class Eagle3(Ours):
     def step(self, batch, anchors, valid):
         batch = self._batch(batch)
         out = self.model(batch)
+        logits = out.logits
         loss, _ = self.model.loss(out, batch)
-        ids = out.target_ids(out.logits.detach().argmax(dim=-1))  # [N, K]: row n = label position s + 1 at every k
+        ids = out.target_ids(logits.detach().argmax(dim=-1))  # [N, K]: row n = label position s + 1 at every k
         depths = ids.shape[1]
         # the block cell (b, anchor p, depth d) is the EAGLE-3 cell of row b with label position p + 1 + d at depth d
         lookup = {}
