@@ -93,11 +93,11 @@ DRAFTERS = [
                     "SGLang layout written, not run",
             read_anchor="eagle-3-served-by-vllm-read-by-speculators-and-specforge"),
     Drafter("DFlash", "study", "study_A", "dflash:final",
-            read_by="the `dflash` package 0.1, transformers 5.24, speculators 0.9 (logits to 1.2e-5, same greedy "
-                    "output); vLLM read from its source, not run",
+            read_by="vLLM CPU 0.32 (served in the speculators and z-lab layouts: same acceptance, same outputs), "
+                    "the `dflash` package 0.1, transformers 5.24, speculators 0.9 (logits to 1.2e-5)",
             read_anchor="dflash-the-dflash-package-transformers-and-speculators"),
     Drafter("DSpark", "study", "study_A", "dspark:final",
-            read_by="DeepSpec, speculators 0.9 (logits to 5.2e-6)", read_anchor="dspark-deepspec-and-speculators"),
+            read_by="DeepSpec, speculators 0.9 (logits to 5.2e-6); vLLM 0.32 refuses the dspark method", read_anchor="dspark-deepspec-and-speculators"),
     Drafter("MTP-1", "study", "study_C", "mtp:final", has_k3=False,
             read_by="DeepSeek-V3 / Qwen3-Next / MiMo layouts for vLLM `method: mtp` and speculators, written and "
                     "read back with transformers' classes; no server run"),
