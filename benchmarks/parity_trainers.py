@@ -92,7 +92,7 @@ class Ours:
             out = self.model.block_logits(batch, anchors, valid)
         else:
             out = self.model.block_outputs(batch, anchors, valid)
-        logits = out.logits  # computed once here; the loss then reads slices of it (drafters/base.DraftOutput)
+        logits = out.logits  # computed once here; the loss then reads slices of it (drafters/output.DraftOutput)
         loss, _ = self.model.loss(out, batch)
         ids = out.target_ids(logits.detach().argmax(dim=-1))  # [N, K]
         draft = torch.full((*anchors.shape, ids.shape[1]), -1, dtype=torch.long)

@@ -6,7 +6,8 @@ import json
 import os
 
 from drafters.assistant import AssistantDrafter
-from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, DraftOutput, Proposal, TargetInfo
+from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, Proposal, TargetInfo
+from drafters.output import DraftOutput
 from drafters.dflash import DFlashDrafter
 from drafters.draft_model import DraftModelDrafter, is_draft_model_dir
 from drafters.dspark import DSparkDrafter

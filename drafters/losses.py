@@ -93,7 +93,7 @@ def output_metrics(output, batch: Mapping[str, Any], cell_loss: torch.Tensor,
     own argmax at the position before the cell's label (the token greedy verification would accept there).
 
     Args:
-        output: a drafters.base.DraftOutput (logits [N, K, V_d], batch_index [N], label_position [N, K],
+        output: a drafters.output.DraftOutput (logits [N, K, V_d], batch_index [N], label_position [N, K],
             depth_valid [N, K], draft_ids).
         batch: the training batch (target_argmax [B, T]).
         cell_loss: [N, K] the drafter's per-cell loss (any weighting is the drafter's business).

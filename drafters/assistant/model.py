@@ -47,8 +47,8 @@ from drafters.assistant.layers import (
     text_config,
     with_family_layers,
 )
-from drafters.base import (DraftContext, Drafter, DraftOutput, FeatureRequest, Proposal, TargetInfo,
-                           full_vocab_log_probs)
+from drafters.base import DraftContext, Drafter, FeatureRequest, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.output import DraftOutput
 from drafters.layers import FrozenTargetTensors, RMSNorm, RotaryEmbedding, draw_drafts, rope_inverse_frequencies
 from drafters.layers import rope_parameters
 from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss

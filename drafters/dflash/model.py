@@ -47,7 +47,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from drafters.base import DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.base import Proposal, TargetInfo, full_vocab_log_probs
+from drafters.output import DraftOutput
 from drafters.chunked import chunked_rows, with_autocast_of_now
 from drafters.dflash import export
 from drafters.dflash.anchors import batch_anchors, block_cells

@@ -39,7 +39,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from drafters.base import DraftContext, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.base import DraftContext, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.output import DraftOutput
 from drafters.chunked import chunked_rows, with_autocast_of_now
 from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.backbone import BlockBackbone

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import DraftContext, Drafter, DraftOutput, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.base import DraftContext, Drafter, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.output import DraftOutput
 from drafters.chunked import causal_attention, chunked_rows, maybe_checkpoint, with_autocast_of_now
 from drafters.eagle3 import export as export_eagle3
 from drafters.eagle3.config import Eagle3Config

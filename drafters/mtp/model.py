@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import (DraftContext, Drafter, DraftOutput, FeatureRequest, Proposal, TargetInfo,
-                           full_vocab_log_probs)
+from drafters.base import DraftContext, Drafter, FeatureRequest, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.output import DraftOutput
 from drafters.layers import FrozenTargetTensors, draw_drafts
 from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss
 from drafters.mtp import export as mtp_export
