@@ -303,6 +303,34 @@ def test_the_trainer_waits_for_a_shard_being_written_and_checks_it(workdir, tmp_
     trainer.accelerator.end_training()
 
 
+def test_a_producer_never_rewrites_a_shard_the_trainer_deletes_while_it_looks(tmp_path):
+    """The trainer publishes its new position, then deletes: a producer that read the old position and looks at the
+    disk after the deletion must read the position again instead of extracting the deleted shard anew."""
+    from train.stream import StreamDir, StreamPlan
+    from train.stream_producer import run_producer
+
+    plan = StreamPlan(num_samples=4, seed=0, global_batch_size=1, steps_per_epoch=4, max_steps=4, steps_per_shard=1)
+    extracted = []
+
+    class TrainerFinishesMeanwhile(StreamDir):
+        looks = 0
+
+        def progress(self):
+            seen = super().progress()
+            self.looks += 1
+            if self.looks == 1:  # the trainer's close() right after this read: done first, then delete its shard
+                self.publish(plan, plan.num_shards, plan.num_shards, done=True)
+                self.remove(3)
+            return seen
+
+    stream = TrainerFinishesMeanwhile(str(tmp_path))
+    os.makedirs(stream.shard_path(3))  # the trainer reads the last shard, the window [3, 5) ends at the plan's end
+    stream.publish(plan, 3, 5)
+    written = run_producer(stream, list(range(4)), {}, lambda cache, dataset, indices: extracted.append(indices),
+                           log=lambda line: None)
+    assert (written, extracted, stream.complete()) == (0, [], [])
+
+
 def test_a_producer_that_falls_behind_or_never_starts_is_named(workdir, tmp_path):
     from train.build import build_trainer
     from train.stream import ProducerError

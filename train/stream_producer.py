@@ -98,6 +98,8 @@ def run_producer(stream: StreamDir, dataset, meta: dict[str, Any], extract: Extr
                                  f"{len(dataset)}: run both with the same recipe and data overrides")
             window = range(progress["shard"], min(progress["end"], plan.num_shards))
             todo = [p for p in window if p % ranks == rank and not os.path.isdir(stream.shard_path(p))]
+            if stream.progress() != progress:  # the trainer moved (and may have deleted a shard) while we looked
+                continue
             if not todo:
                 time.sleep(POLL_S)
                 continue
