@@ -18,6 +18,7 @@ native-mtp` runs on them.
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 
