@@ -113,18 +113,14 @@ def evaluate(args, work: str, trainers: list[str]) -> list[dict]:
     """Each trained drafter read back through our readers at one step for all (--eval-step, else the last step every
     trainer saved), then greedy speculative decoding of the held-out prompts with our engine: heldout_tau = 1 +
     accepted / rounds over all prompts."""
+    from benchmarks.heldout_tau import decode, first_turns
     from drafters import load_drafter
-    from inference.engine.generate import speculative_generate
     from inference.engine.target import TargetModel
-    from inference.evaluation.eval import render_prompt
-    from inference.evaluation.metrics import acceptance_counts
-    from inference.evaluation.prompts import load_questions
 
     torch.set_num_threads(1)
     dump_meta = torch.load(os.path.join(work, "dump.pt"), weights_only=False)["meta"]
     target = TargetModel.from_pretrained(dump_meta["target"])
-    _, questions = load_questions(args.prompts, num_prompts=args.num_prompts)
-    prompts = [render_prompt(target.tokenizer, q.turns[:1], [], True) for q in questions]
+    prompts = first_turns(target, args.prompts, args.num_prompts)
     curves = {}
     for name in trainers:
         path = os.path.join(work, name, "curve.json")
@@ -152,12 +148,7 @@ def evaluate(args, work: str, trainers: list[str]) -> list[dict]:
             with open(done) as f:
                 heldout = json.load(f)
         else:
-            out = speculative_generate(target, drafter, prompts, num_draft_tokens=k,
-                                       max_new_tokens=args.max_new_tokens)
-            counts = acceptance_counts(out)
-            heldout = {"heldout_tau": round(1 + counts["accepted"] / counts["rounds"], 4), "heldout_step": step,
-                       "heldout_k": k, "heldout_rounds": counts["rounds"],
-                       "heldout_accepted_per_position": counts["survived"],
+            heldout = {**decode(target, drafter, prompts, k, args.max_new_tokens), "heldout_step": step,
                        "heldout_prompts": f"{args.prompts} x {len(prompts)}, {args.max_new_tokens} new tokens"}
             write_json(done, heldout)
         row.update(heldout, read_as=_format_of(weights))

@@ -142,6 +142,12 @@ def test_resume_is_bitwise_exact_and_export_loads(workdir, tmp_path):
         speculators = json.load(f)
     assert "model_type" not in speculators
     assert speculators["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
+    # a training checkpoint (resume state) exports too: its drafter rebuilt from its recipe and weights
+    for step, reference in (("step_3", middle), ("step_6", expected)):
+        out = tmp_path / f"export_{step}"
+        assert cli(["export", str(tmp_path / "full" / "checkpoints" / step), "--format", "native", "--out", str(out)]) == 0
+        again = load_drafter(str(out), full.target.target_info())
+        assert again.config.ttt_steps == 3 and all(torch.equal(again.state_dict()[k], reference[k]) for k in reference)
 
 
 def test_checkpoint_from_another_target_is_refused(workdir, tmp_path):

@@ -134,6 +134,38 @@ def save_checkpoint(accelerator, output_dir: str, step: int, *, recipe: Recipe, 
     return final_dir
 
 
+def is_training_checkpoint(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, "trainer_state.json"))
+
+
+def training_checkpoint_target(directory: str) -> str:
+    """The target name_or_path of the recipe a training checkpoint was written with."""
+    from train.config import load_recipe
+
+    return load_recipe(os.path.join(directory, "recipe.yaml")).target.name_or_path
+
+
+def drafter_of_training_checkpoint(directory: str, target_info):
+    """The drafter of a training checkpoint (resume state), rebuilt from its recipe.yaml and accelerate's
+    model.safetensors (single process or DDP); the target must have the shapes it was trained against."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    from drafters import DRAFTERS
+    from train.config import load_recipe
+
+    weights = os.path.join(directory, "model.safetensors")
+    if not os.path.isfile(weights):
+        raise ValueError(f"{directory}: training checkpoint without model.safetensors (an FSDP run shards the "
+                         "drafter's weights): export the run's final/ instead, or resume and finish the run")
+    check_target(directory, target_info)
+    recipe = load_recipe(os.path.join(directory, "recipe.yaml"))
+    drafter = DRAFTERS[recipe.drafter_kind](copy.deepcopy(recipe.drafter), target_info)
+    drafter.load_state_dict(load_file(weights), strict=True)
+    return drafter
+
+
 def load_checkpoint(accelerator, checkpoint_dir: str, target_info) -> dict[str, Any]:
     """Check the target, restore drafter/optimizer/scheduler/RNG state, and return the trainer state."""
     check_target(checkpoint_dir, target_info)

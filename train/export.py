@@ -8,7 +8,8 @@ speculators | deepspec; MTP deepseek_v3 | qwen3_next | qwen3_5 | mimo | speculat
     draftsmith export runs/smollm2_eagle3/final --format speculators --out runs/smollm2_eagle3/speculators \
         --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
 
-CKPT is any directory `draftsmith eval --drafter` takes (native or any layout above). The target is loaded
+CKPT is any directory `draftsmith eval --drafter` takes (native or any layout above), or a training checkpoint
+(<output.dir>/checkpoints/step_N, resume state): its drafter is rebuilt from the checkpoint's recipe and weights. The target is loaded
 (offline) to check the checkpoint against it and to supply the shared tensors the formats carry (the frozen
 embedding); it is read from the checkpoint unless --target names it. --verifier-name is the model id written as the
 verifier in the speculators config (vLLM serves it as the main model); by default the target's local path.
@@ -27,6 +28,7 @@ import torch
 from drafters import DRAFTERS, load_drafter
 from drafters.files import replace_directory
 from inference.engine.target import TargetModel
+from train.checkpoint import drafter_of_training_checkpoint, is_training_checkpoint, training_checkpoint_target
 
 
 
@@ -66,15 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=None, help="target name or directory (default: the checkpoint's)")
     parser.add_argument("--verifier-name", default=None, help="verifier id written into the speculators config")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    target_name = args.target or checkpoint_target(args.checkpoint)
-    if not target_name:
-        parser.error(f"{args.checkpoint} does not name its target; pass --target")
+    training = is_training_checkpoint(args.checkpoint)
     try:
+        target_name = args.target or (training_checkpoint_target(args.checkpoint) if training
+                                      else checkpoint_target(args.checkpoint))
+        if not target_name:
+            raise ValueError(f"{args.checkpoint} does not name its target; pass --target")
         target = TargetModel.from_pretrained(target_name, dtype=torch.float32)
         info = target.target_info()
         if args.verifier_name:
             info = dataclasses.replace(info, name_or_path=args.verifier_name)
-        drafter = load_drafter(args.checkpoint, info)
+        drafter = (drafter_of_training_checkpoint(args.checkpoint, info) if training
+                   else load_drafter(args.checkpoint, info))
         if drafter is None:
             raise not_a_drafter(args.checkpoint, "an HF model directory or a name, not a trained drafter")
         with replace_directory(args.out) as tmp_dir:  # a refused format leaves an existing --out untouched
