@@ -84,6 +84,7 @@ def target_batches(args, recipe, target, data, drafter, layer_ids) -> list[dict]
     key = json.dumps({"data": dataclasses.asdict(recipe.data), "layers": layer_ids, "n": args.num_batches},
                      sort_keys=True, default=str)
     path = os.path.join(args.envs, "work", f"batches_{hashlib.sha1(key.encode()).hexdigest()[:12]}.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     try:  # one run computes them; a concurrent run waits for its file
         os.close(os.open(path + ".lock", os.O_CREAT | os.O_EXCL))
     except FileExistsError:
