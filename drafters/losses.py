@@ -91,6 +91,8 @@ def output_metrics(output, batch: Mapping[str, Any], cell_loss: torch.Tensor,
 
     Accuracy at a cell is top-1 agreement with the target: the draft argmax (in target ids) against the target's
     own argmax at the position before the cell's label (the token greedy verification would accept there).
+    data_acc is agreement with the data token at the label over all supervised cells (the training accuracy
+    SpecForge and Model Optimizer log); the two coincide on answers the target regenerated greedily.
 
     Args:
         output: a drafters.output.DraftOutput (logits [N, K, V_d], batch_index [N], label_position [N, K],
@@ -110,8 +112,10 @@ def output_metrics(output, batch: Mapping[str, Any], cell_loss: torch.Tensor,
             predicted = output.logits.detach().argmax(dim=-1)
         predicted = output.target_ids(predicted)
         accuracy, _ = masked_depth_means((predicted == agreed).float(), valid)
+        data_right = (predicted == batch["input_ids"][rows, output.label_position]) & valid
+        data_accuracy = float(data_right.sum()) / max(int(valid.sum()), 1)
     per_depth, counts = masked_depth_means(cell_loss, valid)
-    return per_depth, depth_metrics(per_depth.detach(), accuracy, counts)
+    return per_depth, {**depth_metrics(per_depth.detach(), accuracy, counts), "data_acc": data_accuracy}
 
 
 def position_cells(batch: Mapping[str, Any],

@@ -151,7 +151,13 @@ def test_loss_is_finite_and_gradients_reach_only_the_drafter(kind):
     output = drafter(batch)
     loss, metrics = drafter.loss(output, batch)
     assert torch.isfinite(loss) and loss.requires_grad
-    assert {"sim_accept_length", "acc_0", "loss_0", "positions_0"} <= set(metrics)
+    assert {"sim_accept_length", "acc_0", "loss_0", "positions_0", "data_acc"} <= set(metrics)
+    # where the data is the target's greedy text, agreement with the data token is agreement with the target
+    greedy = dict(batch, input_ids=torch.cat([batch["input_ids"][:, :1], batch["target_argmax"][:, :-1]], dim=1))
+    _, on_greedy = drafter.loss(drafter(greedy), greedy)
+    depths = [k for k in range(NUM_DRAFTS + 8) if f"acc_{k}" in on_greedy]
+    right = sum(on_greedy[f"acc_{k}"] * on_greedy[f"positions_{k}"] for k in depths)
+    assert on_greedy["data_acc"] == pytest.approx(right / sum(on_greedy[f"positions_{k}"] for k in depths), abs=1e-6)
     loss.backward()
     grads = [p.grad for p in drafter.parameters() if p.requires_grad]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
