@@ -42,20 +42,9 @@ def decode(target, drafter, prompts: list[str], k: int, max_new_tokens: int) -> 
             "heldout_rounds": counts["rounds"], "heldout_accepted_per_position": counts["survived"]}
 
 
-def load(directory: str, target_info):
-    from drafters import load_drafter
-    from train.checkpoint import drafter_of_training_checkpoint, is_training_checkpoint
-
-    if is_training_checkpoint(directory):
-        return drafter_of_training_checkpoint(directory, target_info)
-    drafter = load_drafter(directory, target_info)
-    if drafter is None:
-        raise ValueError(f"--drafter {directory}: not a trained drafter")
-    return drafter
-
-
 def main(argv: list[str] | None = None) -> int:
     from inference.engine.target import TargetModel
+    from train.checkpoint import load_trained_drafter
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", action="append", required=True, help="a drafter directory or training checkpoint")
@@ -73,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         prompts = first_turns(target, args.prompts, args.num_prompts)
         rows = []
         for directory in args.drafter:
-            drafter = load(directory, target.target_info()).eval()
+            drafter = load_trained_drafter(directory, target.target_info())
+            if drafter is None:
+                raise ValueError(f"--drafter {directory}: not a trained drafter")
+            drafter.eval()
             k = args.k or drafter.max_draft_tokens()
             if not k:
                 raise ValueError(f"--drafter {directory}: the drafter has no longest proposal; pass --k")

@@ -77,6 +77,13 @@ def build_drafter(recipe: Recipe, target: TargetModel) -> torch.nn.Module:
     return drafter.to(target.device)
 
 
+def feature_meta(recipe: Recipe, target: TargetModel, request, num_samples: int) -> dict:
+    """The meta.json a split's cache (or stream shard) holds for the recipe's features mode: what a reader checks."""
+    mode = recipe.features.mode
+    return cache_meta(target.target_info(), training_request(request, mode),
+                      target.feature_dtype(recipe.features.dtype), num_samples)
+
+
 def feature_provider(recipe: Recipe, split: str, target: TargetModel, request, num_samples: int,
                      rank: int, derived: Derived | None = None) -> FeatureProvider:
     """The split's provider for the drafter's FeatureRequest; offline/hybrid ones read/write
@@ -87,8 +94,7 @@ def feature_provider(recipe: Recipe, split: str, target: TargetModel, request, n
         return FeatureProvider(mode, target, request)
     if not recipe.features.cache_dir:
         raise ValueError(f"features.cache_dir must be set for features.mode={mode}")
-    dtype = target.feature_dtype(recipe.features.dtype)
-    meta = cache_meta(target.target_info(), training_request(request, mode), dtype, num_samples)
+    meta = feature_meta(recipe, target, request, num_samples)
     if mode == "streamed":
         from train.stream import StreamDir, StreamedEvalFeatures, StreamedFeatures, StreamPlan
 

@@ -166,6 +166,15 @@ def drafter_of_training_checkpoint(directory: str, target_info):
     return drafter
 
 
+def load_trained_drafter(directory: str, target_info):
+    """A training checkpoint's drafter, else what drafters.load_drafter reads there (None: not a trained drafter)."""
+    from drafters import load_drafter
+
+    if is_training_checkpoint(directory):
+        return drafter_of_training_checkpoint(directory, target_info)
+    return load_drafter(directory, target_info)
+
+
 def load_checkpoint(accelerator, checkpoint_dir: str, target_info) -> dict[str, Any]:
     """Check the target, restore drafter/optimizer/scheduler/RNG state, and return the trainer state."""
     check_target(checkpoint_dir, target_info)

@@ -25,10 +25,10 @@ import sys
 
 import torch
 
-from drafters import DRAFTERS, load_drafter
+from drafters import DRAFTERS
 from drafters.files import replace_directory
 from inference.engine.target import TargetModel
-from train.checkpoint import drafter_of_training_checkpoint, is_training_checkpoint, training_checkpoint_target
+from train.checkpoint import is_training_checkpoint, load_trained_drafter, training_checkpoint_target
 
 
 
@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         info = target.target_info()
         if args.verifier_name:
             info = dataclasses.replace(info, name_or_path=args.verifier_name)
-        drafter = (drafter_of_training_checkpoint(args.checkpoint, info) if training
-                   else load_drafter(args.checkpoint, info))
+        drafter = load_trained_drafter(args.checkpoint, info)
         if drafter is None:
             raise not_a_drafter(args.checkpoint, "an HF model directory or a name, not a trained drafter")
         with replace_directory(args.out) as tmp_dir:  # a refused format leaves an existing --out untouched

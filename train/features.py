@@ -320,6 +320,16 @@ def sample_lengths(dataset) -> list[int]:
     return lengths
 
 
+def samples_to_write(dataset, cache: FeatureCache, rank: int, world_size: int,
+                     indices: list[int] | None = None) -> list[int]:
+    """What a feature writer still has to compute: this rank's share of `dataset` (index % world_size == rank) not
+    in `cache`, longest first (a crash loses little, memory peaks early); or `indices` not in it, in their order."""
+    if indices is not None:
+        return [i for i in indices if i not in cache]
+    lengths = sample_lengths(dataset)
+    return sorted((i for i in range(rank, len(dataset), world_size) if i not in cache), key=lambda i: -lengths[i])
+
+
 def make_batch(dataset, indices: list[int], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Collate dataset rows `indices`: input_ids, attention_mask, loss_mask [B, T] (right padding), sample_index [B]."""
     batch = collate([dataset[i] for i in indices], pad_token_id=pad_token_id)
@@ -335,12 +345,7 @@ def write_cache(target, dataset, cache: FeatureCache, *, batch_size: int, pad_to
     micro-batches exactly)."""
     from tqdm.auto import tqdm
 
-    if indices is not None:
-        todo = [i for i in indices if i not in cache]
-    else:
-        lengths = sample_lengths(dataset)
-        todo = [i for i in range(rank, len(dataset), world_size) if i not in cache]
-        todo.sort(key=lambda i: -lengths[i])
+    todo = samples_to_write(dataset, cache, rank, world_size, indices)
     request = FeatureRequest(layer_ids=tuple(cache.meta["layer_ids"]), top_k_logits=cache.meta.get("top_k_logits", 0))
     provider = FeatureProvider("online", target, request)
     bar = tqdm(total=len(todo), desc=f"features rank {rank}", disable=not progress, unit="sample")

@@ -135,16 +135,11 @@ def write_features(recipe: Recipe, target, state: PartialState) -> None:
 def write_features_vllm(recipe: Recipe, state: PartialState) -> None:
     """Step 2 with features.extractor: vllm: one vLLM engine per data-parallel rank computes this rank's share of
     the train and eval splits; this process loads only the target's embeddings, final norm and lm_head."""
-    from inference.assets.store import resolve_target
-    from train.build import build_drafter, feature_provider, load_data, resolve_dtype
-    from train.vllm_features import data_parallel, head_target, require_vllm, write_cache_vllm
+    from train.build import build_drafter, feature_provider, load_data
+    from train.vllm_features import write_cache_vllm
 
-    require_vllm()
     settings = recipe.features.vllm
-    rank, ranks = data_parallel(settings, state.process_index, state.num_processes)
-    path = resolve_target(recipe.target.name_or_path)
-    dtype = resolve_dtype(recipe.target.dtype, state.device)
-    target = head_target(path, dtype, state.device)
+    target, rank, ranks = vllm_head(recipe, state)
     data = load_data(recipe, target, state)
     request = build_drafter(recipe, target).feature_request()
     splits = [("train", data.train), ("eval", data.eval)]
@@ -161,6 +156,19 @@ def write_features_vllm(recipe: Recipe, state: PartialState) -> None:
         print(f"rank {rank}: {split}: wrote vLLM features of {written} samples to {cache.directory} "
               f"in {time.perf_counter() - started:.1f} s")
     state.wait_for_everyone()
+
+
+def vllm_head(recipe: Recipe, state: PartialState):
+    """(target, rank, ranks) of a process whose features vLLM computes: the target's embeddings, final norm and lm_head
+    only (train/vllm_features.head_target), and its data-parallel rank among `ranks` engines."""
+    from inference.assets.store import resolve_target
+    from train.build import resolve_dtype
+    from train.vllm_features import data_parallel, head_target, require_vllm
+
+    require_vllm()
+    rank, ranks = data_parallel(recipe.features.vllm, state.process_index, state.num_processes)
+    dtype = resolve_dtype(recipe.target.dtype, state.device)
+    return head_target(resolve_target(recipe.target.name_or_path), dtype, state.device), rank, ranks
 
 
 def vllm_engine(recipe: Recipe, state: PartialState, target, request, datasets, rank: int):

@@ -115,24 +115,19 @@ def run_producer(stream: StreamDir, dataset, meta: dict[str, Any], extract: Extr
 def produce(recipe, state, stop: threading.Event | None = None) -> int:
     """`draftsmith prepare` for a streamed recipe: this process's eval share, then its shards of the train split
     until the trainer is done (or `stop` is set). Returns the shards written."""
-    from inference.assets.store import resolve_target
-    from train.build import build_drafter, feature_provider, load_data, load_target, resolve_dtype
-    from train.features import cache_meta, training_request, write_cache
-    from train.vllm_features import data_parallel, head_target, require_vllm, write_cache_vllm
+    from train.build import build_drafter, feature_meta, feature_provider, load_data, load_target
+    from train.features import write_cache
+    from train.prepare import vllm_engine, vllm_head
+    from train.vllm_features import write_cache_vllm
 
     settings = recipe.features
     if settings.extractor == "vllm":
-        require_vllm()
-        rank, ranks = data_parallel(settings.vllm, state.process_index, state.num_processes)
-        dtype = resolve_dtype(recipe.target.dtype, state.device)
-        target = head_target(resolve_target(recipe.target.name_or_path), dtype, state.device)
+        target, rank, ranks = vllm_head(recipe, state)
     else:
         target, rank, ranks = load_target(recipe, state.device, whole=True), state.process_index, state.num_processes
     data = load_data(recipe, target, state)
     request = build_drafter(recipe, target).feature_request()
     if settings.extractor == "vllm":
-        from train.prepare import vllm_engine
-
         llm = vllm_engine(recipe, state, target, request, [data.train, data.eval], rank)
 
         def extract(cache, dataset, indices):
@@ -144,8 +139,7 @@ def produce(recipe, state, stop: threading.Event | None = None) -> int:
                                world_size=ranks, pad_token_id=target.pad_token_id, indices=indices, progress=False)
     eval_cache = feature_provider(recipe, "eval", target, request, len(data.eval), rank).cache
     extract(eval_cache, data.eval, None)
-    meta = cache_meta(target.target_info(), training_request(request, "streamed"),
-                      target.feature_dtype(settings.dtype), len(data.train))
+    meta = feature_meta(recipe, target, request, len(data.train))  # the meta the trainer checks every shard against
     stream = StreamDir(settings.cache_dir)
     print(f"producer rank {rank} of {ranks}: eval features in {eval_cache.directory}; streaming into {stream.shards}")
     written = run_producer(stream, data.train, meta, extract, rank=rank, ranks=ranks, stop=stop)

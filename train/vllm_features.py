@@ -212,13 +212,9 @@ def write_cache_vllm(target, llm, dataset, cache, *, rank: int = 0, world_size: 
     from tqdm.auto import tqdm
     from vllm import SamplingParams
 
-    from train.features import sample_lengths
+    from train.features import samples_to_write
 
-    if indices is not None:
-        todo = [i for i in indices if i not in cache]
-    else:
-        lengths = sample_lengths(dataset)
-        todo = sorted((i for i in range(rank, len(dataset), world_size) if i not in cache), key=lambda i: -lengths[i])
+    todo = samples_to_write(dataset, cache, rank, world_size, indices)
     captured = vllm_layer_ids(cache.meta["layer_ids"], target.num_layers)
     top_k = cache.meta.get("top_k_logits", 0)
     params = SamplingParams(max_tokens=1, temperature=0.0)
