@@ -7,6 +7,7 @@ a lazy import that runs back up is caught too.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,79 @@ def test_no_import_runs_back_up(floor):
     upward = {f"{path.relative_to(ROOT)}: {sorted(imported_packages(path) - allowed)}"
               for path in sorted((ROOT / floor).rglob("*.py")) if imported_packages(path) - allowed}
     assert not upward, f"{floor}/ imports a floor above it: {sorted(upward)}"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(paths: list[Path]) -> dict[str, set[str]]:
+    """module -> the project modules it imports (module level and inside functions); `from a.b import c` names the
+    module a.b.c when c is one, else a.b (an import of a package's __init__ counts as that package)."""
+    modules = {module_name(path): path for path in paths}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found.update(resolve(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else resolve(node.module)
+                             for a in node.names)
+        graph[name] = found - {None, name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph`: its strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_circle_finder_sees_a_circle_through_a_function_local_import(tmp_path, monkeypatch):
+    package = tmp_path / "train"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from train.b import f\n")
+    (package / "b.py").write_text("def f():\n    from train import c\n")
+    (package / "c.py").write_text("import train.a\n")
+    (package / "d.py").write_text("from train.a import f\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert circles(import_graph(sorted(package.rglob("*.py")))) == [["train.a", "train.b", "train.c"]]
+
+
+def test_no_import_circle_anywhere():
+    paths = [path for floor in FLOORS for path in sorted((ROOT / floor).rglob("*.py"))]
+    assert circles(import_graph(paths)) == []

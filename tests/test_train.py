@@ -95,7 +95,7 @@ def test_debug_target_is_an_ordinary_model_directory(workdir):
 
 
 def test_data_order_of_two_processes_equals_one_process_with_accumulation():
-    from train.loop import epoch_order, step_indices
+    from train.data import epoch_order, step_indices
 
     order = epoch_order(40, seed=3, epoch=1)
     assert sorted(order) == list(range(40)) and order != epoch_order(40, seed=3, epoch=2)

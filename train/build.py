@@ -13,7 +13,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import set_seed
 
 from drafters import DRAFTERS
-from inference.engine.target import TargetModel
+from inference.engine.target import TargetModel, resolve_dtype
 from train.checkpoint import load_checkpoint, resolve_resume
 from train.config import Derived, Recipe, derive, recipe_to_dict, save_recipe
 from train.data import build_dataset
@@ -35,13 +35,6 @@ def process_state() -> PartialState:
     return PartialState(cpu=use_cpu())
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto" -> float32 on CPU (bf16 matmuls are ~100x slower there), bfloat16 on accelerators."""
-    if name == "auto":
-        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    return getattr(torch, name)
-
-
 def load_target(recipe: Recipe, device, *, whole: bool = False) -> TargetModel:
     """The frozen target on `device` in target.dtype (a debug:NAME target is built on first use); with
     target.placement: served only its head, unless `whole` (what computes features or answers needs all of it)."""
@@ -50,9 +43,7 @@ def load_target(recipe: Recipe, device, *, whole: bool = False) -> TargetModel:
         from inference.assets.store import resolve_target
         from train.vllm_features import head_target
 
-        target = head_target(resolve_target(recipe.target.name_or_path), dtype, device)
-        target.whole = False
-        return target
+        return head_target(resolve_target(recipe.target.name_or_path), dtype, device)
     return TargetModel.from_pretrained(recipe.target.name_or_path, dtype=dtype, device=device)
 
 
@@ -124,10 +115,10 @@ def build_trainer(recipe: Recipe) -> Trainer:
     accelerator.print(f"derived: {derived}; data: {data.counts}")
     drafter = build_drafter(recipe, target)
     if recipe.target.placement == "sharded" and state.num_processes > 1:
-        from train.placement import drop_weight_references, shard_target
+        from train.placement import shard_target
 
-        target._info = drafter.target_info = drop_weight_references(target.target_info())  # warm starts are done
         shard_target(target, state.num_processes)
+        drafter.target_info = target.target_info()  # without the weight map: warm starts are done
     resume = resolve_resume(recipe.output.dir, recipe.train.resume_from)
     if resume is None:
         drafter.init_from_data(count_tokens(data.train, target.target_info().vocab_size))

@@ -16,6 +16,7 @@ mask is right whatever the tokenizer merges.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any, Literal, Mapping
 
@@ -128,3 +129,10 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_le
     if truncated and truncation == "drop":
         return None
     return {"input_ids": input_ids[:max_length], "loss_mask": loss_mask[:max_length], "truncated": truncated}
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A stable hash of everything in a tokenizer that changes token ids (its full serialised state)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(state.encode()).hexdigest()[:32]

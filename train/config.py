@@ -93,9 +93,13 @@ class FeaturesConfig:
 class RegenerateConfig:
     """`draftsmith prepare` answers `num_conversations` conversations of data.path with the target itself
     (train/regenerate.py) and writes them to data.regenerated_path, which training then reads. Sampling:
-    temperature (0 = greedy), top_p, top_k (0 = off) and min_p (0 = off), as vLLM and SGLang take them."""
+    temperature (0 = greedy), top_p, top_k (0 = off) and min_p (0 = off), as vLLM and SGLang take them.
+    unique_prompts: drop a conversation whose first user turn repeats an earlier one's in the seeded order (ShareGPT
+    repeats 7% of its first turns, one of them 123 times in 10,000) before taking num_conversations."""
 
     num_conversations: int | None = None
+    unique_prompts: bool = False
+    heldout_conversations: int = 0  # a .jsonl.gz regenerated_path's manifest holds out its first N answered ones
     max_new_tokens: int = 512
     temperature: float = 0.0
     top_p: float = 1.0

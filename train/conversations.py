@@ -13,6 +13,7 @@ incrementally, one record at a time with `json.JSONDecoder.raw_decode`, and read
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -43,8 +44,8 @@ def resolve_source(path: str) -> Path:
     file = Path(os.path.expanduser(path))
     if not file.is_file():
         raise ValueError(f"data file {path!r} does not exist")
-    if file.suffix not in (".json", ".jsonl"):
-        raise ValueError(f"data file {path!r}: expected a .json or .jsonl file")
+    if file.suffix not in (".json", ".jsonl") and not file.name.endswith(".jsonl.gz"):
+        raise ValueError(f"data file {path!r}: expected a .json, .jsonl or .jsonl.gz file")
     return file
 
 
@@ -79,8 +80,10 @@ def iter_json_array(stream: TextIO, read_chars: int = _READ_CHARS) -> Iterator[A
 
 
 def iter_raw_records(file: Path) -> Iterator[Any]:
-    """Raw records of a .json (array, possibly cut off) or .jsonl file; an unparsable jsonl line yields None."""
-    with open(file, encoding="utf-8") as stream:
+    """Raw records of a .json (array, possibly cut off), .jsonl or .jsonl.gz file; an unparsable jsonl line yields
+    None."""
+    opener = gzip.open if file.suffix == ".gz" else open
+    with opener(file, "rt", encoding="utf-8") as stream:
         if file.suffix == ".json":
             yield from iter_json_array(stream)
             return
@@ -174,3 +177,20 @@ def load_conversations(path: str, fmt: Format = "auto") -> tuple[list[dict[str, 
         else:
             conversations.append({"id": row["id"], "messages": row["messages"]})
     return conversations, skipped
+
+
+def first_user_turn(conversation: dict[str, Any]) -> str | None:
+    """The text of a normalised conversation's first user message (None if it has none)."""
+    return next((m["content"] for m in conversation["messages"] if m["role"] == "user"), None)
+
+
+def unique_first_turns(conversations: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversations in order, without those whose first user turn an earlier one already asked."""
+    seen: set[str | None] = set()
+    kept = []
+    for conversation in conversations:
+        first = first_user_turn(conversation)
+        if first not in seen:
+            seen.add(first)
+            kept.append(conversation)
+    return kept

@@ -26,8 +26,10 @@ import datasets
 import torch
 
 from inference.evaluation.chat_template import check_template_kwargs, require_chat_template
-from train.chat import Truncation, tokenize_conversation
+from train.chat import Truncation, tokenize_conversation, tokenizer_fingerprint
 from train.conversations import Format, iter_conversations, resolve_source
+from train.shipped_data import check as check_shipped
+from train.shipped_data import heldout_ids
 
 logger = logging.getLogger(__name__)
 
@@ -115,17 +117,24 @@ def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
                          f"{config.num_samples}, {config.num_eval_samples}")
     if not 0.0 <= config.max_skip_fraction <= 1.0:
         raise ValueError(f"data.max_skip_fraction must be in [0, 1], got {config.max_skip_fraction}")
+    held_out = set()
+    if config.regenerated_path is not None:  # shipped data: checked against its manifest, its held-out ids kept out
+        check_shipped(config.regenerated_path, tokenizer)
+        held_out = heldout_ids(config.regenerated_path)
     raw, regenerated_ids = _parse_source(config)
     skip_reasons = dict(Counter(reason for reason in raw["skip_reason"] if reason))
     num_skipped = sum(skip_reasons.values())
     _check_skips(len(raw), num_skipped, skip_reasons, config)
-    usable = raw.filter(_is_usable, input_columns="skip_reason").shuffle(seed=config.seed)
+    usable = raw.filter(_is_usable, input_columns="skip_reason")
+    if held_out:
+        usable = usable.filter(lambda record_id: record_id not in held_out, input_columns="id")
+    usable = usable.shuffle(seed=config.seed)
     num_eval = min(config.num_eval_samples, len(usable) // 2)
     if config.regenerated_mode == "merge" and regenerated_ids:
         usable = _regenerated_first(usable, num_eval, regenerated_ids)
     end = len(usable) if config.num_samples is None else min(len(usable), num_eval + config.num_samples)
     splits = {"eval": usable.select(range(num_eval)), "train": usable.select(range(num_eval, end))}
-    counts = {"records": len(raw), "skipped": num_skipped}
+    counts = {"records": len(raw), "skipped": num_skipped, **({"held_out": len(held_out)} if held_out else {})}
     statuses: Counter[str] = Counter()
     for name, split in splits.items():
         tokenised = _tokenise(split, tokenizer, template, config)
@@ -232,13 +241,6 @@ def _tokenise_batch(batch: dict[str, list], tokenizer: Any, template: str, max_l
     return out
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A stable hash of everything in a tokenizer that changes token ids (its full serialised state)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    state = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
-    return hashlib.sha256(state.encode()).hexdigest()[:32]
-
-
 def collate(samples: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad a list of samples to the longest one.
 
@@ -264,3 +266,20 @@ def collate(samples: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, t
         loss_mask[row, :length] = torch.as_tensor(sample["loss_mask"], dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
+    """The sample order of one epoch: a permutation seeded by (seed, epoch), the same on every process."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=generator).tolist()
+
+
+def step_indices(order: list[int], step_in_epoch: int, layout, rank: int, batch_size: int) -> list[list[int]]:
+    """Sample indices of each micro-batch process `rank` runs for one optimizer step of `order`; `layout` gives
+    global_batch_size, grad_accum and world_size (train.config.Derived)."""
+    start = step_in_epoch * layout.global_batch_size
+    slices = []
+    for micro in range(layout.grad_accum):
+        offset = start + (micro * layout.world_size + rank) * batch_size
+        slices.append(order[offset:offset + batch_size])
+    return slices

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from drafters.files import disk_full_reported, replace_directory
 from train.checkpoint import list_checkpoints, save_checkpoint
 from train.config import Derived, Recipe, save_recipe
+from train.data import epoch_order, step_indices
 from train.features import FeatureProvider, make_batch
 from train.metrics import MeanMeter, RunLog, reduce_mean, speculative_probe
 from train.optim import schedule_position
@@ -116,22 +117,6 @@ def sigterm_flag() -> Iterator[threading.Event]:
         yield received
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
-    """The sample order of one epoch: a permutation seeded by (seed, epoch)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_samples, generator=generator).tolist()
-
-
-def step_indices(order: list[int], step_in_epoch: int, derived: Derived, rank: int, batch_size: int) -> list[list[int]]:
-    """Sample indices of each micro-batch this process runs for one optimizer step."""
-    start = step_in_epoch * derived.global_batch_size
-    slices = []
-    for micro in range(derived.grad_accum):
-        offset = start + (micro * derived.world_size + rank) * batch_size
-        slices.append(order[offset:offset + batch_size])
-    return slices
 
 
 @dataclass
@@ -263,7 +248,7 @@ class Trainer:
     def can_probe(self) -> bool:
         """FSDP shards the drafter's weights across processes, so one process cannot decode with it alone; nor with a
         target that is sharded or served elsewhere (target.placement)."""
-        return self.accelerator.distributed_type != DistributedType.FSDP and getattr(self.target, "whole", True)
+        return self.accelerator.distributed_type != DistributedType.FSDP and self.target.whole
 
     # ---- checkpoints and export ----------------------------------------------------------------------------------
     def save(self) -> str:

@@ -19,7 +19,6 @@ modes skip forwards per process and are refused, and the main process's speculat
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -46,21 +45,14 @@ def shard_target(target, world_size: int) -> None:
     for layer in target.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(target.model, mesh=mesh, reshard_after_forward=True)
-    target.sharded = True
-    target.whole = False  # no process can run it alone (the speculative-decoding probe is skipped)
+    target.declare_sharded()  # no process can run it alone (the speculative-decoding probe is skipped)
 
 
 def release_gathered(target) -> None:
     """Free the root unit's all-gathered weights after a forward (FSDP2 keeps the root's gathered, expecting a
     backward that a frozen target never runs); the layers free their own."""
-    if getattr(target, "sharded", False):
+    if target.placement == "sharded":
         target.model.reshard()
-
-
-def drop_weight_references(info):
-    """TargetInfo without the map of every target tensor (used for warm starts, at drafter init only): after
-    sharding it would keep the whole unsharded target alive."""
-    return dataclasses.replace(info, weights={})
 
 
 def local_bytes(module: torch.nn.Module) -> int:

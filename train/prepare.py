@@ -33,15 +33,51 @@ def regenerate_data(recipe: Recipe, state: PartialState) -> None:
 
     Each process answers every num_processes-th conversation into its own part (<path>.rank<r>, or the path itself
     with one process), resuming by id; the main process then appends the parts' new records to the path."""
-    if not recipe.data.regenerated_path:
+    from train.shipped_data import is_packed, unpack_to_working, working_path
+
+    path = recipe.data.regenerated_path
+    if not path:
         raise ValueError("the regenerate: section needs data.regenerated_path (where the answers are written)")
+    if state.is_main_process:
+        unpack_to_working(path)  # a shipped .jsonl.gz seeds the working file: its rows are not redone
+    state.wait_for_everyone()
     model, tokenizer = regeneration_model(recipe, state)
     stats = regenerate_share(recipe, model, tokenizer, state.process_index, state.num_processes)
     print(f"rank {state.process_index}: regenerated {stats}")
     state.wait_for_everyone()
     if state.num_processes > 1 and state.is_main_process:
-        merge_parts(recipe.data.regenerated_path, part_paths(recipe.data.regenerated_path, state.num_processes))
+        merge_parts(working_path(path), part_paths(working_path(path), state.num_processes))
+    if is_packed(path) and state.is_main_process:
+        manifest = pack_regenerated(recipe, tokenizer)
+        print(f"packed {path}: {manifest['records']} records, {manifest['counts']['answered']} answered, "
+              f"held out {manifest['heldout']['size']}; manifest {manifest['sha256'][:12]}")
     state.wait_for_everyone()
+
+
+def pack_regenerated(recipe: Recipe, tokenizer) -> dict:
+    """Gzip the working file of data.regenerated_path with its manifest and held-out questions
+    (train/shipped_data.py): the source, the generator and its settings, counts and token histograms."""
+    import dataclasses
+    import importlib.metadata
+
+    import torch
+
+    from train.conversations import load_conversations
+    from train.shipped_data import describe, pack, read_lines, working_path
+
+    settings, path = recipe.regenerate, recipe.data.regenerated_path
+    records = [json.loads(line) for line in read_lines(working_path(path)).splitlines() if line.strip()]
+    sources = {c["id"]: c for c in regeneration_sample(recipe)}
+    engine = "vllm" if settings.use_vllm else "transformers"
+    meta = {"source": {"path": recipe.data.path, "rows_usable": len(load_conversations(recipe.data.path,
+                                                                                     recipe.data.format)[0])},
+            "generator": {"target": recipe.target.name_or_path, "dtype": recipe.target.dtype,
+                          "engine": f"{engine} {importlib.metadata.version(engine)}", "torch": torch.__version__},
+            "settings": dataclasses.asdict(settings),
+            "complete": set(sources) <= {r["id"] for r in records}}
+    counts = describe(records, sources, tokenizer, settings, recipe.data.chat_template,
+                      recipe.data.chat_template_kwargs)
+    return pack(path, meta, tokenizer, counts, settings.heldout_conversations)
 
 
 def part_paths(out_path: str, num_processes: int) -> list[str]:
@@ -51,21 +87,33 @@ def part_paths(out_path: str, num_processes: int) -> list[str]:
 def regenerate_share(recipe: Recipe, model, tokenizer, rank: int, num_processes: int) -> dict[str, float]:
     """Answer this process's share (every num_processes-th of the seeded sample, from `rank`) into its part file;
     what the part already holds is skipped, so an interrupted run resumes."""
-    from train.conversations import load_conversations
     from train.regenerate import regenerate, written_ids
+    from train.shipped_data import working_path
 
     settings = recipe.regenerate
-    conversations, _ = load_conversations(recipe.data.path, recipe.data.format)
-    random.Random(settings.seed).shuffle(conversations)
-    share = conversations[:settings.num_conversations][rank::num_processes]
+    share = regeneration_sample(recipe)[rank::num_processes]
     if num_processes > 1:  # merged by an earlier run, perhaps with another number of processes
-        merged = written_ids(recipe.data.regenerated_path)
+        merged = written_ids(working_path(recipe.data.regenerated_path))
         share = [conversation for conversation in share if conversation["id"] not in merged]
-    return regenerate(model, tokenizer, share, part_paths(recipe.data.regenerated_path, num_processes)[rank],
+    return regenerate(model, tokenizer, share, part_paths(working_path(recipe.data.regenerated_path),
+                                                          num_processes)[rank],
                       max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
                       top_k=settings.top_k, min_p=settings.min_p, batch_size=settings.batch_size, max_prompt_tokens=settings.max_prompt_tokens,
                       seed=settings.seed + rank, chat_template=recipe.data.chat_template,
                       template_kwargs=recipe.data.chat_template_kwargs, use_vllm=settings.use_vllm)
+
+
+def regeneration_sample(recipe: Recipe) -> list[dict]:
+    """The conversations regenerate: answers, in order: data.path shuffled with regenerate.seed, first-turn repeats
+    dropped when regenerate.unique_prompts, cut to regenerate.num_conversations."""
+    from train.conversations import load_conversations, unique_first_turns
+
+    settings = recipe.regenerate
+    conversations, _ = load_conversations(recipe.data.path, recipe.data.format)
+    random.Random(settings.seed).shuffle(conversations)
+    if settings.unique_prompts:
+        conversations = unique_first_turns(conversations)
+    return conversations[:settings.num_conversations]
 
 
 def regeneration_model(recipe: Recipe, state: PartialState):
@@ -74,7 +122,8 @@ def regeneration_model(recipe: Recipe, state: PartialState):
     from transformers import AutoTokenizer
 
     from inference.assets.store import resolve_target
-    from train.build import load_target, resolve_dtype
+    from inference.engine.target import resolve_dtype
+    from train.build import load_target
 
     if not recipe.regenerate.use_vllm:
         target = load_target(recipe, state.device, whole=True)
@@ -114,87 +163,25 @@ def merge_parts(out_path: str, parts: list[str]) -> None:
                         out.write(line if line.endswith("\n") else line + "\n")
 
 
-def write_features(recipe: Recipe, target, state: PartialState) -> None:
-    """Step 2: this process's share of the train and eval splits into the offline cache."""
-    from train.build import build_drafter, feature_provider, load_data
-    from train.features import write_cache
+def write_features(recipe: Recipe, state: PartialState) -> None:
+    """Step 2: this process's share of the train and eval splits into the offline cache, from the recipe's feature
+    source (the target's forward here, or a vLLM engine per rank: train/feature_source.py)."""
+    from train.build import feature_provider
+    from train.feature_source import feature_source
 
-    data = load_data(recipe, target, state)
-    request = build_drafter(recipe, target).feature_request()
-    for split, dataset in (("train", data.train), ("eval", data.eval)):
-        cache = feature_provider(recipe, split, target, request, len(dataset), state.process_index).cache
+    source = feature_source(recipe, state)
+    for split, dataset in source.splits():
+        cache = feature_provider(recipe, split, source.target, source.request, len(dataset), source.rank).cache
         started = time.perf_counter()
-        written = write_cache(target, dataset, cache, batch_size=recipe.train.batch_size,
-                              pad_token_id=target.pad_token_id, rank=state.process_index,
-                              world_size=state.num_processes, progress=state.is_local_main_process)
-        print(f"rank {state.process_index}: {split}: wrote features of {written} samples to {cache.directory} "
+        written = source.extract(cache, dataset, progress=state.is_local_main_process)
+        print(f"rank {source.rank}: {split}: wrote {source.name} features of {written} samples to {cache.directory} "
               f"in {time.perf_counter() - started:.1f} s")
     state.wait_for_everyone()
-
-
-def write_features_vllm(recipe: Recipe, state: PartialState) -> None:
-    """Step 2 with features.extractor: vllm: one vLLM engine per data-parallel rank computes this rank's share of
-    the train and eval splits; this process loads only the target's embeddings, final norm and lm_head."""
-    from train.build import build_drafter, feature_provider, load_data
-    from train.vllm_features import write_cache_vllm
-
-    settings = recipe.features.vllm
-    target, rank, ranks = vllm_head(recipe, state)
-    data = load_data(recipe, target, state)
-    request = build_drafter(recipe, target).feature_request()
-    splits = [("train", data.train), ("eval", data.eval)]
-    caches = [feature_provider(recipe, split, target, request, len(dataset), rank).cache for split, dataset in splits]
-    if all(all(i in cache for i in range(rank, len(dataset), ranks)) for cache, (_, dataset) in zip(caches, splits)):
-        print(f"rank {rank}: every feature of this rank's share is cached already")
-        state.wait_for_everyone()
-        return
-    llm = vllm_engine(recipe, state, target, request, [dataset for _, dataset in splits], rank)
-    for cache, (split, dataset) in zip(caches, splits):
-        started = time.perf_counter()
-        written = write_cache_vllm(target, llm, dataset, cache, rank=rank, world_size=ranks,
-                                   chunk_size=4 * settings.max_num_seqs, progress=state.is_local_main_process)
-        print(f"rank {rank}: {split}: wrote vLLM features of {written} samples to {cache.directory} "
-              f"in {time.perf_counter() - started:.1f} s")
-    state.wait_for_everyone()
-
-
-def vllm_head(recipe: Recipe, state: PartialState):
-    """(target, rank, ranks) of a process whose features vLLM computes: the target's embeddings, final norm and lm_head
-    only (train/vllm_features.head_target), and its data-parallel rank among `ranks` engines."""
-    from inference.assets.store import resolve_target
-    from train.build import resolve_dtype
-    from train.vllm_features import data_parallel, head_target, require_vllm
-
-    require_vllm()
-    rank, ranks = data_parallel(recipe.features.vllm, state.process_index, state.num_processes)
-    dtype = resolve_dtype(recipe.target.dtype, state.device)
-    return head_target(resolve_target(recipe.target.name_or_path), dtype, state.device), rank, ranks
-
-
-def vllm_engine(recipe: Recipe, state: PartialState, target, request, datasets, rank: int):
-    """The vllm.LLM that extracts this rank's features (on its own GPUs), sized for the longest sample."""
-    from vllm import LLM
-
-    from inference.assets.store import resolve_target
-    from train.build import resolve_dtype
-    from train.features import sample_lengths
-    from train.vllm_features import clear_staging, engine_kwargs, pin_devices, vllm_layer_ids
-
-    settings = recipe.features.vllm
-    staging = os.path.join(recipe.features.cache_dir, f"vllm-staging-rank{rank}")
-    clear_staging(staging)
-    pin_devices(settings, state.local_process_index, state.num_processes, state.device.type)
-    longest = max(max(sample_lengths(dataset), default=1) for dataset in datasets)
-    dtype = str(resolve_dtype(recipe.target.dtype, state.device)).removeprefix("torch.")
-    return LLM(**engine_kwargs(resolve_target(recipe.target.name_or_path), dtype, settings,
-                               device_type=state.device.type, layer_ids=vllm_layer_ids(request.layer_ids,
-                                                                                       target.num_layers),
-                               staging=staging, max_len=longest, seed=recipe.train.seed + rank))
 
 
 def main(argv: list[str] | None = None) -> int:
     recipe = recipe_from_argv("draftsmith prepare", __doc__.split("\n\n")[0], argv)
-    from train.build import load_target, process_state
+    from train.build import process_state
 
     state = process_state()
     if recipe.features.extractor == "vllm" and recipe.features.mode != "online":
@@ -207,10 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         from train.stream_producer import produce
 
         produce(recipe, state)
-    elif recipe.features.mode in ("offline", "hybrid") and recipe.features.extractor == "vllm":
-        write_features_vllm(recipe, state)
     elif recipe.features.mode in ("offline", "hybrid"):
-        write_features(recipe, load_target(recipe, state.device, whole=True), state)
+        write_features(recipe, state)
     elif recipe.regenerate is None:
         print("nothing to prepare: no regenerate: section and features.mode is online")
     return 0

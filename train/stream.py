@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from drafters.files import write_json_atomic
+from train.data import epoch_order
 from train.features import FeatureCache, FeatureProvider
 
 POLL_S = 0.05  # how often a waiting trainer or an idle producer looks again
@@ -75,8 +76,6 @@ def check_stream(features) -> None:
 
 @functools.lru_cache(maxsize=2)
 def _order(num_samples: int, seed: int, epoch: int) -> tuple[int, ...]:
-    from train.loop import epoch_order
-
     return tuple(epoch_order(num_samples, seed, epoch))
 
 

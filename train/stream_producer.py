@@ -114,34 +114,20 @@ def run_producer(stream: StreamDir, dataset, meta: dict[str, Any], extract: Extr
 
 def produce(recipe, state, stop: threading.Event | None = None) -> int:
     """`draftsmith prepare` for a streamed recipe: this process's eval share, then its shards of the train split
-    until the trainer is done (or `stop` is set). Returns the shards written."""
-    from train.build import build_drafter, feature_meta, feature_provider, load_data, load_target
-    from train.features import write_cache
-    from train.prepare import vllm_engine, vllm_head
-    from train.vllm_features import write_cache_vllm
+    until the trainer is done (or `stop` is set), from the recipe's feature source. Returns the shards written."""
+    from train.build import feature_meta, feature_provider
+    from train.feature_source import feature_source
 
-    settings = recipe.features
-    if settings.extractor == "vllm":
-        target, rank, ranks = vllm_head(recipe, state)
-    else:
-        target, rank, ranks = load_target(recipe, state.device, whole=True), state.process_index, state.num_processes
-    data = load_data(recipe, target, state)
-    request = build_drafter(recipe, target).feature_request()
-    if settings.extractor == "vllm":
-        llm = vllm_engine(recipe, state, target, request, [data.train, data.eval], rank)
-
-        def extract(cache, dataset, indices):
-            return write_cache_vllm(target, llm, dataset, cache, rank=rank, world_size=ranks, indices=indices,
-                                    chunk_size=4 * settings.vllm.max_num_seqs, progress=False)
-    else:
-        def extract(cache, dataset, indices):
-            return write_cache(target, dataset, cache, batch_size=recipe.train.batch_size, rank=rank,
-                               world_size=ranks, pad_token_id=target.pad_token_id, indices=indices, progress=False)
-    eval_cache = feature_provider(recipe, "eval", target, request, len(data.eval), rank).cache
-    extract(eval_cache, data.eval, None)
-    meta = feature_meta(recipe, target, request, len(data.train))  # the meta the trainer checks every shard against
-    stream = StreamDir(settings.cache_dir)
-    print(f"producer rank {rank} of {ranks}: eval features in {eval_cache.directory}; streaming into {stream.shards}")
-    written = run_producer(stream, data.train, meta, extract, rank=rank, ranks=ranks, stop=stop)
-    print(f"producer rank {rank}: the trainer is done; this rank wrote {written} shards")
+    source = feature_source(recipe, state)
+    eval_cache = feature_provider(recipe, "eval", source.target, source.request, len(source.data.eval),
+                                  source.rank).cache
+    source.extract(eval_cache, source.data.eval)
+    # the meta the trainer checks every shard against
+    meta = feature_meta(recipe, source.target, source.request, len(source.data.train))
+    stream = StreamDir(recipe.features.cache_dir)
+    print(f"producer rank {source.rank} of {source.ranks}: eval features in {eval_cache.directory}; streaming into "
+          f"{stream.shards}")
+    written = run_producer(stream, source.data.train, meta, source.extract, rank=source.rank, ranks=source.ranks,
+                           stop=stop)
+    print(f"producer rank {source.rank}: the trainer is done; this rank wrote {written} shards")
     return written

@@ -142,7 +142,7 @@ def head_target(path: str, dtype: torch.dtype, device):
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    return TargetModel(model, AutoTokenizer.from_pretrained(path), name_or_path=path)
+    return TargetModel(model, AutoTokenizer.from_pretrained(path), name_or_path=path, placement="head")
 
 
 @torch.no_grad()
@@ -244,3 +244,53 @@ def write_cache_vllm(target, llm, dataset, cache, *, rank: int = 0, world_size: 
     cache.flush()
     bar.close()
     return len(todo)
+
+
+def vllm_head(recipe, state):
+    """(target, rank, ranks) of a process whose features vLLM computes: the target's embeddings, final norm and
+    lm_head only (`head_target`), and its data-parallel rank among `ranks` engines."""
+    from inference.assets.store import resolve_target
+    from inference.engine.target import resolve_dtype
+
+    require_vllm()
+    rank, ranks = data_parallel(recipe.features.vllm, state.process_index, state.num_processes)
+    dtype = resolve_dtype(recipe.target.dtype, state.device)
+    return head_target(resolve_target(recipe.target.name_or_path), dtype, state.device), rank, ranks
+
+
+def vllm_extractor(recipe, state, target, request, datasets, rank: int, ranks: int):
+    """train/feature_source.Extract over a vllm.LLM on this rank's GPUs, sized for the longest sample of `datasets`
+    and built on the first call that has samples to write (a rank whose share is cached never starts one)."""
+    from train.features import samples_to_write
+
+    engine = []
+
+    def extract(cache, dataset, indices, progress):
+        if not engine and samples_to_write(dataset, cache, rank, ranks, indices):
+            engine.append(vllm_engine(recipe, state, target, request, datasets, rank))
+        if not engine:
+            return 0
+        return write_cache_vllm(target, engine[0], dataset, cache, rank=rank, world_size=ranks, indices=indices,
+                                chunk_size=4 * recipe.features.vllm.max_num_seqs, progress=progress)
+
+    return extract
+
+
+def vllm_engine(recipe, state, target, request, datasets, rank: int):
+    """The vllm.LLM that extracts this rank's features (on its own GPUs), sized for the longest sample."""
+    from vllm import LLM
+
+    from inference.assets.store import resolve_target
+    from inference.engine.target import resolve_dtype
+    from train.features import sample_lengths
+
+    settings = recipe.features.vllm
+    staging = os.path.join(recipe.features.cache_dir, f"vllm-staging-rank{rank}")
+    clear_staging(staging)
+    pin_devices(settings, state.local_process_index, state.num_processes, state.device.type)
+    longest = max(max(sample_lengths(dataset), default=1) for dataset in datasets)
+    dtype = str(resolve_dtype(recipe.target.dtype, state.device)).removeprefix("torch.")
+    return LLM(**engine_kwargs(resolve_target(recipe.target.name_or_path), dtype, settings,
+                               device_type=state.device.type, layer_ids=vllm_layer_ids(request.layer_ids,
+                                                                                       target.num_layers),
+                               staging=staging, max_len=longest, seed=recipe.train.seed + rank))

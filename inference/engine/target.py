@@ -8,6 +8,7 @@ for are captured; nothing else is materialised.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -54,6 +55,19 @@ def unused_token_ids(tokenizer, vocab_size: int) -> tuple[int, ...] | None:
     return tuple(rows)
 
 
+def resolve_dtype(name: str, device) -> torch.dtype:
+    """A dtype name, or "auto": float32 on a CPU (bf16 matmuls are ~100x slower there), bfloat16 on an accelerator.
+    The one reading of "auto" for recipes (target.dtype) and for eval, calibrate and doctor (--dtype)."""
+    if name == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    return getattr(torch, name)
+
+
+# "replicated": every weight in this process; "sharded": FSDP2 units across processes, the forward collective;
+# "head": only the embeddings, final norm and lm_head (the decoder runs in vLLM, or features come from a cache)
+TARGET_PLACEMENTS = ("replicated", "sharded", "head")
+
+
 class TargetModel:
     """The frozen target. `runner` holds the engine's KV cache (one generation at a time).
 
@@ -64,7 +78,12 @@ class TargetModel:
     uses `features`; tree verification (inference/engine/tree/target.py) works on the KV cache of `runner`.
     """
 
-    def __init__(self, model, tokenizer=None, name_or_path: str = "", fast_path: bool = False):
+    def __init__(self, model, tokenizer=None, name_or_path: str = "", fast_path: bool = False,
+                 placement: str = "replicated"):
+        if placement not in TARGET_PLACEMENTS:
+            raise ValueError(f"placement {placement!r}: choose one of {', '.join(TARGET_PLACEMENTS)}")
+        # where the weights are (TARGET_PLACEMENTS); `whole` says whether this process can run the forward alone
+        self.placement = placement
         self.model = model.eval()
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
@@ -90,6 +109,18 @@ class TargetModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model, tokenizer, name_or_path=path, fast_path=fast_path)
+
+    @property
+    def whole(self) -> bool:
+        """True when this process holds every weight and can run the whole forward alone."""
+        return self.placement == "replicated"
+
+    def declare_sharded(self) -> None:
+        """The decoder's modules are now sharded across processes (train/placement.shard_target): no process runs
+        the forward alone, and the TargetInfo drops its map of every weight (used by warm starts at drafter init
+        only), which would keep the unsharded tensors alive."""
+        self.placement = "sharded"
+        self._info = dataclasses.replace(self.target_info(), weights={})
 
     @property
     def pad_token_id(self) -> int:

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *DTYPES)
+from inference.engine.target import resolve_dtype
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,7 @@ class EvalSettings:
     def torch_dtype(self, device) -> torch.dtype:
         """The dtype the target and drafters compute in on `device`: --dtype, or for auto float32 on a CPU and
         bfloat16 on an accelerator."""
-        if self.dtype == "auto":
-            return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-        return DTYPES[self.dtype]
+        return resolve_dtype(self.dtype, device)
 
 
 def split(text: str) -> tuple[str, ...]:
