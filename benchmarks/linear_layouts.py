@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.engine import fastpath
+from inference.engine import fastpath, kernels
 from inference.engine.roofline import stream_bandwidth
 
 
@@ -55,7 +55,7 @@ def variants(rows: int, prepared: dict) -> dict:
     """name -> a function of the inputs [rows, in] (one per weight of `layer_weights`) running every linear once."""
     weights = prepared["weights"]
     linear = torch.ops.mkldnn._linear_pointwise
-    padded = max(rows, fastpath.MIN_PACKED_ROWS)
+    padded = max(rows, 4)
 
     def fused_inputs(xs):  # q, k, v and gate, up read the same input: one per fused weight
         return [x for i, x in enumerate(xs[:-1]) if i % 7 in (0, 3, 4, 6)] + [xs[-1]]
@@ -77,11 +77,19 @@ def variants(rows: int, prepared: dict) -> dict:
     return out
 
 
-def _fast(weight: torch.Tensor) -> fastpath.FastLinear:
-    """The fast path's module around `weight` (an nn.Linear sharing it, then swapped)."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    linear.weight = nn.Parameter(weight, requires_grad=False)
-    return fastpath.FastLinear(linear)
+def _fast(weights: list[torch.Tensor]) -> list[fastpath.FastLinear]:
+    """The fast path's modules around `weights` (nn.Linears sharing them, each running the kernels
+    inference/engine/kernels.py chooses for its shape on this machine)."""
+    linears = []
+    for weight in weights:
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        linears.append(linear)
+    by_shape = {}
+    for linear in linears:
+        by_shape.setdefault(fastpath.shape_of(linear), []).append(linear)
+    choices = kernels.choose(by_shape)
+    return [fastpath.FastLinear(linear, choices[fastpath.shape_of(linear)]["plan"]) for linear in linears]
 
 
 def main(argv=None) -> int:
@@ -104,11 +112,11 @@ def main(argv=None) -> int:
     weights = layer_weights(model)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     fused = fused_weights(model)
-    hint = fastpath.PACK_HINT_ROWS
+    hint = kernels.PACK_HINT_ROWS
     prepared = {"weights": weights, "fused": fused, "transposed": [w.t().contiguous() for w in weights],
                 "packed": [torch.ops.mkldnn._reorder_linear_weight(w, hint) for w in weights],
                 "fused_packed": [torch.ops.mkldnn._reorder_linear_weight(w, hint) for w in fused],
-                "modules": [_fast(w) for w in weights],
+                "modules": _fast(weights),
                 "rows": {r: torch.arange(r) for r in range(1, 65)}}
     results = {"threads": args.threads, "clock": args.clock, "weight_bytes": nbytes,
                "stream_gb_per_s": stream_bandwidth(clock=clock), "rows": {}}

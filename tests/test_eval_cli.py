@@ -86,6 +86,9 @@ def test_greedy_eval_matches_plain_greedy_and_writes_the_report(dirs, tmp_path, 
     assert roofline.startswith("roofline: target path fast-cpu-linear")  # a float32 target runs the fast path
     assert all(record["target_path"] == "fast-cpu-linear" and record["achieved_gb_per_s"]["ar"] > 0
                and record["stream_gb_per_s"] > 0 for record in records)
+    kernels = records[0]["target_kernels"]  # what the fast path chose on this machine, per shape and row count
+    assert kernels["threads"] >= 1 and kernels["cpu"] and kernels["shapes"]
+    assert all(len(shape["plan"]) == 17 and shape["timings_ms"] for shape in kernels["shapes"].values())
     assert (tmp_path / "report_acceptance_questions_small.png").is_file()
     assert (tmp_path / "report_speedup_questions_small.png").is_file()
     lines = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]

@@ -10,7 +10,7 @@ from torch import nn
 
 from drafters import DraftModelDrafter, NgramDrafter
 from drafters.draft_model import DraftModelConfig
-from inference.engine import fastpath
+from inference.engine import fastpath, kernels
 from inference.engine.generate import speculative_generate
 from inference.engine.target import TargetModel
 
@@ -27,11 +27,14 @@ def fp32_pair(arch: str):
     return TargetModel(copy.deepcopy(model)), TargetModel(model, fast_path=True), reference
 
 
+@pytest.mark.parametrize("kernel", ["chosen", *sorted(kernels.KERNELS)])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
-def test_fast_logits_are_within_float32_rounding_of_float64(arch):
+def test_fast_logits_are_within_float32_rounding_of_float64(arch, kernel, monkeypatch):
+    if kernel != "chosen":  # every row count on this one kernel, whatever this machine would choose
+        monkeypatch.setattr(kernels, "plan_for", lambda timings: [kernel] * (kernels.MAX_ROWS + 1))
     hf, fast, reference = fp32_pair(arch)
     assert fast.path == fastpath.FAST_PATH and hf.path == fastpath.HF_PATH
-    # a 70-token prefill runs F.linear (> MAX_PACKED_ROWS rows), then 1 row (vector-matrix) and 2, 5 rows (oneDNN)
+    # a 70-token prefill runs F.linear (> kernels.MAX_ROWS rows), then 1, 2 and 5 rows through the plan's kernels
     ids = torch.tensor([random_prompts(1, seed=3, min_len=78, max_len=78)[0]])
     with torch.no_grad():
         reference_logits = reference(input_ids=ids).logits
@@ -83,3 +86,51 @@ def test_greedy_speculative_equals_plain_greedy_on_the_fast_path(batch_size):
                 chunk = prompts[start:start + batch_size]
                 out = speculative_generate(target, drafter, chunk, num_draft_tokens=k, max_new_tokens=30)
                 assert out.tokens == plain[start:start + batch_size], (name, k)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("name", sorted(kernels.KERNELS))
+def test_every_kernel_equals_the_product_to_the_float32_bound(name, bias):
+    """|y - y_exact| <= K u (|x| |W|^T + |b|) per element, K the inner dimension and u float32's unit roundoff: the
+    bound on any order of summing K + 1 float32 products (Higham, Accuracy and Stability, section 3.1)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 80, generator=generator)
+    b = torch.randn(96, generator=generator) if bias else None
+    copy_ = kernels.make_layout(kernels.KERNELS[name].layout, weight)
+    unit = torch.finfo(torch.float32).eps / 2
+    for rows in range(1, kernels.MAX_ROWS + 1):
+        x = torch.randn(rows, 80, generator=generator)
+        got = kernels.KERNELS[name].run(x, copy_, weight, b)
+        exact = x.double() @ weight.double().T + (b.double() if bias else 0)
+        magnitude = x.double().abs() @ weight.double().abs().T + (b.double().abs() if bias else 0)
+        assert got.shape == (rows, 96)
+        assert bool(((got.double() - exact).abs() <= 81 * unit * magnitude).all()), (name, rows)
+
+
+def test_the_plan_takes_the_fastest_kernel_per_row_count_and_the_next_timed_count_between():
+    timings = {1: {"linear": 3.0, "transposed": 1.0, "onednn": 2.0}, 2: {"linear": 2.0, "transposed": 4.0,
+                                                                        "onednn": 2.0},
+               4: {"linear": 5.0, "transposed": 6.0, "onednn": 1.0}}
+    plan = kernels.plan_for(timings)
+    assert len(plan) == kernels.MAX_ROWS + 1
+    # a tie goes to the first name in sorted order; 3 rows take 4's choice; past the last timed count, its choice
+    assert plan[1:5] == ["transposed", "linear", "onednn", "onednn"] and plan[16] == "onednn"
+
+
+def test_a_fast_linear_holds_only_the_weight_copies_its_plan_reads():
+    linear = nn.Linear(16, 8)
+    plain = fastpath.FastLinear(linear, ["linear"] * (kernels.MAX_ROWS + 1))
+    assert plain.copies == {"weight": None}
+    mixed = fastpath.FastLinear(linear, ["linear", "transposed"] + ["onednn-pad4"] * (kernels.MAX_ROWS - 1))
+    assert set(mixed.copies) == {"transposed", "onednn"} | {"weight"}
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(mixed(x), linear(x), rtol=0, atol=1e-5)
+
+
+def test_the_choice_is_timed_once_per_machine_and_then_read_back(tmp_path):
+    linears = {(8, 16, False): [nn.Linear(16, 8, bias=False) for _ in range(3)]}
+    first = kernels.choose(linears, cache_dir=str(tmp_path))[(8, 16, False)]
+    again = kernels.choose(linears, cache_dir=str(tmp_path))[(8, 16, False)]
+    assert not first["cached"] and again["cached"] and again["plan"] == first["plan"]
+    assert set(first["timings_ms"]) == set(kernels.TIMED_ROWS) and len(list(tmp_path.iterdir())) == 1

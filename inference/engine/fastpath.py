@@ -1,66 +1,62 @@
-"""The target's linears laid out for the few rows a decode step or a verify feeds (CPU, float32).
+"""The target's linears run by the kernel that is fastest, on this machine, for the few rows a decode step or a
+verify feeds (CPU, float32).
 
-A batch-1 decode step multiplies 1 row by every weight, a verify of W drafts W + 1 rows. Plain MKL sgemm on HF's
-[out, in] weights runs these sizes far below the memory roofline, and worse at 2-8 rows than at 1 (measured with
-benchmarks/linear_layouts.py: about 2.3x the M = 1 time at M = 2..8), so a verify cost nearly two decode steps. Kept
-after measuring every candidate there, interleaved:
-- 1 row: the weight stored transposed, [in, out] contiguous, as a vector-matrix product (the fastest at M = 1);
-- 2..MAX_PACKED_ROWS rows: oneDNN's prepacked linear (the weight reordered once, at start-up, into its blocked
-  layout; the flattest in M of all: measured in CPU seconds at 1 thread, 4 rows cost 1.09x and 8 rows 1.32x the
-  1-row product, where F.linear costs 1.9x and 2.2x), with 2 and 3 rows padded to 4 (oneDNN's 2-row kernel is slow);
-- more rows (a prefill, training features): the model's own F.linear, unchanged.
-MKL's packed GEMM and fusing q|k|v and gate|up measured no better. The weights stay the model's parameters (so
-`state_dict`, tied embeddings and training are untouched); the two layouts are extra copies (2x the linear weights in
-memory). Outputs differ from F.linear's only by the summation order of float32 dot products.
+A batch-1 decode step multiplies 1 row by every weight, a verify of W drafts W + 1 rows. MKL's sgemm on HF's
+[out, in] weights runs these sizes far below the memory roofline on some CPUs and near it on others, and each CPU
+ranks the alternatives (the weight transposed, oneDNN's prepacked linear with or without padding, MKL's packed
+GEMM) differently. So `enable` times them per weight shape and row count on the model's own weights
+(inference/engine/kernels.py, cached per CPU model, torch and thread count) and each FastLinear runs the chosen
+kernel for its row count; more than kernels.MAX_ROWS rows (a prefill, training features) run the model's own
+F.linear. A FastLinear holds only the weight copies its plan uses. The weights stay the model's parameters (so
+`state_dict`, tied embeddings and training are untouched). Outputs differ from F.linear's only by the summation
+order of float32 dot products.
 
 `enable(model)` swaps every nn.Linear of the model for a FastLinear in place and returns the path that runs
 ("fast-cpu-linear"), or returns "hf" and changes nothing where it does not apply (an accelerator, a dtype other than
-float32, no oneDNN, no nn.Linear).
+float32, no oneDNN, no nn.Linear); `kernel_choice(model)` says what it chose and what it measured.
 """
 
 from __future__ import annotations
+
+import json
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_PACKED_ROWS = 64  # beyond this, MKL's large-M GEMM on the [out, in] weight is already near the compute roofline
-PACK_HINT_ROWS = 8  # oneDNN's reorder hint; measured the same layout (and speed) for hints 2..16
-MIN_PACKED_ROWS = 4  # oneDNN's kernel for 2 and 3 rows is slower than for 4 (1.3x at 2 rows): pad them to 4
+from inference.engine import kernels
+
 HF_PATH, FAST_PATH = "hf", "fast-cpu-linear"
 
 
 class FastLinear(nn.Module):
-    """nn.Linear's forward (y = x W^T + b) with the weight also held in the layouts small row counts run fastest in.
-    `weight` and `bias` are the original module's parameters (shared, not copied)."""
+    """nn.Linear's forward (y = x W^T + b), each row count up to kernels.MAX_ROWS run by the kernel `plan` names.
+    `weight` and `bias` are the original module's parameters (shared, not copied); `copies` the layouts the plan
+    reads (opaque oneDNN / MKL tensors among them: attributes, not buffers, as `.to` and state_dict cannot use them)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, plan: list[str]):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        with torch.no_grad():
-            self.register_buffer("weight_t", linear.weight.detach().t().contiguous(), persistent=False)
-            # an opaque oneDNN tensor: an attribute, not a buffer (it has no storage that `.to` or state_dict can use)
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_HINT_ROWS)
+        self.plan = plan
+        self.copies = {kernels.KERNELS[name].layout: None for name in plan}
+        for layout in self.copies:
+            self.copies[layout] = kernels.make_layout(layout, linear.weight)
+        self._runs = [(kernels.KERNELS[name].run, self.copies[kernels.KERNELS[name].layout]) for name in plan]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > MAX_PACKED_ROWS or torch.is_grad_enabled() and self.weight.requires_grad:
+        if rows > kernels.MAX_ROWS or rows == 0 or torch.is_grad_enabled() and self.weight.requires_grad:
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, self.in_features)
-        if rows == 1:
-            out = flat @ self.weight_t
-            if self.bias is not None:
-                out = out + self.bias
-        else:
-            if rows < MIN_PACKED_ROWS:  # zero rows below the real ones; each output row depends on its input row only
-                flat = torch.cat([flat, flat.new_zeros(MIN_PACKED_ROWS - rows, self.in_features)])
-            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, self.bias, "none", [], "")[:rows]
+        run, copy = self._runs[rows]
+        out = run(x.reshape(rows, self.in_features).contiguous(), copy, self.weight, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"kernels={sorted(set(self.plan[1:]))}")
 
 
 def unsupported_reason(model) -> str | None:
@@ -86,9 +82,28 @@ def enable(model) -> str:
         return HF_PATH
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear]
+    by_shape: dict[tuple[int, int, bool], list[nn.Linear]] = {}
+    for _, _, child in swaps:
+        by_shape.setdefault(shape_of(child), []).append(child)
+    started = time.perf_counter()
+    choices = kernels.choose(by_shape)
     for parent, name, child in swaps:
-        setattr(parent, name, FastLinear(child))
+        setattr(parent, name, FastLinear(child, choices[shape_of(child)]["plan"]))
+    model._draftsmith_kernels = {"seconds": time.perf_counter() - started, "threads": torch.get_num_threads(),
+                                 "cpu": json.loads(kernels.machine_key((0, 0, False)))["cpu"],
+                                 "shapes": {f"{o}x{i}{'+bias' if b else ''}": choice
+                                            for (o, i, b), choice in choices.items()}}
     return FAST_PATH
+
+
+def shape_of(linear: nn.Linear) -> tuple[int, int, bool]:
+    return linear.out_features, linear.in_features, linear.bias is not None
+
+
+def kernel_choice(model) -> dict | None:
+    """What `enable` chose for `model`: the CPU, threads, seconds the choice took (about 0 when cached), and per
+    weight shape the kernel of each row count with the median milliseconds measured (None on the hf path)."""
+    return getattr(model, "_draftsmith_kernels", None)
 
 
 def disable(model) -> None:

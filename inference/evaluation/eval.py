@@ -31,6 +31,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from inference.engine import fastpath
 from inference.engine.costs import profile_costs
 from inference.evaluation.chat_template import (check_chat_template, parse_template_kwargs, render_prompt,
                                                 trained_mode_mismatch)
@@ -274,7 +275,8 @@ def evaluate(settings: EvalSettings, target, methods: list[Method], prompt_sets:
     """Run the baseline and every method over every prompt set, temperature and batch size; return all records."""
     env = environment(target.device, settings.torch_dtype(target.device))
     roofline = {"target_path": target.path, "weight_bytes": weight_bytes(target.model),
-                "stream_gb_per_s": stream_bandwidth(device=target.device)}
+                "stream_gb_per_s": stream_bandwidth(device=target.device),
+                "target_kernels": fastpath.kernel_choice(target.model)}
     total = sum(len(q.turns) for _, questions in prompt_sets for q in questions)
     total *= len(settings.temperature) * len(settings.batch_size) * (1 + len(methods))
     warm_up(target, methods, prompt_sets[0][1], settings)

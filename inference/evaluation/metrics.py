@@ -189,13 +189,15 @@ def roofline_keys(roofline: dict | None, ar_step: float | None, verify_round: fl
     """The record's roofline line: `achieved_gb_per_s` = weight bytes one forward reads / measured seconds, for the AR
     step (`ar`), for this record's verify round (`verify`: seconds per verify forward with its accept and rollback,
     the AR step itself at k = 0) and, with a cost profile, per verify width W = 0..K (`verify_by_width`), beside the
-    machine's `stream_gb_per_s` (probed at start-up) and the `target_path` that ran."""
+    machine's `stream_gb_per_s` (probed at start-up), the `target_path` that ran and, on the fast path, the kernel
+    chosen per weight shape and row count with its timings (`target_kernels`, inference/engine/fastpath.py)."""
     roofline = roofline or {}
     nbytes = roofline.get("weight_bytes")
     by_width = None
     if cost_profile and cost_profile.get("verify_seconds"):
         by_width = [achieved_gb_per_s(nbytes, seconds) for seconds in cost_profile["verify_seconds"]]
-    return {"target_path": roofline.get("target_path"), "weight_bytes_per_forward": nbytes,
+    return {"target_path": roofline.get("target_path"), "target_kernels": roofline.get("target_kernels"),
+            "weight_bytes_per_forward": nbytes,
             "stream_gb_per_s": roofline.get("stream_gb_per_s"),
             "achieved_gb_per_s": {"ar": achieved_gb_per_s(nbytes, ar_step),
                                   "verify": achieved_gb_per_s(nbytes, verify_round), "verify_by_width": by_width}}

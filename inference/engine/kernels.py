@@ -1,0 +1,159 @@
+"""The small-M linear kernels of the CPU fast path, and the choice among them, made by timing on the machine itself.
+
+Each CPU ranks the candidates differently at 1-16 rows (AMD EPYC with AVX2, Intel Xeon and AMD EPYC with AVX-512
+each put another first), so nothing is chosen by hand: `choose` times every candidate for each row count on the
+model's own weights (all linears of one shape in turn, so the weights stream from memory as a forward streams
+them; the candidates interleaved inside every repeat, medians), and keeps the fastest per row count. The choice is
+cached per CPU model, torch version, thread count and weight shape (~/.cache/draftsmith/kernels/), so only the first
+run on a machine pays for it. `plan_for` turns timings into the plan; it is a pure function (tests feed it fake
+timings).
+
+Candidates (every one computes x W^T + b; they differ only in the order float32 products are summed):
+- `linear`: F.linear on the [out, in] weight (MKL sgemm), the model's own kernel; no extra copy;
+- `transposed`: the weight stored [in, out] contiguous, as a matrix product (one extra copy);
+- `onednn`: oneDNN's prepacked linear (the weight reordered once into its blocked layout; one extra copy);
+- `onednn-pad4`: the same with fewer than 4 rows padded to 4 (its 2-row kernel is slow on some CPUs);
+- `mkl`: MKL's packed GEMM (cblas_sgemm_pack; one extra copy), where this torch has it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 16  # rows timed and chosen per count; above, F.linear (MKL's large-M GEMM is near the compute roof)
+PACK_HINT_ROWS = 8  # oneDNN's and MKL's reorder hint; oneDNN measured the same layout for hints 2..16
+TIMED_ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16)  # a count between two timed ones runs the next timed one's kernel
+MIN_BYTES_PER_PASS = 64 << 20  # time a shape over enough of its linears that they stream from memory, not cache
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "draftsmith", "kernels")
+DEFAULT = "linear"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """`layout` names the weight copy `run(x, copy, weight, bias)` reads ("weight": the parameter itself)."""
+
+    layout: str
+    run: Callable
+
+
+def _padded_onednn(x, packed, weight, bias):
+    rows = x.shape[0]
+    if rows < 4:  # zero rows below the real ones; each output row depends on its input row only
+        x = torch.cat([x, x.new_zeros(4 - rows, x.shape[1])])
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
+
+
+def _transposed(x, weight_t, weight, bias):
+    return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
+
+
+KERNELS = {
+    "linear": Kernel("weight", lambda x, copy, weight, bias: F.linear(x, weight, bias)),
+    "transposed": Kernel("transposed", _transposed),
+    "onednn": Kernel("onednn", lambda x, packed, weight, bias: torch.ops.mkldnn._linear_pointwise(
+        x, packed, bias, "none", [], "")),
+    "onednn-pad4": Kernel("onednn", _padded_onednn),
+}
+if hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
+    KERNELS["mkl"] = Kernel("mkl", lambda x, packed, weight, bias: torch.ops.mkl._mkl_linear(
+        x, packed, weight, bias, x.shape[0]))
+
+
+def make_layout(layout: str, weight: torch.Tensor):
+    """The copy of `weight` [out, in] a kernel reads."""
+    with torch.no_grad():
+        if layout == "weight":
+            return None
+        if layout == "transposed":
+            return weight.detach().t().contiguous()
+        if layout == "onednn":
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
+        if layout == "mkl":
+            return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
+    raise ValueError(f"unknown weight layout {layout!r}")
+
+
+def plan_for(timings: dict[int, dict[str, float]]) -> list[str]:
+    """The kernel for each row count 0..MAX_ROWS (index 0 unused) from median seconds per timed row count and
+    kernel: the fastest at that count, and for an untimed count the choice of the next timed count above it."""
+    best = {rows: min(sorted(by_kernel), key=lambda name: by_kernel[name]) for rows, by_kernel in timings.items()}
+    timed = sorted(best)
+    return [DEFAULT] + [best[next((t for t in timed if t >= rows), timed[-1])] for rows in range(1, MAX_ROWS + 1)]
+
+
+def machine_key(shape: tuple[int, int, bool]) -> str:
+    """What a cached choice is valid for: the CPU model, torch, threads, the weight shape and the candidates."""
+    cpu = platform.processor()
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return json.dumps({"cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "shape": list(shape), "kernels": sorted(KERNELS), "rows": list(TIMED_ROWS)})
+
+
+def time_shape(linears: list, repeats: int = 3, clock=time.perf_counter) -> dict[int, dict[str, float]]:
+    """Median seconds of one pass over `linears` (modules of one shape: their weights and biases) per timed row
+    count and kernel, the kernels interleaved inside every repeat; the first pass warms up."""
+    nbytes = linears[0].weight.numel() * 4
+    chosen = linears[:max(1, -(-MIN_BYTES_PER_PASS // nbytes))]
+    layouts = {name: [make_layout(k.layout, m.weight) for m in chosen] for name, k in KERNELS.items()}
+    result = {}
+    with torch.no_grad():
+        for rows in TIMED_ROWS:
+            x = torch.randn(rows, chosen[0].weight.shape[1])
+            seconds = {name: [] for name in KERNELS}
+            for attempt in range(repeats + 1):
+                for name, kernel in KERNELS.items():
+                    start = clock()
+                    for module, copy in zip(chosen, layouts[name]):
+                        kernel.run(x, copy, module.weight, module.bias)
+                    if attempt:
+                        seconds[name].append(clock() - start)
+            result[rows] = {name: statistics.median(s) for name, s in seconds.items()}
+    return result
+
+
+def choose(linears_by_shape: dict[tuple[int, int, bool], list], cache_dir: str = CACHE_DIR) -> dict:
+    """{shape: {"plan": [kernel per row count], "timings": {rows: {kernel: ms}}, "cached": bool}} for every shape,
+    read from the cache where this machine timed it before, else timed now (and cached)."""
+    choices = {}
+    for shape, linears in linears_by_shape.items():
+        key = machine_key(shape)
+        path = os.path.join(cache_dir, hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+        cached = _read(path, key)
+        if cached is None:
+            timings = time_shape(linears)
+            cached = {"key": key, "timings": {str(r): {k: 1e3 * s for k, s in t.items()} for r, t in timings.items()}}
+            _write(path, cached)
+        timings = {int(rows): by_kernel for rows, by_kernel in cached["timings"].items()}
+        choices[shape] = {"plan": plan_for(timings), "timings_ms": timings, "cached": cached.get("read", False)}
+    return choices
+
+
+def _read(path: str, key: str) -> dict | None:
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return {**record, "read": True} if record.get("key") == key else None
+
+
+def _write(path: str, record: dict) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+    except OSError:  # a read-only home: the choice is timed again next time
+        pass
