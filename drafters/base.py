@@ -51,6 +51,11 @@ class TargetInfo:
     unused_token_ids: tuple[int, ...] | None = None  # vocab rows no text or chat template produces; None = unknown
 
 
+# a DraftContext field indexed [B, S, ...] by this forward's positions: a catch-up commit of several forwards
+# concatenates it along S (inference/engine/rounds.Deferred); every other field is the last forward's
+PER_POSITION = {"per_position": True}
+
+
 @dataclass
 class DraftContext:
     """What the engine hands a proposer after each target forward.
@@ -72,14 +77,14 @@ class DraftContext:
                 its drafts at it (returning their probs) and drafts the argmax at 0.
     """
 
-    input_ids: torch.Tensor
-    valid: torch.Tensor
-    position_ids: torch.Tensor
-    hidden: dict[int, torch.Tensor]
+    input_ids: torch.Tensor = field(metadata=PER_POSITION)
+    valid: torch.Tensor = field(metadata=PER_POSITION)
+    position_ids: torch.Tensor = field(metadata=PER_POSITION)
+    hidden: dict[int, torch.Tensor] = field(metadata=PER_POSITION)
     next_tokens: torch.Tensor
     generator: torch.Generator | None = None
-    final_hidden: torch.Tensor | None = None
-    top_k: tuple[torch.Tensor, torch.Tensor] | None = None
+    final_hidden: torch.Tensor | None = field(default=None, metadata=PER_POSITION)
+    top_k: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, metadata=PER_POSITION)
     target_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     target_kv_valid: torch.Tensor | None = None
     temperature: float | None = None

@@ -15,6 +15,8 @@ derived (tests/test_contract.py drives its forced-accept rounds through it too).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from drafters.base import DraftContext, select_rows
@@ -130,21 +132,22 @@ class Deferred:
         self.contexts = [select_rows(context, rows) for context in self.contexts]
 
     def merged(self) -> tuple[torch.Tensor, DraftContext]:
-        """(num_accepted [B], context [B, n]) of the deferred rounds; empties the queue."""
+        """(num_accepted [B], context [B, n]) of the deferred rounds; empties the queue. Every per-position field
+        of DraftContext is concatenated over the rounds, every other one is the last round's."""
         contexts, self.contexts = self.contexts, []
-        last = contexts[-1]
+        merged = DraftContext(**{
+            f.name: _along_positions([getattr(c, f.name) for c in contexts]) if f.metadata.get("per_position")
+            else getattr(contexts[-1], f.name) for f in dataclasses.fields(DraftContext)})
+        return (merged.valid.long().sum(-1) - 1).clamp(min=0), merged
 
-        def cat(name):
-            values = [getattr(c, name) for c in contexts]
-            return None if values[0] is None else torch.cat(values, dim=1)
 
-        valid = cat("valid")
-        top_k = None if last.top_k is None else tuple(torch.cat([c.top_k[i] for c in contexts], dim=1)
-                                                      for i in range(2))
-        merged = DraftContext(
-            cat("input_ids"), valid, cat("position_ids"),
-            hidden={i: torch.cat([c.hidden[i] for c in contexts], dim=1) for i in last.hidden},
-            next_tokens=last.next_tokens, generator=last.generator, final_hidden=cat("final_hidden"), top_k=top_k,
-            target_kv=last.target_kv, target_kv_valid=last.target_kv_valid, temperature=last.temperature,
-        )
-        return (valid.long().sum(-1) - 1).clamp(min=0), merged
+def _along_positions(values: list):
+    """Per-position values of successive forwards joined along S: tensors, dicts and tuples of them, or None."""
+    first = values[0]
+    if first is None:
+        return None
+    if isinstance(first, dict):
+        return {key: torch.cat([value[key] for value in values], dim=1) for key in first}
+    if isinstance(first, tuple):
+        return tuple(torch.cat(parts, dim=1) for parts in zip(*values))
+    return torch.cat(values, dim=1)
