@@ -212,7 +212,14 @@ def naive_loss(drafter, batch, anchors, anchor_valid):
                         continue
                     label = draft_ids.tolist().index(label)
                 w = math.exp(-(slot - 1) / gamma)
-                total = total - w * torch.log_softmax(logits[slot - 1], dim=0)[label]
+                log_q = torch.log_softmax(logits[slot - 1], dim=0)
+                if drafter.config.loss == "soft":  # the target's distribution before the label, on the draft vocab
+                    head = drafter.target_info.lm_head_weight.double()
+                    head = head if draft_ids is None else head[draft_ids]
+                    teacher = torch.softmax(head @ batch["target_last_hidden"][b, position - 1].double(), dim=0)
+                    total = total - w * (teacher * log_q).sum()
+                else:
+                    total = total - w * log_q[label]
                 weight += w
                 predicted = int(logits[slot - 1].argmax())
                 predicted = predicted if draft_ids is None else int(draft_ids[predicted])
@@ -221,10 +228,12 @@ def naive_loss(drafter, batch, anchors, anchor_valid):
     return total / weight, [c / max(n, 1) for c, n in zip(correct, count)], count, torch.stack(all_logits)
 
 
-@pytest.mark.parametrize("draft_vocab_size,label_source", [(None, "data"), (160, "data"), (160, "target")])
-def test_training_forward_loss_and_gradients_match_naive_reference(draft_vocab_size, label_source):
+@pytest.mark.parametrize("draft_vocab_size,label_source,loss", [(None, "data", "hard"), (160, "data", "hard"),
+                                                                  (160, "target", "hard"), (None, "data", "soft"),
+                                                                  (160, "data", "soft")])
+def test_training_forward_loss_and_gradients_match_naive_reference(draft_vocab_size, label_source, loss):
     target = tiny_target()
-    drafter = make_drafter(target, draft_vocab_size=draft_vocab_size, label_source=label_source)
+    drafter = make_drafter(target, draft_vocab_size=draft_vocab_size, label_source=label_source, loss=loss)
     batch = make_batch(target, drafter)
     anchors, anchor_valid = sample_anchors(batch["attention_mask"], batch["loss_mask"], drafter.config.num_anchors,
                                            sample_index=batch["sample_index"])

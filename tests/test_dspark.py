@@ -94,7 +94,8 @@ def naive_loss(drafter: DSparkDrafter, batch, anchors, anchor_valid, output):
                 logits = output.logits[n, k]
                 p_draft = torch.softmax(logits, dim=0)
                 p_target = torch.softmax(batch["target_logits"][b, position - 1].double(), dim=0)
-                ce = -torch.log_softmax(logits, dim=0)[ids[b, position]]
+                log_q = torch.log_softmax(logits, dim=0)
+                ce = -(p_target * log_q).sum() if drafter.config.loss == "soft" else -log_q[ids[b, position]]
                 l1 = (p_draft - p_target).abs().sum()
                 cell = 0.1 * ce + 0.9 * l1
                 if drafter.confidence_head is not None:
@@ -112,10 +113,10 @@ def naive_loss(drafter: DSparkDrafter, batch, anchors, anchor_valid, output):
     return total / weight, cells
 
 
-@pytest.mark.parametrize("head", HEADS)
-def test_loss_and_gradients_match_naive_reference(head):
+@pytest.mark.parametrize("head,loss", [(head, "hard") for head in HEADS] + [("vanilla", "soft")])
+def test_loss_and_gradients_match_naive_reference(head, loss):
     target = tiny_target()
-    drafter = make_drafter(target, markov_head_type=head, enable_confidence_head=head != "gated")
+    drafter = make_drafter(target, markov_head_type=head, enable_confidence_head=head != "gated", loss=loss)
     batch = make_batch(target, drafter)
     anchors, anchor_valid = sample_anchors(batch["attention_mask"], batch["loss_mask"], drafter.config.num_anchors,
                                            sample_index=batch["sample_index"])

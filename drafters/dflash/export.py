@@ -50,7 +50,7 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators schema this writer follows
 SPECULATORS_DEFAULT_BLOCK_SIZE = 8  # DFlashSpeculatorConfig's default
 _OURS = "draftsmith"  # our own keys (training settings no standard key holds); engines ignore unknown keys
 _DROPPED_WEIGHTS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
-_TRAINING_FIELDS = ("num_anchors", "loss_decay_gamma", "allow_text_mask_token", "label_source")  # DFlashConfig
+_TRAINING_FIELDS = ("num_anchors", "loss_decay_gamma", "allow_text_mask_token", "label_source", "loss")  # DFlashConfig
 
 
 def detect_format(config: Mapping[str, Any]) -> str | None:

@@ -55,7 +55,7 @@ from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.backbone import BlockBackbone
 from drafters.dflash.config import DFlashConfig
 from drafters.dflash.layers import check_config, decay_gamma
-from drafters.losses import depth_loss_weights, global_mean, output_metrics
+from drafters.losses import depth_loss_weights, global_mean, output_metrics, soft_cross_entropy
 from drafters.vocab import DraftHead, DraftVocab
 
 
@@ -136,6 +136,15 @@ class DFlashDrafter(DraftHead, BlockBackbone):
             return batch["target_argmax"][rows, (positions - 1).clamp(min=0)]
         return batch["input_ids"][rows, positions]
 
+    @torch.no_grad()
+    def _teacher(self, batch: Mapping[str, Any], rows: torch.Tensor, positions: torch.Tensor, dtype) -> torch.Tensor:
+        """[n, S-1, V_d] the target's distribution at the position before each cell's label, on the draft vocab."""
+        head = self._target_tensor("lm_head_weight")
+        if self.draft_ids() is not None:
+            head = head.index_select(0, self.draft_ids())
+        hidden = batch["target_last_hidden"][rows, (positions - 1).clamp(min=0)].to(dtype)
+        return torch.softmax(F.linear(hidden, head.to(dtype)), dim=-1)
+
     def depth_weights(self, num_depths: int, device=None, dtype=torch.float32) -> torch.Tensor:
         """[K] loss weights exp(-d / gamma) for depth d = slot - 1 (paper Eq. 4)."""
         depth = torch.arange(num_depths, device=device, dtype=dtype)
@@ -144,7 +153,7 @@ class DFlashDrafter(DraftHead, BlockBackbone):
     def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """sum of w_d * CE over valid cells / sum of w_d over valid cells of all processes (global_mean). Hard labels:
         the data token at each cell's label position, or the target's argmax before it (config.label_source), as a draft
-        index with a reduced vocabulary."""
+        index with a reduced vocabulary; config.loss "soft": the target's distribution there (`_teacher`)."""
         num_rows, depths = output.depth_valid.shape
         rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
         labels = self._labels(batch, rows, output.label_position)
@@ -153,9 +162,12 @@ class DFlashDrafter(DraftHead, BlockBackbone):
         valid = output.depth_valid
         labels = torch.where(valid, labels, torch.zeros_like(labels))
 
-        def cells(chunk):  # one chunk of rows: its logits [n, S-1, V_d] exist only here
+        def cells(chunk):  # one chunk of rows: its logits [n, S-1, V_d] (and the teacher's) exist only here
             logits = output.logits_of(chunk)
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            if self.config.loss == "soft":
+                return soft_cross_entropy(logits, self._teacher(batch, rows[chunk], output.label_position[chunk],
+                                                                logits.dtype)), logits.detach().argmax(dim=-1)
             ce = F.cross_entropy(logits.flatten(0, 1), labels[chunk].flatten(), reduction="none")
             return ce.view(logits.shape[:2]), logits.detach().argmax(dim=-1)
 

@@ -22,7 +22,8 @@ class DSparkConfig:
     enable_confidence_head; confidence_head_with_markov: feed W1[x_{k-1}] to it too (needs a sequential head).
     loss: ce_weight * CE + l1_weight * ||p_draft - p_target||_1 + confidence_weight * BCE(c, 1 - L1 / 2), each cell
       weighted exp(-k / loss_decay_gamma) (DeepSpec: 0.1, 0.9, 1.0 and 4.0), or with loss_weighting "dpace" by
-      D-PACE from each cell's CE confidence (drafters/losses.dpace_weights, smoothing dpace_alpha).
+      D-PACE from each cell's CE confidence (drafters/losses.dpace_weights, smoothing dpace_alpha). loss: "hard" =
+      the CE term against the data token (DeepSpec); "soft" = against the target's distribution (distillation).
     confidence_temperatures: one per block slot, fitted by `draftsmith calibrate` (Sequential Temperature Scaling);
       () = uncalibrated.
     """
@@ -42,6 +43,7 @@ class DSparkConfig:
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
     loss_decay_gamma: float = 4.0
+    loss: Literal["hard", "soft"] = "hard"
     loss_weighting: Literal["decay", "dpace"] = "decay"
     dpace_alpha: float = 0.5
     confidence_temperatures: tuple[float, ...] = ()

@@ -47,7 +47,7 @@ EXPORT_FORMATS = ("speculators", "deepspec")
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"
 _OURS = "draftsmith"
 _TRAINING_FIELDS = ("num_anchors", "allow_text_mask_token", "ce_weight", "l1_weight", "confidence_weight",
-                    "loss_decay_gamma", "confidence_temperatures")
+                    "loss_decay_gamma", "confidence_temperatures", "loss")
 _DROPPED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 
 

@@ -149,7 +149,10 @@ class DSparkDrafter(BlockBackbone):
             keep = valid[chunk]
             log_draft = torch.log_softmax(logits[keep].to(compute), dim=-1)  # [m, V]
             teacher = torch.softmax(F.linear(teacher_hidden[chunk][keep].to(lm_head.dtype), lm_head).to(compute), -1)
-            ce = -log_draft.gather(-1, labels[chunk][keep].unsqueeze(-1)).squeeze(-1)
+            if self.config.loss == "soft":  # the CE term against the target's distribution (distillation)
+                ce = -(teacher * log_draft).sum(dim=-1)
+            else:
+                ce = -log_draft.gather(-1, labels[chunk][keep].unsqueeze(-1)).squeeze(-1)
             l1 = (log_draft.exp() - teacher).abs().sum(dim=-1)
             return ce, l1, logits.detach().argmax(dim=-1)
 

@@ -21,6 +21,8 @@ class Eagle3Config:
     sample_drafts: propose by sampling from the draft distribution q and return it (sampling runs); else argmax.
     layer_ids: target layer ids (vLLM convention) or "auto": (2, N//2, N-3), on a hybrid moved onto full-attention
       layers' outputs (drafters/layer_ids.py); allow_linear_attention_ids keeps ids that read linear-attention layers.
+    loss: "soft" = cross-entropy against the target's distribution on the draft vocabulary at each label (logit
+      distillation, EAGLE-3's objective); "hard" = against the target's argmax there (one-hot, the same teacher).
     """
 
     layer_ids: LayerIds = AUTO
@@ -39,3 +41,4 @@ class Eagle3Config:
     init_layer_from_target: int | None = None
     fc_init: Literal["random", "identity_high"] = "random"
     sample_drafts: bool = False
+    loss: Literal["soft", "hard"] = "soft"

@@ -231,7 +231,7 @@ class Eagle3Drafter(DraftHead, Drafter):
         all B*T positions instead; a per-depth mean keeps loss_k comparable across batches and padding).
 
         The teacher is softmax(target_last_hidden @ lm_head[draft ids].T), i.e. the target distribution
-        renormalised on the draft vocab; acc_k is top-1 agreement with the target's own argmax (losses.output_metrics).
+        renormalised on the draft vocab (config.loss "hard": its argmax, one-hot); acc_k is top-1 agreement with the target's own argmax (losses.output_metrics).
         """
         batch_index, target_position = output.batch_index, output.label_position[:, 0] - 1
         head = self._target_tensor("lm_head_weight").index_select(0, self.draft_ids())  # [V_d, D]
@@ -240,8 +240,9 @@ class Eagle3Drafter(DraftHead, Drafter):
         def cells(rows):  # one chunk of rows: its logits [n, K, V_d] and teacher [n, V_d] exist only here
             logits = output.logits_of(rows)
             with torch.no_grad():
-                teacher_logits = teacher_hidden[rows] @ head.T
-                teacher = torch.softmax(teacher_logits.to(torch.promote_types(head.dtype, torch.float32)), dim=-1)
+                teacher_logits = (teacher_hidden[rows] @ head.T).to(torch.promote_types(head.dtype, torch.float32))
+                teacher = (torch.softmax(teacher_logits, dim=-1) if self.config.loss == "soft" else
+                           F.one_hot(teacher_logits.argmax(dim=-1), head.shape[0]).to(teacher_logits.dtype))
             return soft_cross_entropy(logits, teacher), logits.detach().argmax(dim=-1)
 
         depths, vocab = output.depth_valid.shape[1], head.shape[0]
