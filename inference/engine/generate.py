@@ -33,15 +33,17 @@ __all__ = ["GenerateOutput", "decode", "speculative_generate", "tree_speculative
 @torch.no_grad()
 def decode(target, drafter: Drafter | None, prompts: list[list[int]], rounds, policy: WidthPolicy, *,
            max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-           eos_token_ids=None, drop_finished_rows: bool = True) -> GenerateOutput:
+           eos_token_ids=None, drop_finished_rows: bool = True, timed: bool = True) -> GenerateOutput:
     """Generate up to max_new_tokens per prompt with round strategy `rounds` and width policy `policy`.
-    drop_finished_rows=False keeps finished rows in the batch to the end (masked out), as a reference."""
+    drop_finished_rows=False keeps finished rows in the batch to the end (masked out), as a reference.
+    timed=False: no device synchronisation for the phase clock (the time_* fields stay 0), unless the policy
+    reads the clock (`needs_timing`)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     run = Run(target, drafter, policy, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-              eos_token_ids=eos_token_ids, max_new_tokens=max_new_tokens)
+              eos_token_ids=eos_token_ids, max_new_tokens=max_new_tokens, timed=timed)
     run.start(prompts, rounds)
-    while bool(run.active.any()):
+    while any(run.running):  # the active rows, read on the host
         width = policy.choose(run.active)  # reads earlier rounds only: lossless
         run.drop_finished(rounds, drop_finished_rows)
         draft = rounds.draft(run, width)

@@ -27,6 +27,7 @@ class WidthPolicy:
 
     adaptive = False  # True when the widths are chosen at run time (the report's k = "auto")
     max_width = 0
+    needs_timing = False  # True when `cut` weighs the drafter's measured seconds (the clock must run)
 
     def start(self, batch: int) -> None:
         pass
@@ -56,6 +57,8 @@ class FixedWidth(WidthPolicy):
 class Scheduled(WidthPolicy):
     """`base`'s widths, each row's proposal cut by `schedule` (StaticThreshold or PrefixScheduler) when the drafter
     gives confidences; a drafter without them proposes as under `base` alone."""
+
+    needs_timing = True  # a schedule weighs draft seconds against verify seconds
 
     def __init__(self, schedule, base: WidthPolicy):
         self.schedule, self.base = schedule, base

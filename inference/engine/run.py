@@ -58,13 +58,16 @@ class GenerateOutput:
 
 
 class Clock:
-    """Accumulates wall time per phase; synchronises an accelerator so device work lands in the right phase."""
+    """Accumulates wall time per phase; synchronises an accelerator so device work lands in the right phase. An
+    untimed clock (`timed=False`) only runs the phases: no synchronisation, every total 0."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, timed: bool = True):
+        self.device, self.timed = device, timed
         self.totals = {"draft": 0.0, "verify": 0.0, "prefill": 0.0}
 
     def run(self, phase: str, fn, *args, **kwargs):
+        if not self.timed:
+            return fn(*args, **kwargs)
         synchronize(self.device)
         start = time.perf_counter()
         result = fn(*args, **kwargs)
@@ -118,7 +121,7 @@ class Run:
     calls `drop_finished`, `record` and `emit` once per round and `finish` at the end."""
 
     def __init__(self, target, drafter, policy, *, temperature: float, top_p: float, top_k: int, seed: int,
-                 eos_token_ids, max_new_tokens: int):
+                 eos_token_ids, max_new_tokens: int, timed: bool = True):
         self.target, self.policy, self.device = target, policy, target.device
         self.drafting = drafter is not None and policy.max_width > 0
         self.drafter = drafter if self.drafting else None
@@ -130,7 +133,7 @@ class Run:
         # The target's sampling stream and the drafter's: independent of each other, both from one seed.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.draft_generator = torch.Generator(device=self.device).manual_seed(seed + 1_000_003)
-        self.clock = Clock(self.device)
+        self.clock = Clock(self.device, timed=timed or policy.needs_timing)
         self.started = time.perf_counter()
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
@@ -155,6 +158,7 @@ class Run:
         self.out.row_seconds = [0.0] * batch
         self.index = list(range(batch))  # the original row of each row of the running batch
         self.active = torch.ones(batch, dtype=torch.bool, device=self.device)
+        self.running = [True] * batch  # `active` on the host, kept by emit: the loop reads it without a sync
         self.emit(self.next_tokens.new_zeros((batch, 0)), torch.zeros_like(self.next_tokens), self.next_tokens)
         if self.drafting:
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -168,16 +172,18 @@ class Run:
         """Rows that finished leave the batch: the target's state, the drafter's, the strategy's and the policy's
         keep the running rows only, so a batch whose rows end early costs what its remaining rows cost."""
         drops = allowed and rounds.drops_rows and (not self.drafting or self.drafter.drops_rows())
-        if not drops or bool(self.active.all()):
+        if not drops or all(self.running):
             return
-        keep = self.active.nonzero().flatten()
+        rows = [row for row, running in enumerate(self.running) if running]
+        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.target.keep_rows(keep)
         if self.drafting:
             self.drafter.keep_rows(keep)
         rounds.keep_rows(keep)
         self.policy.keep_rows(keep)
         self.next_tokens, self.active = self.next_tokens[keep], self.active[keep]
-        self.index = [self.index[row] for row in keep.tolist()]
+        self.index = [self.index[row] for row in rows]
+        self.running = [True] * len(rows)
 
     def draft_seconds(self) -> float:
         """The drafter's mean seconds per round so far (a schedule weighs verify seconds against it)."""
@@ -185,34 +191,37 @@ class Run:
 
     def record(self, draft: Draft, verdict: Verdict) -> None:
         """Per active row: accepted and proposed drafts, the round's width and the confidences; feed the policy."""
-        rows = self.active.nonzero().flatten().tolist()
-        accepted, proposed = verdict.num_accepted.tolist(), draft.num_valid.tolist()
+        rows = [row for row, running in enumerate(self.running) if running]
+        accepted, proposed = torch.stack([verdict.num_accepted, draft.num_valid.to(verdict.num_accepted)]).tolist()
+        confidences = None if draft.confidence_logits is None else draft.confidence_logits.tolist()
         for row in rows:
             original = self.index[row]
             self.out.accept_lengths[original].append(accepted[row])
             self.out.proposed[original].append(proposed[row])
             self.out.chosen[original].append(draft.width)
-            if draft.confidence_logits is not None:
-                self.out.confidence_logits[original].append(draft.confidence_logits[row, : proposed[row]].tolist())
+            if confidences is not None:
+                self.out.confidence_logits[original].append(confidences[row][: proposed[row]])
         self.policy.observe([p if row in rows else 0 for row, p in enumerate(proposed)], accepted)
 
     def emit(self, drafts: torch.Tensor, num_accepted: torch.Tensor, new_tokens: torch.Tensor) -> None:
         """Append drafts[b, :num_accepted[b]] and new_tokens[b] to the active rows, stopping at EOS or
         max_new_tokens; rows that stop leave `active` and get their latency stamped."""
-        still = self.active.clone()
-        # One device-to-host copy per tensor per round (not one per row): each is a synchronisation on an accelerator.
-        accepted, emitted, drafted = num_accepted.tolist(), new_tokens.tolist(), drafts.tolist()
-        now = None
-        for row in self.active.nonzero().flatten().tolist():
+        # One device-to-host copy per round (not one per row or per tensor): each is a synchronisation on an
+        # accelerator. Row b of `host`: num_accepted, the new token, then its drafts.
+        host = torch.cat([num_accepted[:, None], new_tokens[:, None], drafts.to(new_tokens)], dim=1).tolist()
+        now, still = None, list(self.running)
+        for row in (row for row, running in enumerate(self.running) if running):
             tokens = self.out.tokens[self.index[row]]
-            for token in drafted[row][: accepted[row]] + [emitted[row]]:
+            for token in host[row][2: 2 + host[row][0]] + [host[row][1]]:
                 tokens.append(token)
                 if token in self.eos or len(tokens) >= self.max_new_tokens:  # eos: a set of ids
                     still[row] = False
                     now = time.perf_counter() - self.started if now is None else now
                     self.out.row_seconds[self.index[row]] = now
                     break
-        self.active = still
+        if still != self.running:
+            self.running = still
+            self.active = torch.tensor(still, dtype=torch.bool, device=self.device)
 
     def finish(self) -> GenerateOutput:
         out, totals = self.out, self.clock.totals
