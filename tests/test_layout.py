@@ -115,3 +115,31 @@ def test_the_circle_finder_sees_a_circle_through_a_function_local_import(tmp_pat
 def test_no_import_circle_anywhere():
     paths = [path for floor in FLOORS for path in sorted((ROOT / floor).rglob("*.py"))]
     assert circles(import_graph(paths)) == []
+
+
+def map_tree() -> list[str]:
+    """The paths docs/ARCHITECTURE.md's folder tree names: its first fenced block, two spaces per level, each line's
+    leading names (up to a double space before a description) under the folders above it."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    block = text.split("```\n", 2)[1]
+    paths, folders = [], []
+    for line in block.splitlines():
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        folders = folders[:depth]
+        names = []
+        for word in line.split():
+            if not (word.endswith("/") or word.endswith(".py")):
+                break
+            names.append(word)
+        for name in names:
+            if not name.startswith("<"):
+                paths.append("/".join(folders + [name]))
+        if len(names) == 1 and names[0].endswith("/"):
+            folders = folders + [names[0].rstrip("/")]
+    return paths
+
+
+def test_every_file_the_map_names_exists():
+    paths = map_tree()
+    assert len(paths) > 60 and "inference/engine/tree/" in paths and "train/feature_source.py" in paths
+    assert [path for path in paths if not (ROOT / path).exists()] == []
