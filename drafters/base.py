@@ -26,6 +26,13 @@ from drafters.output import DraftOutput
 NATIVE_KIND_KEY = "draftsmith_kind"
 
 
+def text_config_of(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An HF config dict's text model: the config itself, or a vision-language model's nested `text_config` (the
+    one home of this unwrapping)."""
+    nested = config.get("text_config")
+    return nested if "hidden_size" not in config and isinstance(nested, Mapping) else config
+
+
 @dataclass(frozen=True)
 class TargetInfo:
     """What a drafter may know about its target. Tensors are shared references, never trained.
@@ -49,6 +56,11 @@ class TargetInfo:
     config: Mapping[str, Any] = field(default_factory=dict)
     weights: Mapping[str, torch.Tensor] = field(default_factory=dict)
     unused_token_ids: tuple[int, ...] | None = None  # vocab rows no text or chat template produces; None = unknown
+
+    @property
+    def text_config(self) -> Mapping[str, Any]:
+        """The target's text-model HF config (`text_config_of` its config)."""
+        return text_config_of(self.config)
 
 
 # a DraftContext field indexed [B, S, ...] by this forward's positions: a catch-up commit of several forwards

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Literal, Mapping
 
+from drafters.base import text_config_of
+
 AUTO = "auto"
 LayerIds = tuple[int, ...] | Literal["auto"]  # the type of a drafter config's layer_ids field
 
@@ -29,9 +31,7 @@ def is_auto(layer_ids: Any) -> bool:
 
 def hybrid_layer_types(config: Mapping[str, Any]) -> list[str] | None:
     """The target's layer_types when it is a linear / full attention hybrid, else None (the text config of a VLM)."""
-    if "layer_types" not in config and isinstance(config.get("text_config"), Mapping):
-        config = config["text_config"]
-    types = config.get("layer_types")
+    types = text_config_of(config).get("layer_types")
     if isinstance(types, (list, tuple)) and "linear_attention" in types:
         return [str(t) for t in types]
     return None

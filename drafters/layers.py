@@ -47,9 +47,7 @@ def hf_layer_config(config: Any, target_info: TargetInfo, model_type: str,
             num_key_value_heads, head_dim, rope_theta (None = the target's).
         extra: the model type's own fields, written after attention_bias (e.g. Llama's mlp_bias).
     """
-    target = target_info.config
-    if "hidden_size" not in target and isinstance(target.get("text_config"), Mapping):
-        target = target["text_config"]
+    target = target_info.text_config
     hidden = target_info.hidden_size
     heads = config.num_attention_heads or target.get("num_attention_heads")
     head_dim = config.head_dim or target.get("head_dim")

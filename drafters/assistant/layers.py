@@ -38,10 +38,7 @@ class AttentionShape:
 
 def text_config(target_info: TargetInfo) -> Mapping[str, Any]:
     """The target's (text) HF config dict."""
-    config = target_info.config
-    if "hidden_size" not in config and isinstance(config.get("text_config"), Mapping):
-        config = config["text_config"]
-    return config
+    return target_info.text_config
 
 
 def with_family_layers(config: AssistantConfig, target_info: TargetInfo) -> AssistantConfig:

@@ -90,10 +90,7 @@ def depth_weights(config: MTPConfig, num_steps: int) -> list[float]:
 
 def target_text_config(target_info: TargetInfo) -> dict[str, Any]:
     """The target's (text) HF config as a dict."""
-    config = dict(target_info.config)
-    if "hidden_size" not in config and isinstance(config.get("text_config"), Mapping):
-        config = dict(config["text_config"])
-    return config
+    return dict(target_info.text_config)
 
 
 @dataclass(frozen=True)
