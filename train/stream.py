@@ -1,36 +1,6 @@
 """Streamed features (`features.mode: streamed`): producers write shards while the trainer reads and deletes them.
 
-The producer is `draftsmith prepare RECIPE` on a streamed recipe (features.extractor hf or vllm, one or many ranks,
-train/stream_producer.py); the trainer is `draftsmith train RECIPE`, run beside it. They share only files under
-<features.cache_dir>/stream:
-
-    progress.json               the trainer's plan (StreamPlan), the shard it reads now and the end of the window
-                                (the shards producers may write); written atomically by its main process
-    producer-rank{r}.json       heartbeat of producer rank r: pid, host, time, ranks, last shard written
-    train/{p:06d}/              shard p, complete: a one-shard FeatureCache (meta.json, one safetensors file, its
-                                index with size and sha256) with the samples of shard p's optimizer steps
-    train/.tmp-{p:06d}-rank{r}/ shard p while producer rank r writes it; renamed to train/{p:06d} when complete
-
-Shard p holds the global batches of `steps_per_shard` consecutive optimizer steps of one epoch (a shard never spans
-two epochs); the data order (train/loop.py, a pure function of (seed, epoch, step)) fixes which samples those are,
-so a producer computes them from the trainer's plan alone. Producer rank r of R writes the shards p % R == r.
-
-The window: while the trainer reads shard c, a producer only starts shards c .. c + window_shards - 1, and the
-trainer deletes every complete shard outside that range before it publishes c. So at most window_shards shards
-(complete or being written) are on disk, whatever the data set's size: window_shards x steps_per_shard x the global
-batch's features. Multi-epoch: every epoch is streamed again (shard numbers run on across epochs) and the producer
-recomputes it; keeping a shard until its last use would keep the whole data set, as each epoch is a new permutation.
-
-Resume: a trainer restarted from a checkpoint at step s publishes the shard of step s; what it had deleted is
-produced again (a sample's features depend on the sample and its micro-batch only), so it reads the same samples
-in the same order and the run is bitwise the uninterrupted one.
-
-Faults: a shard is read only once its directory has been renamed into place, and is then checked (size, sha256)
-like any cache shard, so a half-written shard is never read: training waits for it. While it waits it watches the
-heartbeats: a producer whose process is gone (same host) or whose heartbeat is older than timeout_s (and at least
-5 heartbeat periods), or a shard
-that has not come within timeout_s, stops training with one line (ProducerError, exit 2) naming the producer rank,
-its last shard and what to do.
+The design notes behind this module: docs/decisions.md, "train/stream.py".
 """
 
 from __future__ import annotations

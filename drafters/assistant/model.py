@@ -1,29 +1,6 @@
 """The KV-sharing assistant: a Gemma-4-style drafter generalised to any Llama/Qwen-like target (reference B.6).
 
-A small decoder of its own width W whose attention is query-only over the target's cached K/V of chosen target layers
-(drafters/assistant/layers.py) and which writes no KV of its own. One draft step:
-
-    x      = pre_projection([embed_scale * TargetEmbed(token) ; h])         2D -> W
-    x      = layers(x) over K/V_target[kv_layers[i]], queries rotated at the query position p
-    d      = norm(x);  logits = lm_head(d)  (its own head [V, W]);  h_next = post_projection(d)   W -> D
-
-Step 1 reads the token the target just emitted (the anchor, at position p = the number of tokens the target has
-cached) and the target's final hidden state (after its final norm) at p - 1; step j + 1 reads step j's draft and
-h_next. Nothing is cached by the assistant, so every step queries from the same position p over the same target K/V
-(Gemma 4's constant draft positions): the autoregressive dependence is carried only by h_next and the token.
-
-Depth convention (drafters/base.py): the anchor a = p is the last token the drafter knows; step k predicts the token
-at a + 1 + k. A training row is one position i = a - 1 (hidden h_i, tokens x_{i+1+k} teacher-forced, keys 0..i, query
-position i + 1), label position i + k + 2, exactly as MTP and Medusa rows (losses.position_cells).
-
-- Training (`forward`): the target's K/V of `kv_layers` come from the same no-grad forward that gives the features
-  (batch["target_kv"], train/features.py; online only); every position at once with a causal mask over the keys.
-- Inference: `begin` / `commit` keep references to the engine's live target cache (DraftContext.target_kv, read
-  only; `target_kv_valid` hides the holes of rejected drafts) with each row's last hidden state and next token;
-  `propose(k)` runs k steps. There is no draft-length limit.
-- Persistence: native (config + state dict), and Gemma 4's assistant layout (drafters/assistant/export.py).
-
-Shapes: B batch, T sequence, N rows, K steps, L cache slots, W assistant width, D target hidden, V vocab.
+The design notes behind this module: docs/decisions.md, "drafters/assistant/model.py".
 """
 
 from __future__ import annotations

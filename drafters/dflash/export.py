@@ -2,29 +2,7 @@
 algorithms_dflash_dspark.md 1.5; field names checked against dflash 0.1.0, speculators 0.9.0, transformers 5.24 and
 vLLM's qwen3_dflash.py, see docs/benchmarks.md "DFlash: independent clients").
 
-- "dflash": the z-lab layout. config.json is an HF Qwen3 config of the draft layers (model_type "qwen3",
-  architectures ["DFlashDraftModel"]) plus block_size, num_target_layers and dflash_config {mask_token_id,
-  target_layer_ids}. Load it with the `dflash` package (`DFlashDraftModel.from_pretrained(dir)`) or serve it with
-  vLLM `--speculative-config '{"method": "dflash", "model": <dir>, "num_speculative_tokens": block_size - 1}'`.
-  No auto_map is written: it would point AutoModel at a dflash.py that this directory does not ship.
-- "speculators": the vLLM speculators layout (`speculators_model_type: "dflash"`, architectures
-  ["DFlashSpeculator"], no top-level model_type, transformer_layer_config, speculators_config with the verifier).
-  `vllm serve <dir>` reads the verifier and the proposal length (block_size - 1) from it.
-
-Layer ids. Ours are vLLM ids: id k = the residual stream entering decoder layer k = HF hidden_states[k].
-- z-lab counts layer outputs: dflash_config.target_layer_ids t reads HF hidden_states[t + 1], so t = our id - 1
-  (dflash.model.extract_context_feature; transformers' DFlashTokenCandidateGenerator asks for hidden_states[t + 1]).
-- speculators' aux_hidden_state_layer_ids are vLLM ids (= ours); vLLM's dflash updater derives
-  dflash_config.target_layer_ids = aux - 1 from them, and its speculators converter adds 1 to z-lab ids.
-Every place a reader looks gets an explicit list: the dflash layout also carries top-level target_layer_ids (z-lab
-convention, read by transformers-style configs) and eagle_aux_hidden_state_layer_ids (vLLM convention: vLLM's runner
-reads it first; older vLLM versions fall back to (2, N/2, N-3) without it).
-
-Weights: one model.safetensors without a "model." prefix: fc, hidden_norm, norm, layers.{i}.* (HF Qwen3 names).
-The embedding and the full-vocabulary lm_head are the target's and are not written (z-lab checkpoints and
-speculators 0.9.0 omit both; vLLM then shares the target's). A reduced draft vocabulary adds lm_head [V_d, D],
-d2t (int64 offsets: target = draft + d2t[draft]) and t2d (bool [V]). Only vLLM reads those in the dflash layout:
-the dflash package and transformers always use the target's full lm_head, so export full-vocabulary drafters for them.
+The design notes behind this module: docs/decisions.md, "drafters/dflash/export.py".
 """
 
 from __future__ import annotations

@@ -1,34 +1,6 @@
 """DFlash building blocks, kept free of the drafter so that DSpark (same backbone, other labels and heads) reuses them.
 
-Reference: algorithms_dflash_dspark.md section 1.1-1.3 (DFlash, Chen et al. 2026) and section 5.1. What lives here:
-- the rules that resolve the defaults of `DFlashConfig` (drafters/dflash/config.py)
-  (`resolve_layer_ids`, `resolve_mask_token_id`, `decay_gamma`, `draft_layer_config`);
-- the context projection `fuse_context` (concat of the target features -> fc -> hidden_norm = context c);
-- `DFlashDecoderLayer`, a Qwen3-style pre-norm decoder layer whose keys/values also read the context ("KV
-  injection": context and block tokens go through the SAME k/v projections, concatenated along the sequence), and
-  `backbone_modules`, the modules a drafter on this backbone holds;
-- `block_forward` / `anchored_blocks`, the training-time backbone over all blocks of a row at once (where the blocks
-  sit, the anchors, the mask and the supervised cells: drafters/dflash/anchors.py), and `block_embeddings`;
-- the inference-time context caches: `new_context_caches`, `absorb_context` (project verified tokens' features into
-  every layer's cache) and `cached_block_forward` (one block against the caches, its own keys/values dropped), so
-  that a drafter on this backbone drafts with them; drafters/dflash/backbone.BlockBackbone wires them once for DFlash
-  and DSpark.
-
-Decisions:
-- Layer ids use our (vLLM) convention: id k = residual stream entering decoder layer k = HF hidden_states[k]. The
-  z-lab rule counts layer OUTPUTS: its id_i = round(1 + i (L-4) / (n-1)) (Python's round, ties to even) over an
-  L-layer target, n = 5, reads HF hidden_states[id_i + 1], so our default is that list + 1 (Qwen3-8B, L = 36: z-lab
-  [1, 9, 17, 25, 33] = ours [2, 10, 18, 26, 34]). Id N (the final pre-norm output) is refused: z-lab and HF readers
-  would read the post-norm state there, so a checkpoint using it would not transfer.
-- The mask token is never hard-coded: config.mask_token_id, else the first of TargetInfo.unused_token_ids (rows
-  past the tokenizer, then reserved special tokens). An id the tokenizer uses for text is refused unless
-  allow_text_mask_token (the draft could then not tell a masked slot from that text token).
-- Loss decay gamma (w_k = exp(-(k-1)/gamma) for slot k): None = the published 7 / 5 / 4 for blocks 16 / 10 / 8,
-  else block_size / 2 (which also gives 5 and 4 for 10 and 8).
-- The context c enters each layer's k/v projections as it is (no per-layer input norm), as in section 5.1; only the
-  block tokens pass through input_layernorm. V is not normed; K gets the per-head k_norm, then RoPE.
-
-Shapes: B batch, T sequence, D hidden, A anchors per row, S block size (slot 0 = anchor token), H / H_kv heads, d head.
+The design notes behind this module: docs/decisions.md, "drafters/dflash/layers.py".
 """
 
 from __future__ import annotations

@@ -1,42 +1,7 @@
 """DFlash drafter: a block-parallel drafter with KV injection (Chen, Liang, Liu 2026; reference
 algorithms_dflash_dspark.md sections 1.1-1.3).
 
-A block is [x_a, MASK x (S-1)] at positions a..a+S-1 (S = block_size, a the anchor). A few Qwen3-style layers
-(drafters/dflash/layers.py, wired in drafters/dflash/backbone.py) run over the block with bidirectional attention
-inside it; every layer also attends to the target's features of all tokens strictly before the anchor, projected
-into keys/values by the same k/v projections ("KV injection"). Slot k (1..S-1) predicts the token at its own position, x_{a+k}; slot 0's output is
-discarded. So one drafter forward proposes S-1 tokens.
-
-- Training (`forward`): `num_anchors` anchors per sequence, uniform without replacement among positions whose
-  token and next token are both loss tokens, redrawn every epoch from (seed, epoch, sample index); all blocks of a
-  row run in one forward against the full-sequence context (mask in anchors.block_attention_mask). `block_logits`
-  does the same for given anchors. DraftOutput: one row per kept anchor, depth d = slot d + 1, label position
-  a + 1 + d. `loss`: hard-label cross-entropy on the data tokens (or the target's greedy tokens), weighted
-  exp(-d / gamma) (paper Eq. 4, d = k-1) or by D-PACE (config.loss_weighting), normalised by the weight sum over
-  all processes (losses.global_mean).
-- Inference: per-layer caches of the projected context keys/values (k_norm and RoPE applied) of verified tokens only.
-  `begin` projects the prompt; `propose(k)` runs ONE forward of the full block [bonus, MASK...] (always S slots, as
-  trained) and returns the argmax of slots 1..k with probs None: the engine verifies argmax drafts as one-hot q,
-  which is lossless at any temperature (sampling block slots independently would not be a chain distribution).
-  The block's own keys/values are dropped (KVCache.rewind); `commit` projects the verified tokens' features.
-- Vocabulary: the target's frozen lm_head by default; with draft_vocab_size an `lm_head` parameter over the
-  most frequent V_d tokens (warm-started from the target's rows) plus `d2t` / `t2d` buffers, as EAGLE-3.
-  The frozen embedding (block inputs) is always the target's own tensor from TargetInfo, never a parameter.
-- The final `norm` starts at ones, as in the z-lab drafts, NOT from the target's final norm: a random draft state
-  scaled by a real target's final-norm weights (SmolLM2's are large) gives initial logits so peaked that the first
-  loss is about 60 nats instead of about ln V.
-- Persistence: native (config.json with draftsmith_kind + model.safetensors); the resolved layer ids and mask token
-  id are written into the saved config, so a checkpoint names them explicitly. Serving layouts (z-lab,
-  speculators) live in drafters/dflash/export.py (`export_module`, to which the base class's `save` / `load`
-  dispatch); its `export_checks` (drafters/dflash/readers.py, `draftsmith doctor`) says which readers load an
-  export correctly.
-
-Parameter names (fixed: the export reads them): fc.weight, hidden_norm.weight, norm.weight,
-layers.{i}.{input_layernorm,post_attention_layernorm}.weight, layers.{i}.self_attn.{q,k,v,o}_proj.weight,
-layers.{i}.self_attn.{q_norm,k_norm}.weight, layers.{i}.mlp.{gate,up,down}_proj.weight; with a reduced vocabulary
-also lm_head.weight and the buffers d2t, t2d.
-
-Shapes: B batch, T sequence, D hidden, A anchors per row, S block size, N kept anchors, K = S-1 depths, V_d vocab.
+The design notes behind this module: docs/decisions.md, "drafters/dflash/model.py".
 """
 
 from __future__ import annotations

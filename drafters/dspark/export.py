@@ -2,27 +2,7 @@
 algorithms_dflash_dspark.md 2.5; field names checked against speculators 0.9.0's DSparkSpeculatorConfig /
 DSparkDraftModel and DeepSpec's Qwen3DSparkModel / build_draft_config).
 
-- "speculators": the vLLM speculators layout, `speculators_model_type: "dspark"`, architectures
-  ["DSparkSpeculator"], no top-level model_type: the DFlash keys (transformer_layer_config, draft_vocab_size,
-  block_size, target_hidden_size, aux_hidden_state_layer_ids, mask_token_id, sliding_window_non_causal) plus
-  markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov and sample_from_anchor: true
-  (the anchor slot drafts too, so speculative_tokens = block_size). `vllm serve <dir>` reads the verifier from it.
-- "deepspec": what DeepSpec's `Qwen3DSparkModel.save_pretrained` writes: an HF Qwen3 config of the draft layers
-  (architectures ["Qwen3DSparkModel"]) plus num_target_layers, block_size, mask_token_id, target_layer_ids,
-  num_anchors, enable_confidence_head, confidence_head_with_markov, markov_rank, markov_head_type; the weights
-  include DeepSpec's frozen copies of the target's embed_tokens and lm_head. Load it with
-  `Qwen3DSparkModel.from_pretrained(dir)`.
-
-No sequential head (markov_head_type "none") is markov_rank 0 in both layouts, as both readers spell it.
-Layer ids. Ours are vLLM ids (id k = the residual stream entering decoder layer k = HF hidden_states[k]).
-speculators' aux_hidden_state_layer_ids are the same ids. DeepSpec counts layer OUTPUTS (its
-extract_context_feature reads hidden_states[t + 1], -1 = the embedding output), so its t = our id - 1.
-
-Weights: one model.safetensors without a "model." prefix, our parameter names (fc, hidden_norm, norm, layers.{i}.*,
-markov_head.*, confidence_head.proj.*), which both readers use. speculators reloads the embedding and lm_head from
-the verifier, so they are not written there. Reading drops embed_tokens / lm_head / verifier_* (the target's own
-tensors are used; the shapes are checked). Our training settings and the STS temperatures go under the "draftsmith"
-key, which the engines ignore.
+The design notes behind this module: docs/decisions.md, "drafters/dspark/export.py".
 """
 
 from __future__ import annotations

@@ -1,34 +1,7 @@
 """DSpark drafter: the DFlash backbone with a sequential head and a confidence head (Cheng et al. 2026, DeepSpec;
 reference algorithms_dflash_dspark.md sections 2.1-2.3 and 5.2).
 
-Built on the DFlash backbone (drafters/dflash/backbone.BlockBackbone: context fusion, decoder layers, context
-caches, anchors; its layers and rules in drafters/dflash/layers.py, the anchor sampler in anchors.py), with one
-change: the anchor slot is the first prediction slot. A block is [x_a, MASK x (S-1)] at positions a..a+S-1 and
-slot k (0..S-1) predicts x_{a+k+1}: S inputs give S drafts. In the contract's terms depth k = slot k, label
-position a + 1 + k.
-
-- Training (`forward` / `block_outputs`): anchors as DFlash (uniform among positions whose token and next token are
-  loss tokens, redrawn per epoch from (seed, epoch, sample index)); all blocks of a row in one backbone forward.
-  A cell is supervised when its label is inside the sequence and a loss token, and supervision is contiguous from
-  the front (a block stops at its first unsupervised label). Logits are the sequential head's, teacher-forced on
-  the true previous tokens. `loss`: per cell 0.1 CE(label) + 0.9 ||p_d - p_t||_1 + 1.0 BCE(confidence,
-  1 - ||p_d - p_t||_1 / 2 detached), weighted exp(-k / 4) (or by D-PACE: config.loss_weighting), normalised by
-  the weight sum over all processes (losses.global_mean). p_t = softmax(target lm_head(target_last_hidden at the
-  position before the label)): the batch's final hidden state through the frozen lm_head, so no V-sized target
-  logits are ever stored.
-- Inference: the context caches of DFlash's backbone (`absorb_context` after prefill and every verify,
-  `cached_block_forward` for the block), then ONE backbone forward per round and the block drawn left to right with
-  the exact per-slot distribution q_k = softmax(U_k + B_k(x_{k-1})): the argmax when the engine runs greedy
-  (DraftContext.temperature 0 or not told), else a sample from softmax(logits / T) with q returned as `probs`, so
-  rejection sampling with that q is lossless. The confidence logits (computed before each draw) and the calibration
-  temperatures come with the proposal; the engine may schedule from them (inference/engine/schedule.py).
-- Persistence: native (config.json with draftsmith_kind + model.safetensors); speculators' "dspark" layout and
-  DeepSpec's layout live in drafters/dspark/export.py, whose `store_confidence_temperatures` writes the
-  temperatures `draftsmith calibrate` fitted into a checkpoint of any of the three formats.
-
-Parameter names: fc, hidden_norm, norm, layers.{i}.* (as DFlash), markov_head.markov_w1 (Embedding V x r),
-markov_head.markov_w2 (Linear r -> V), markov_head.gate_proj (gated) / joint_proj (rnn), confidence_head.proj.
-Shapes: B batch, T sequence, D hidden, A anchors per row, S block size, N kept anchors, K depths, V vocabulary.
+The design notes behind this module: docs/decisions.md, "drafters/dspark/model.py".
 """
 
 from __future__ import annotations

@@ -1,37 +1,6 @@
 """Where MTP weights live in checkpoints: import from a target's own checkpoint, export back into it, speculators.
 
-Reference: algorithms_eagle3_mtp.md B.1-B.4 and formats_and_serving.md 2.2. Layouts (k = 0 .. D-1, N = the target's
-number of decoder layers; "block" = the module's decoder layer under the layer prefix, in the checkpoint's own names):
-
-| ours (per module) | deepseek_v3: model.layers.{N+k}. | qwen3_next, qwen3_5: mtp.    | mimo: model.mtp_layers.{k}. |
-| enorm.weight      | enorm.weight                     | pre_fc_norm_embedding.weight | token_layernorm.weight      |
-| hnorm.weight      | hnorm.weight                     | pre_fc_norm_hidden.weight    | hidden_layernorm.weight     |
-| eh_proj.weight    | eh_proj.weight                   | fc.weight                    | input_proj.weight           |
-| final_norm.weight | shared_head.norm.weight          | norm.weight                  | final_layernorm.weight      |
-| block.*           | (same prefix).*                  | mtp.layers.{k}.*             | (same prefix).*             |
-DeepSeek-V3 also stores a copy of the shared embedding and head per module (embed_tokens.weight,
-shared_head.head.weight); draftsmith uses the target's own tensors and refuses a checkpoint whose copies differ.
-Qwen3.5 / 3.6 (dense and MoE) use Qwen3-Next's names and conventions; what differs is the config key that counts the
-modules (`mtp_num_hidden_layers`, in text_config for the multimodal checkpoints, where vLLM's Qwen3.5 MTP reads it;
-Qwen3-Next: `num_nextn_predict_layers`) and that its MoE experts may be stored fused (experts.gate_up_proj) or one by
-one: an export keeps the form the source stores. The two are told apart by the target's model_type, since their
-tensor names are the same. Both hold one fc and one set of norms for all their decoder layers (vLLM applies them at
-every step), so an export carries exactly one module (ours has its own fc and norms per module).
-
-- Import (`find_native`, `read_native`): the layout is recognised from the tensor names alone; the target's model_type
-  and the drafter's `layout` must agree with it. Fused experts: checkpoints store experts one by one
-  (mlp.experts.{e}.gate_proj / up_proj / down_proj), transformers modules hold them as 3-D tensors
-  (experts.gate_up_proj [E, 2I, D] = gate rows then up rows, experts.down_proj [E, D, I]); import stacks, export splits,
-  both exact. FP8 checkpoints (weight_scale_inv tensors) are refused: dequantise first.
-- Export into a layout (`write_native_layout`): a serving directory for vLLM's `method: mtp` (and SGLang's NEXTN /
-  MTP): the target's files hard-linked (copied across filesystems), shards that held the old MTP tensors rewritten
-  without them, the drafter's tensors in model-mtp.safetensors in the source's dtype, a new weight index, and
-  config.json with num_nextn_predict_layers = D. `draftsmith eval --target DIR --drafter native-mtp` reads it back.
-- "speculators": config.json with speculators_model_type "mtp", the verifier's own config as
-  transformer_layer_config, num_nextn_predict_layers 1 (the only value speculators and vLLM accept), and
-  mtp_layers.0.{input_proj, hidden_layernorm, token_layernorm, final_layernorm} plus the block in transformers module
-  names (experts fused, as speculators' own model saves them); no embedding or head (the verifier's are used).
-An export whose conventions (layers.LAYOUTS) differ from the drafter's is refused: the server would run another model.
+The design notes behind this module: docs/decisions.md, "drafters/mtp/export.py".
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """MTP building blocks (config: config.py): the checkpoint layouts' conventions, one MTP module, and its KV cache.
 
-Reference: algorithms_eagle3_mtp.md section B.1-B.4 (DeepSeek-V3, Qwen3-Next, MiMo MTP; how vLLM loads them).
-
-An MTP module reads the hidden state h of the step before and the embedding e of a known token:
-    x = eh_proj([enorm(e) ; hnorm(h)])       (MiMo: [hnorm(h) ; enorm(e)])
-    y = block(x)                             one decoder layer of the TARGET's own family (pre-norm output)
-    logits = lm_head(final_norm(y))          the target's frozen lm_head
-The block is the target family's own Hugging Face decoder-layer class (LlamaDecoderLayer, Qwen3NextDecoderLayer with
-full attention, DeepseekV3DecoderLayer with MLA and MoE, ...), built from the target's config at the layer index the
-checkpoints give the module (N + k for the k-th module of an N-layer target). So its widths mirror the target exactly
-and a native module imported from a checkpoint computes what the checkpoint's model computes; it is composed from
-transformers, not copied. Its norms are that family's RMSNorm class (zero-centred `x * (1 + w)` for Qwen3-Next).
-
-Layout conventions (`LAYOUTS`), which differ between the model families that ship MTP weights (each as vLLM runs it):
-- embedding_first: the concatenation order into eh_proj; DeepSeek-V3 and Qwen3-Next put the embedding first, MiMo the
-  hidden state (the paper's equation writes hidden first: follow the checkpoints or eh_proj's columns are swapped).
-- mask_first_position: DeepSeek-V3 and MiMo zero the token embedding at position 0.
-- feed_back_normed: what a module hands the next step as h. DeepSeek-V3's layer returns the pre-norm output (its
-  shared_head.norm is applied only for logits); Qwen3-Next, MiMo and speculators return the output after the final
-  norm, and that normed state is fed back.
-Module 1 always reads the target's final hidden state AFTER its final norm: vLLM passes the target model's returned
-hidden states (post-norm) to every MTP proposer, and speculators trains on the same. The engine serves it as
-`final_hidden` (FeatureRequest.final_hidden), training as `target_last_hidden`.
-
-Shapes: B batch, T sequence, n block length, C cache columns, D hidden, V vocab.
+The design notes behind this module: docs/decisions.md, "drafters/mtp/layers.py".
 """
 
 from __future__ import annotations

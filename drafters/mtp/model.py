@@ -1,30 +1,6 @@
 """MTP drafter: DeepSeek-V3-style multi-token-prediction modules on a frozen target (reference B.1-B.4).
 
-Module k (0-based depth k) at sequence position i reads the hidden state of depth k-1 at i (depth 0: the target's
-final hidden state after its final norm) and the embedding of the ground-truth token x_{i+k+1}, runs one decoder
-layer of the target's family causally over all positions of its depth (DeepSeek-V3's h^k_{1:T-k} = TRM_k(...)), and
-predicts x_{i+k+2} through its final norm and the target's frozen lm_head. Building blocks: drafters/mtp/layers.py.
-
-Depth convention (drafters/base.py): the anchor a is the last token the drafter knows (at inference the token the
-target just emitted, whose hidden state does not exist yet), so a row is one position i = a - 1 and depth k predicts
-the token k + 1 places after the anchor: label position i + k + 2 = a + 1 + k.
-
-- Training (`forward`): teacher-forced depths 0..num_steps-1, each over the whole sequence (module k reads module
-  k-1's output, fed back pre-norm or normed per the layout, and real tokens); logits only for rows with a loss.
-  `loss`: per-depth means of soft (target distribution, the default) or hard (data token) cross-entropy, weighted by
-  `loss_weights` and normalised over all processes (losses.global_mean).
-- Inference: a stateful chain proposer with one KV cache per depth (BlockCache), so drafts equal the training forward
-  on the same tokens. Depth k has processed position i once x_{i+k+1} is known, i.e. positions < n - k for an anchor
-  at n. Proposing d_1 reads depth 0's output at n-1; d_{k+1} runs depth k over positions n-k..n-1, whose tokens are
-  d_1..d_k, as speculative cache entries dropped at the next propose / commit. Depths are caught up lazily up to the
-  deepest proposal asked for. With `reuse` the module is shared but each depth keeps its own cache.
-- max_draft_tokens: num_modules, or None with `reuse`.
-- The target's embedding and lm_head come from TargetInfo and are never parameters.
-- Persistence: native (config + state dict), "speculators", and the target-checkpoint layouts "deepseek_v3",
-  "qwen3_next", "qwen3_5", "mimo" (drafters/mtp/export.py); `from_target` builds the target's own MTP modules, which
-  `draftsmith eval --drafter native-mtp` uses (drafters.load_drafter).
-
-Shapes: B batch, T sequence, N rows, K depths, P positions kept per row, D hidden, V vocab.
+The design notes behind this module: docs/decisions.md, "drafters/mtp/model.py".
 """
 
 from __future__ import annotations

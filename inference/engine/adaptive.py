@@ -4,45 +4,7 @@
     out = speculative_generate(target, drafter, prompts, num_draft_tokens=7, max_new_tokens=128,
                                adaptive=AdaptiveK(costs))
 
-Every round, before any draft of that round exists, `AdaptiveK.choose` picks the width W in 0..K maximising the
-expected tokens per second sum_r E_r(W) / (d(W) + v(W)) (theory_and_metrics.md D.2): E_r(W) = 1 + sum_{j<=W}
-prod_{i<=j} alpha_{r,i} is row r's expected gain, alpha_{r,j} its running estimate of the conditional acceptance at
-position j, d(W) the drafter's seconds per round and v(W) the verify forward's over W + 1 tokens per row, both
-measured on this machine (`profile_costs`). W = 0 is plain autoregression, gain 1 per row at cost v(0). The choice
-reads only earlier rounds, so it is lossless: conditioned on the history, a round is an ordinary fixed-k round.
-
-Batch > 1: our engine pads every row to the round's width, so the verify of a round costs v(W) whatever each row
-would have liked, and a draft inside a paid-for column costs nothing more; hence one W per round, chosen from the sum
-of the rows' expected gains (rows that finished gain nothing and are left out).
-
-A drafter that proposes fewer drafts than asked (the n-gram drafter proposes nothing on a miss) makes a round cheaper,
-not dearer: the verify reads what was proposed. alpha is conditional on a draft being proposed (rounds that proposed
-nothing are not observed), and with d(W) ~ 0 the choice between W = 0 and W > 0 is then the same as if every round
-proposed. What matters is that v(W) is the price of W drafts really verified, which `profile_costs` measures on full
-blocks.
-
-What a k = 0 round still costs: nothing of the drafter. The engine defers the drafter's catch-up while rounds propose
-nothing and hands the verified tokens over in one `commit` before the next proposal (drafters/base.py), so a drafter
-whose drafts are always rejected costs a share of AR time bounded by the exploration below.
-
-Exploration: after `explore_after` rounds of W = 0 in a row, one round proposes W = 1 so a drafter that recovers is
-found again; each exploration that does not end the streak doubles the interval, up to `max_explore_after` or the
-interval at which a rejected exploration (d(1) + v(1) - v(0)) costs `explore_share` of the AR time between two,
-whichever is smaller: a useless drafter costs at most about that share, and a drafter whose good runs come and go
-is looked at again within a run's length where exploring is cheap. An
-exploration the drafter answered with nothing saw nothing: when such a round costs under 5% of an AR step (d(1)
-small: the n-gram drafter) the next round asks again, otherwise it counts as done.
-
-Estimator: per row, regime and position, discounted counts (each observation multiplies the old ones by `decay`, a
-window of about 1 / (1 - decay) rounds) with `prior_weight` pseudo-observations of a prior: `prior` at position 1,
-the estimate of position j - 1 at position j (a position never proposed is assumed as good as the one before it, so
-a drafter that keeps being accepted is tried one step deeper). Regimes (`regimes=True`): a row whose last proposing
-round accepted every draft reads and updates counts kept for such rounds only, any other row the rest. A stationary
-drafter's two estimates converge to the same values; a drafter whose acceptance comes in runs (the n-gram drafter
-inside and outside copied text) gets the acceptance of the regime it is in instead of an average that is wrong in
-both. Successive generations with one AdaptiveK (the requests of one workload: `draftsmith eval` keeps one per
-drafter and batch size) carry the pooled counts of the previous one over to every new row, and the exploration
-interval with them, so only the first request pays for learning that a drafter is useless.
+The design notes behind this module: docs/decisions.md, "inference/engine/adaptive.py".
 """
 
 from __future__ import annotations

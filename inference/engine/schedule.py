@@ -4,29 +4,7 @@
     out = speculative_generate(target, drafter, prompts, num_draft_tokens=7, max_new_tokens=128,
                                schedule=PrefixScheduler(costs))          # or StaticThreshold(0.5)
 
-For any drafter whose Proposal carries confidence logits z_j (the estimate that draft j is accepted given that
-drafts < j were; DSpark's confidence head) the prefix survival of row r at position j is
-a_{r,j} = prod_{i<=j} sigmoid(z_{r,i} / T_i), with the drafter's calibration temperatures T (STS, `draftsmith
-calibrate`; T = 1 when uncalibrated). Reference: algorithms_dflash_dspark.md 2.3 (DSpark Algorithm 1 and appendix A),
-theory_and_metrics.md D.2-D.3.
-
-- StaticThreshold(h): a row verifies its drafts up to the first whose survival falls below h.
-- PrefixScheduler(cost): chooses the lengths l_r of all rows together to maximise the expected throughput
-  Theta = tau / step_seconds, tau = sum_r (1 + sum_{j<=l_r} a_{r,j}), step_seconds = the draft time of a round plus
-  the verify cost of the forward the engine will run. Greedy admission by prefix survival, stopping at the FIRST
-  admission that does not raise Theta (`prefix_schedule`; the paper's Algorithm 1 admits one (r, j) at a time in
-  decreasing a_{r,j} over B = sum_r (1 + l_r) tokens; our engine pads rows to the round's width, so the unit it
-  pays for is a column, see there). Stopping there is what keeps it lossless: a_{r,j} depends on the drafts before
-  j only (the confidence head reads x_{j-1}, never x_j), so whether draft j is verified never depends on draft j
-  itself. A look-ahead search over all lengths would: a high a_{r,j+1} (known only after x_j was drawn) can pull
-  x_j into verification, and the output is then biased (appendix A; tests/test_schedule.py shows both).
-  A drafter proposing without calibration falls back to StaticThreshold(fallback_threshold), and says so (a
-  warning), since uncalibrated survivals are not probabilities to trade against seconds.
-- The verify cost is the drafter's cost profile (inference/engine/costs.CostProfile.verify_by_tokens, the one the
-  adaptive width reads too): seconds of one target verify forward by the number of tokens it reads. Our engine
-  pads every row to the longest proposal of the round, so a round with lengths l reads num_rows x (1 + max l)
-  tokens (the rows still running: finished rows leave the batch).
-The engine applies a schedule through the width policy `policy.Scheduled` (its `cut`).
+The design notes behind this module: docs/decisions.md, "inference/engine/schedule.py".
 """
 
 from __future__ import annotations
