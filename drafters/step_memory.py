@@ -31,12 +31,15 @@ MASK_CHUNK_COPIES = 2  # a DFlash block-mask chunk: the boolean mask and SDPA's 
 
 @dataclass(frozen=True)
 class StepShape:
-    """One training step's shapes. kind: eagle3 | dflash | dspark. depths: TTT steps (EAGLE-3) or block size S.
-    anchors: A (block drafters). head_vocab: V_d of the trained or frozen head the loss runs through. markov_rank: r
-    of DSpark's sequential head (0 = none). num_features: n_f target layers. params: P trained parameters (None =
-    counted from the shapes)."""
+    """One training step's shapes, as the drafter's config declares them (its `step_shape`). kind: a label. step:
+    "ttt" (EAGLE-3's test-time-training steps over every position) or "block" (DFlash / DSpark blocks at anchors).
+    depths: TTT steps or block size S. anchors: A (block drafters). head_vocab: V_d of the trained or frozen head the
+    loss runs through. markov_rank: r of a sequential head's Markov embedding (0 = none). slot_extra: values a block
+    slot keeps beyond DFlash's (DSpark: its post-norm state and Markov embedding). num_features: n_f target layers.
+    params: P trained parameters (None = counted from the shapes)."""
 
     kind: str
+    step: str
     hidden: int
     heads: int
     kv_heads: int
@@ -52,6 +55,7 @@ class StepShape:
     anchors: int = 0
     markov_rank: int = 0
     extra_params: int = 0  # DSpark's sequential-head gates and confidence head
+    slot_extra: int = 0
     checkpointing: bool = False
     bytes_per_value: int = 4
     params: int | None = None
@@ -60,33 +64,16 @@ class StepShape:
     def for_drafter(cls, kind: str, config, *, hidden: int, heads: int, kv_heads: int, head_dim: int,
                     intermediate: int, vocab: int, num_features: int | None, seq_len: int, batch: int,
                     checkpointing: bool, params: int | None = None) -> "StepShape":
-        """The shape of a drafter config (drafters/<kind>/config.py) on a target of the given widths."""
-        if kind == "eagle3":
-            depths, anchors, rank, head_vocab, extra = config.ttt_steps, 0, 0, config.draft_vocab_size, 0
-            features = num_features or 3
-        elif kind in ("dflash", "dspark"):
-            depths, anchors = config.block_size, min(config.num_anchors, max(1, seq_len - 1))
-            rank = config.markov_rank if kind == "dspark" and config.markov_head_type != "none" else 0
-            head_vocab = getattr(config, "draft_vocab_size", None) or vocab
-            features = num_features or 5
-            extra = dspark_head_params(config, hidden) if kind == "dspark" else 0
-        else:
-            raise ValueError(f"no memory model for drafter kind {kind!r} (eagle3, dflash, dspark)")
+        """The shape of a drafter config (drafters/<kind>/config.py) on a target of the given widths: the config
+        declares its own step (`config.step_shape`); a config without one has no memory model here."""
+        if not hasattr(config, "step_shape"):
+            raise ValueError(f"no memory model for drafter kind {kind!r} (its config declares no step_shape)")
+        declared = config.step_shape(hidden=hidden, vocab=vocab, seq_len=seq_len)
+        default_features = declared.pop("default_features")
         return cls(kind=kind, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                   intermediate=intermediate, num_layers=config.num_layers, vocab=vocab, head_vocab=head_vocab,
-                   num_features=features, seq_len=seq_len, batch=batch, depths=depths, anchors=anchors,
-                   markov_rank=rank, extra_params=extra, checkpointing=checkpointing, params=params)
-
-
-def dspark_head_params(config, hidden: int) -> int:
-    """Parameters of DSpark's sequential-head gate (gated: [h ; W1 x] -> r, rnn: [s ; W1 x ; h] -> 3r, with biases)
-    and of its confidence head (a linear of [h ; W1 x] or h, with bias); the W1 / W2 tables are counted apart."""
-    rank, kind = config.markov_rank, config.markov_head_type
-    gate = {"gated": (hidden + rank + 1) * rank, "rnn": (2 * rank + hidden + 1) * 3 * rank}.get(kind, 0)
-    confidence = 0
-    if config.enable_confidence_head:
-        confidence = hidden + (rank if config.confidence_head_with_markov else 0) + 1
-    return gate + confidence
+                   intermediate=intermediate, num_layers=config.num_layers, vocab=vocab,
+                   num_features=num_features or default_features, seq_len=seq_len, batch=batch,
+                   checkpointing=checkpointing, params=params, **declared)
 
 
 def layer_params(s: StepShape, input_width: int) -> int:
@@ -99,7 +86,7 @@ def trained_params(s: StepShape) -> int:
     if s.params is not None:
         return s.params
     fc = s.num_features * s.hidden * s.hidden
-    if s.kind == "eagle3":  # the first layer reads [embedding ; hidden], a trained draft head
+    if s.step == "ttt":  # the first layer reads [embedding ; hidden], a trained draft head
         return fc + layer_params(s, 2 * s.hidden) + (s.num_layers - 1) * layer_params(s, s.hidden) \
             + s.head_vocab * s.hidden + 2 * s.hidden  # + hidden_norm and the final norm
     layers = s.num_layers * (layer_params(s, s.hidden) + 2 * s.head_dim)  # + q_norm / k_norm
@@ -141,15 +128,13 @@ def block_values(s: StepShape) -> tuple[int, int]:
     gathered final state (DSpark: also the post-norm state and the Markov embedding of the previous token)."""
     layer_context, layer_slot = block_layer_values(s, s.checkpointing)
     context = (s.num_features + 2) * s.hidden + s.num_layers * layer_context
-    slot = 2 * s.hidden + 2 * s.head_dim + s.num_layers * layer_slot
-    if s.kind == "dspark":
-        slot += s.hidden + s.markov_rank
+    slot = 2 * s.hidden + 2 * s.head_dim + s.num_layers * layer_slot + s.slot_extra
     return context, slot
 
 
 def activation_values(s: StepShape) -> int:
     """All values autograd keeps at the end of the forward pass."""
-    if s.kind == "eagle3":
+    if s.step == "ttt":
         return s.batch * s.seq_len * eagle3_values_per_token(s)
     context, slot = block_values(s)
     return s.batch * s.seq_len * context + s.batch * s.anchors * s.depths * slot
@@ -159,7 +144,7 @@ def recomputed_values(s: StepShape) -> int:
     """With activation checkpointing, the values of the one layer (and TTT step) the backward pass recomputes."""
     if not s.checkpointing:
         return 0
-    if s.kind == "eagle3":
+    if s.step == "ttt":
         return s.batch * s.seq_len * eagle3_layer_values(s, False)
     context, slot = block_layer_values(s, False)
     return s.batch * s.seq_len * context + s.batch * s.anchors * s.depths * slot
@@ -182,7 +167,7 @@ def peak_activation_values(s: StepShape) -> int:
     A short sequence's loss holds all its logits at once (chunked.LOSS_ONE_SHOT_VALUES), and attention that fits one
     chunk holds that chunk, the whole tensor, as the one-shot paths do."""
     kept, recomputed = activation_values(s), recomputed_values(s)
-    if s.kind == "eagle3":
+    if s.step == "ttt":
         loss = loss_chunk_values(s.batch * s.seq_len * s.depths * s.head_vocab)
         scores = min(s.batch * s.heads * s.seq_len * (s.seq_len + s.depths), ATTENTION_CHUNK_VALUES)
         layers = kept * (s.depths - 1) // s.depths + recomputed
@@ -213,8 +198,8 @@ def step_peak_bytes(s: StepShape) -> int:
 
 def step_shape(drafter, seq_len: int, batch: int, checkpointing: bool) -> StepShape | None:
     """The StepShape of a built drafter (its layer config, target widths, layer ids and trained parameter count) for
-    micro-batches of batch x seq_len tokens; None for a kind this model does not cover."""
-    if drafter.kind not in ("eagle3", "dflash", "dspark"):
+    micro-batches of batch x seq_len tokens; None for a kind whose config declares no step_shape."""
+    if not hasattr(drafter.config, "step_shape"):
         return None
     layer = drafter.layer_config
     return StepShape.for_drafter(

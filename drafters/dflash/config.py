@@ -51,3 +51,8 @@ class DFlashConfig:
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     rope_theta: float | None = None
+
+    def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
+        """One training step's shape for drafters/step_memory.StepShape: blocks of block_size slots at anchors."""
+        return {"step": "block", "depths": self.block_size, "anchors": min(self.num_anchors, max(1, seq_len - 1)),
+                "head_vocab": self.draft_vocab_size or vocab, "default_features": 5}

@@ -52,3 +52,21 @@ class DSparkConfig:
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     rope_theta: float | None = None
+
+    def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
+        """One training step's shape for drafters/step_memory.StepShape: DFlash's blocks, plus the sequential head
+        (its Markov embeddings, gates and confidence head) and what each slot keeps for it."""
+        rank = self.markov_rank if self.markov_head_type != "none" else 0
+        return {"step": "block", "depths": self.block_size, "anchors": min(self.num_anchors, max(1, seq_len - 1)),
+                "head_vocab": getattr(self, "draft_vocab_size", None) or vocab, "default_features": 5,
+                "markov_rank": rank, "extra_params": self.head_params(hidden), "slot_extra": hidden + rank}
+
+    def head_params(self, hidden: int) -> int:
+        """Parameters of the sequential-head gate (gated: [h ; W1 x] -> r, rnn: [s ; W1 x ; h] -> 3r, with biases)
+        and of the confidence head (a linear of [h ; W1 x] or h, with bias); the W1 / W2 tables are counted apart."""
+        rank, kind = self.markov_rank, self.markov_head_type
+        gate = {"gated": (hidden + rank + 1) * rank, "rnn": (2 * rank + hidden + 1) * 3 * rank}.get(kind, 0)
+        confidence = 0
+        if self.enable_confidence_head:
+            confidence = hidden + (rank if self.confidence_head_with_markov else 0) + 1
+        return gate + confidence

@@ -42,3 +42,7 @@ class Eagle3Config:
     fc_init: Literal["random", "identity_high"] = "random"
     sample_drafts: bool = False
     loss: Literal["soft", "hard"] = "soft"
+
+    def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
+        """One training step's shape for drafters/step_memory.StepShape: TTT steps over every position."""
+        return {"step": "ttt", "depths": self.ttt_steps, "head_vocab": self.draft_vocab_size, "default_features": 3}
