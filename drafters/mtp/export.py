@@ -33,37 +33,71 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch
 FAMILY_LAYOUTS = {"deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "glm4_moe": "deepseek_v3",
                   "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5",
                   "qwen3_5_moe_text": "qwen3_5", "mimo": "mimo"}
-# The config key that counts the MTP modules, per layout (qwen3_5: in text_config when there is one).
-COUNT_KEYS = {"qwen3_5": "mtp_num_hidden_layers"}
-_FIXED = {  # our module-local name -> the layout's name under its module prefix
-    "deepseek_v3": {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-                    "final_norm.weight": "shared_head.norm.weight"},
-    "qwen3_next": {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
-                   "eh_proj.weight": "fc.weight", "final_norm.weight": "norm.weight"},
-    "mimo": {"enorm.weight": "token_layernorm.weight", "hnorm.weight": "hidden_layernorm.weight",
-             "eh_proj.weight": "input_proj.weight", "final_norm.weight": "final_layernorm.weight"},
-}
-_FIXED["speculators"] = _FIXED["mimo"]
-_FIXED["qwen3_5"] = _FIXED["qwen3_next"]
+_DEEPSEEK_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+                   "final_norm.weight": "shared_head.norm.weight"}
+_QWEN_NAMES = {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
+               "eh_proj.weight": "fc.weight", "final_norm.weight": "norm.weight"}
+_MIMO_NAMES = {"enorm.weight": "token_layernorm.weight", "hnorm.weight": "hidden_layernorm.weight",
+               "eh_proj.weight": "input_proj.weight", "final_norm.weight": "final_layernorm.weight"}
 _SHARED = {"embed_tokens.weight": "embed_weight", "shared_head.head.weight": "lm_head_weight"}  # deepseek_v3 copies
-_MARKERS = {  # tensor-name pattern that marks a layout, with the module index as group 1
-    "deepseek_v3": r"model\.layers\.(\d+)\.eh_proj\.weight",
-    "qwen3_next": r"mtp\.layers\.(\d+)\.input_layernorm\.weight",
-    "mimo": r"model\.mtp_layers\.(\d+)\.input_proj\.weight",
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Where one layout keeps MTP module k, and what it carries: the one record each layout is read and written by.
+
+    fixed: our module-local name -> the layout's, under fixed_prefix; the block's tensors sit under block_prefix.
+    Prefixes take {index}: k, or the decoder layer N + k when `after_decoder` (DeepSeek-V3 numbers its MTP modules
+    after the target's layers). owned: the prefix of every MTP tensor name (after_decoder: layers numbered >= N).
+    marker: the tensor-name pattern (group 1: the index) that marks the layout in a checkpoint, with `requires`
+    present too, described in errors as `looked_for` (None: the layout is told apart by the target's family, or is
+    not a checkpoint layout). shared_copies: each module stores the embedding and head again. one_module: it carries
+    exactly one module. split_experts: a checkpoint stores MoE experts one tensor each. count_key: the config key
+    counting the modules (in text_config when `count_in_text_config` and there is one)."""
+
+    fixed: Mapping[str, str]
+    fixed_prefix: str
+    block_prefix: str
+    owned: str = ""
+    after_decoder: bool = False
+    marker: str | None = None
+    requires: str | None = None
+    looked_for: str | None = None
+    shared_copies: bool = False
+    one_module: bool = False
+    split_experts: bool = True
+    count_key: str = "num_nextn_predict_layers"
+    count_in_text_config: bool = False
+
+    def prefixes(self, num_layers: int, k: int) -> tuple[str, str]:
+        """(prefix of the fixed names, prefix of the block) of module k."""
+        index = num_layers + k if self.after_decoder else k
+        return self.fixed_prefix.format(index=index), self.block_prefix.format(index=index)
+
+    def owns(self, name: str, num_layers: int) -> bool:
+        """True when tensor `name` of a checkpoint belongs to this layout's MTP modules."""
+        if self.after_decoder:
+            match = re.match(r"model\.layers\.(\d+)\.", name)
+            return bool(match) and int(match.group(1)) >= num_layers
+        return name.startswith(self.owned)
+
+
+RECORDS = {
+    "deepseek_v3": CheckpointLayout(_DEEPSEEK_NAMES, "model.layers.{index}.", "model.layers.{index}.",
+                                    after_decoder=True, marker=r"model\.layers\.(\d+)\.eh_proj\.weight",
+                                    looked_for="model.layers.{N+k}.eh_proj.weight", shared_copies=True),
+    "qwen3_next": CheckpointLayout(_QWEN_NAMES, "mtp.", "mtp.layers.{index}.", owned="mtp.",
+                                   marker=r"mtp\.layers\.(\d+)\.input_layernorm\.weight", requires="mtp.fc.weight",
+                                   looked_for="mtp.fc.weight + mtp.layers.{k}.*", one_module=True),
+    # Qwen3-Next's names and markers; the target's family tells the two apart
+    "qwen3_5": CheckpointLayout(_QWEN_NAMES, "mtp.", "mtp.layers.{index}.", owned="mtp.", one_module=True,
+                                count_key="mtp_num_hidden_layers", count_in_text_config=True),
+    "mimo": CheckpointLayout(_MIMO_NAMES, "model.mtp_layers.{index}.", "model.mtp_layers.{index}.",
+                             owned="model.mtp_layers.", marker=r"model\.mtp_layers\.(\d+)\.input_proj\.weight",
+                             looked_for="model.mtp_layers.{k}.input_proj.weight"),
+    "speculators": CheckpointLayout(_MIMO_NAMES, "mtp_layers.{index}.", "mtp_layers.{index}.", owned="mtp_layers.",
+                                    one_module=True, split_experts=False),
 }
-_LOOKED_FOR = {"deepseek_v3": "model.layers.{N+k}.eh_proj.weight", "qwen3_next": "mtp.fc.weight + mtp.layers.{k}.*",
-               "mimo": "model.mtp_layers.{k}.input_proj.weight"}
-
-
-def module_prefix(layout: str, num_layers: int, k: int) -> tuple[str, str]:
-    """(prefix of the fixed names, prefix of the block) of module k in `layout`."""
-    if layout == "deepseek_v3":
-        return (f"model.layers.{num_layers + k}.",) * 2
-    if layout in ("qwen3_next", "qwen3_5"):
-        return "mtp.", f"mtp.layers.{k}."
-    if layout == "mimo":
-        return (f"model.mtp_layers.{k}.",) * 2
-    return (f"mtp_layers.{k}.",) * 2
 
 
 # ---- reading a checkpoint's tensor index -----------------------------------------------------------------------------
@@ -113,23 +147,24 @@ def find_native(directory: str, num_layers: int, model_type: str | None = None) 
     """
     index = checkpoint_index(directory)
     found: dict[str, list[int]] = {}
-    for layout, pattern in _MARKERS.items():
-        indices = sorted({int(m.group(1)) for m in map(re.compile(pattern).fullmatch, index) if m})
-        if layout == "deepseek_v3":
+    for layout, record in RECORDS.items():
+        if record.marker is None or (record.requires and record.requires not in index):
+            continue
+        indices = sorted({int(m.group(1)) for m in map(re.compile(record.marker).fullmatch, index) if m})
+        if record.after_decoder:
             indices = [i - num_layers for i in indices if i >= num_layers]
-        if layout == "qwen3_next" and "mtp.fc.weight" not in index:
-            indices = []
         if indices:
             found[layout] = indices
     if not found:
-        looked = "; ".join(f"{layout} ({where})" for layout, where in _LOOKED_FOR.items())
+        looked = "; ".join(f"{layout} ({record.looked_for})" for layout, record in RECORDS.items() if record.marker)
         raise ValueError(f"{directory}: the target checkpoint has no MTP weights. Looked for the layouts {looked}; "
                          f"found only: {_summary(index)}")
     if len(found) > 1:
         raise ValueError(f"{directory}: MTP tensors of several layouts ({', '.join(found)}); cannot tell which to use")
     layout, indices = next(iter(found.items()))
-    if layout == "qwen3_next" and FAMILY_LAYOUTS.get(model_type or "") == "qwen3_5":
-        layout = "qwen3_5"  # the same names: the family decides
+    family = FAMILY_LAYOUTS.get(model_type or "")
+    if family is not None and _same_names(RECORDS[family], RECORDS[layout]):
+        layout = family  # the same names (qwen3_next, qwen3_5): the family decides
     if indices != list(range(len(indices))):
         raise ValueError(f"{directory}: {layout} MTP modules numbered {indices} (relative to the {num_layers} target"
                          " layers); expected 0..D-1")
@@ -140,37 +175,34 @@ def find_native(directory: str, num_layers: int, model_type: str | None = None) 
     return NativeMTP(layout, len(indices))
 
 
+def _same_names(a: CheckpointLayout, b: CheckpointLayout) -> bool:
+    return (a.fixed, a.fixed_prefix, a.block_prefix) == (b.fixed, b.fixed_prefix, b.block_prefix)
+
+
 def read_native(directory: str, target_info: TargetInfo, layout: str, num_modules: int) -> dict[str, torch.Tensor]:
     """The MTP modules of a target checkpoint as the drafter's state dict (layers.{k}.*)."""
-    index = checkpoint_index(directory)
-    quantised = sorted(n for n in index if n.endswith("_scale_inv") and _is_mtp(n, layout, target_info.num_layers))
+    index, record = checkpoint_index(directory), RECORDS[layout]
+    quantised = sorted(n for n in index if n.endswith("_scale_inv") and record.owns(n, target_info.num_layers))
     if quantised:
         raise ValueError(f"{directory}: the MTP weights are FP8-quantised ({quantised[0]}, ...); dequantise the "
                          "checkpoint to bf16 first")
     state: dict[str, torch.Tensor] = {}
     for k in range(num_modules):
-        fixed_prefix, block_prefix = module_prefix(layout, target_info.num_layers, k)
-        fixed = {ours: fixed_prefix + theirs for ours, theirs in _FIXED[layout].items()}
+        fixed_prefix, block_prefix = record.prefixes(target_info.num_layers, k)
+        fixed = {ours: fixed_prefix + theirs for ours, theirs in record.fixed.items()}
         missing = [name for name in fixed.values() if name not in index]
         if missing:
             raise ValueError(f"{directory}: {layout} MTP module {k} lacks {missing}")
         tensors = read_tensors(directory, index, fixed.values())
         state.update({f"layers.{k}.{ours}": tensors[theirs] for ours, theirs in fixed.items()})
         block_names = [n for n in index if n.startswith(block_prefix) and n.removeprefix(block_prefix) not in
-                       set(_FIXED[layout].values()) | set(_SHARED)]
+                       set(record.fixed.values()) | set(_SHARED)]
         block = read_tensors(directory, index, block_names)
         fused = fuse_experts({name.removeprefix(block_prefix): t for name, t in block.items()})
         state.update({f"layers.{k}.block.{name}": t for name, t in fused.items()})
-        if layout == "deepseek_v3":
+        if record.shared_copies:
             _check_shared_copies(directory, index, fixed_prefix, target_info)
     return state
-
-
-def _is_mtp(name: str, layout: str, num_layers: int) -> bool:
-    if layout == "deepseek_v3":
-        match = re.match(r"model\.layers\.(\d+)\.", name)
-        return bool(match) and int(match.group(1)) >= num_layers
-    return name.startswith("mtp.") if layout in ("qwen3_next", "qwen3_5") else name.startswith("model.mtp_layers.")
 
 
 def _check_shared_copies(directory, index, prefix: str, target_info: TargetInfo) -> None:
@@ -200,7 +232,7 @@ def check_exportable(drafter, fmt: str) -> None:
         raise ValueError(f"--format {fmt}: the target's family ships its MTP weights in the {expected} layout, which "
                          f"is what its servers read; export with --format {expected} (train with drafter.layout: "
                          f"{expected})")
-    if fmt in ("qwen3_next", "qwen3_5", "speculators") and drafter.config.num_modules != 1:
+    if RECORDS[fmt].one_module and drafter.config.num_modules != 1:
         raise ValueError(f"--format {fmt} carries exactly one MTP module; drafter.num_modules is "
                          f"{drafter.config.num_modules}")
 
@@ -208,16 +240,16 @@ def check_exportable(drafter, fmt: str) -> None:
 def layout_tensors(drafter, layout: str, fused_experts: bool = False) -> dict[str, torch.Tensor]:
     """The drafter's modules under `layout`'s names (block experts split for the checkpoint layouts, unless
     `fused_experts`: a Qwen3.5 source that stores them fused)."""
-    num_layers, out = drafter.target_info.num_layers, {}
+    num_layers, out, record = drafter.target_info.num_layers, {}, RECORDS[layout]
     for k, module in enumerate(drafter.layers):
         state = {name: t.detach().cpu() for name, t in module.state_dict().items()}
-        fixed_prefix, block_prefix = module_prefix(layout, num_layers, k)
-        out.update({fixed_prefix + theirs: state[ours] for ours, theirs in _FIXED[layout].items()})
+        fixed_prefix, block_prefix = record.prefixes(num_layers, k)
+        out.update({fixed_prefix + theirs: state[ours] for ours, theirs in record.fixed.items()})
         block = {name.removeprefix("block."): t for name, t in state.items() if name.startswith("block.")}
-        if layout != "speculators" and not fused_experts:
+        if record.split_experts and not fused_experts:
             block = split_experts(block)
         out.update({block_prefix + name: t for name, t in block.items()})
-        if layout == "deepseek_v3":
+        if record.shared_copies:
             # Own copies: safetensors refuses tensors that share memory (several modules, tied embeddings).
             out[fixed_prefix + "embed_tokens.weight"] = drafter.target_info.embed_weight.detach().cpu().clone()
             out[fixed_prefix + "shared_head.head.weight"] = drafter.target_info.lm_head_weight.detach().cpu().clone()
@@ -245,9 +277,9 @@ def write_native_layout(drafter, directory: str, layout: str) -> None:
                          f"target {source!r} is not a local model directory (pass --target DIR)")
     index = checkpoint_index(source)
     num_layers = drafter.target_info.num_layers
-    old = {name for name in index if any(_is_mtp(name, known, num_layers) for known in NATIVE_LAYOUTS)}
+    old = {name for name in index if any(RECORDS[known].owns(name, num_layers) for known in NATIVE_LAYOUTS)}
     dtype = _stored_dtype(source, index)
-    fused = any(_is_mtp(name, layout, num_layers) and name.endswith("experts.gate_up_proj") for name in index)
+    fused = any(RECORDS[layout].owns(name, num_layers) and name.endswith("experts.gate_up_proj") for name in index)
     ours = {name: t.to(dtype if t.is_floating_point() else t.dtype).contiguous()
             for name, t in layout_tensors(drafter, layout, fused).items()}
     os.makedirs(directory, exist_ok=True)
@@ -268,10 +300,10 @@ def write_native_layout(drafter, directory: str, layout: str) -> None:
         json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     with open(os.path.join(source, "config.json")) as f:
         config = json.load(f)
-    key = COUNT_KEYS.get(layout, "num_nextn_predict_layers")
-    counted = config["text_config"] if key in COUNT_KEYS.values() and isinstance(config.get("text_config"),
-                                                                                  dict) else config
-    counted[key] = drafter.config.num_modules
+    record = RECORDS[layout]
+    counted = config["text_config"] if record.count_in_text_config and isinstance(config.get("text_config"),
+                                                                                   dict) else config
+    counted[record.count_key] = drafter.config.num_modules
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -333,13 +365,14 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
                        layout="speculators")
     with safe_open(os.path.join(directory, "model.safetensors"), "pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
-    prefix = "mtp_layers.0."
+    record = RECORDS["speculators"]
+    prefix = record.prefixes(0, 0)[1]
+    inverse = {theirs: ours for ours, theirs in record.fixed.items()}
     state = {}
     for name, tensor in tensors.items():
         if not name.startswith(prefix):
             raise ValueError(f"{directory}: unexpected tensor {name} in a speculators mtp checkpoint")
         local = name.removeprefix(prefix)
-        inverse = {theirs: ours for ours, theirs in _FIXED["speculators"].items()}
         state["layers.0." + inverse.get(local, "block." + local)] = tensor
     return config, state
 
