@@ -240,3 +240,23 @@ def depth_loss_weights(kind: str, decay: torch.Tensor, cell_ce: torch.Tensor, va
     if kind != "decay":
         raise ValueError(f"loss_weighting must be 'decay' or 'dpace', got {kind!r}")
     return decay.to(cell_ce.dtype).unsqueeze(0) * valid.to(cell_ce.dtype)
+
+
+def listed_depth_weights(loss_weights: Sequence[float], num_steps: int) -> list[float]:
+    """[K] per-depth loss weights from a config's `loss_weights`: the first num_steps of them, or 1 / K each when
+    the list is empty (MTP and the assistant; ValueError naming drafter.loss_weights when it is too short)."""
+    if not loss_weights:
+        return [1.0 / num_steps] * num_steps
+    if len(loss_weights) < num_steps:
+        raise ValueError(f"drafter.loss_weights has {len(loss_weights)} entries for {num_steps} steps "
+                         "(drafter.num_steps); give one weight per depth")
+    return [float(w) for w in loss_weights[:num_steps]]
+
+
+def target_distilled_loss(output, batch: Mapping[str, Any], lm_head_weight: torch.Tensor, loss: str,
+                          weights: Sequence[float]) -> tuple[torch.Tensor, dict[str, float]]:
+    """sum_k weights[k] * mean cross-entropy at depth k over its valid cells of all processes: against the target's
+    distribution (loss "soft") or the data token ("hard"), for drafters whose cells read the target's vocabulary."""
+    cell_loss = full_vocab_cross_entropy(output, batch, lm_head_weight, soft=loss == "soft")
+    return weighted_depth_loss(output, batch, cell_loss, torch.tensor(list(weights), dtype=cell_loss.dtype,
+                                                                      device=cell_loss.device))

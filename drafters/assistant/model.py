@@ -28,7 +28,7 @@ from drafters.base import DraftContext, Drafter, FeatureRequest, Proposal, Targe
 from drafters.output import DraftOutput
 from drafters.layers import FrozenTargetTensors, RMSNorm, RotaryEmbedding, draw_drafts, rope_inverse_frequencies
 from drafters.layers import rope_parameters
-from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss
+from drafters.losses import listed_depth_weights, position_cells, target_distilled_loss
 
 
 class AssistantDrafter(Drafter):
@@ -169,14 +169,8 @@ class AssistantDrafter(Drafter):
 
     def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """sum_k w_k * mean CE of step k over its valid cells of all processes (AssistantConfig.loss_weights)."""
-        cell_loss = full_vocab_cross_entropy(output, batch, self._target_tensor("lm_head_weight"),
-                                             soft=self.config.loss == "soft")
-        steps = cell_loss.shape[1]
-        weights = list(self.config.loss_weights[:steps]) or [1.0 / steps] * steps
-        if len(weights) < steps:
-            raise ValueError(f"drafter.loss_weights has {len(weights)} entries for {steps} steps (drafter.num_steps)")
-        return weighted_depth_loss(output, batch, cell_loss,
-                                   torch.tensor(weights, dtype=cell_loss.dtype, device=cell_loss.device))
+        weights = listed_depth_weights(self.config.loss_weights, output.depth_valid.shape[1])
+        return target_distilled_loss(output, batch, self._target_tensor("lm_head_weight"), self.config.loss, weights)
 
     # ---- inference: steps over the engine's live target cache ---------------------------------------------------
     @torch.no_grad()

@@ -55,16 +55,6 @@ def resolve_num_steps(config: MTPConfig) -> int:
     return steps
 
 
-def depth_weights(config: MTPConfig, num_steps: int) -> list[float]:
-    """[K] loss weights (see MTPConfig.loss_weights)."""
-    if not config.loss_weights:
-        return [1.0 / num_steps] * num_steps
-    if len(config.loss_weights) < num_steps:
-        raise ValueError(f"drafter.loss_weights has {len(config.loss_weights)} entries for {num_steps} steps "
-                         "(drafter.num_steps); give one weight per depth")
-    return [float(w) for w in config.loss_weights[:num_steps]]
-
-
 def target_text_config(target_info: TargetInfo) -> dict[str, Any]:
     """The target's (text) HF config as a dict."""
     return dict(target_info.text_config)

@@ -16,7 +16,7 @@ from torch import nn
 from drafters.base import DraftContext, Drafter, FeatureRequest, Proposal, TargetInfo, full_vocab_log_probs
 from drafters.output import DraftOutput
 from drafters.layers import FrozenTargetTensors, draw_drafts
-from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss
+from drafters.losses import listed_depth_weights, position_cells, target_distilled_loss
 from drafters.mtp import export as mtp_export
 from drafters.mtp.config import MTPConfig
 from drafters.mtp.layers import (
@@ -25,7 +25,6 @@ from drafters.mtp.layers import (
     MTPModule,
     block_config,
     causal_mask,
-    depth_weights,
     family_classes,
     init_module_,
     resolve_num_steps,
@@ -181,11 +180,8 @@ class MTPDrafter(Drafter):
 
     def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """sum_k w_k * mean CE at depth k over its valid cells of all processes (see MTPConfig.loss)."""
-        cell_loss = full_vocab_cross_entropy(output, batch, self._target_tensor("lm_head_weight"),
-                                             soft=self.config.loss == "soft")
-        weights = torch.tensor(depth_weights(self.config, cell_loss.shape[1]), dtype=cell_loss.dtype,
-                               device=cell_loss.device)
-        return weighted_depth_loss(output, batch, cell_loss, weights)
+        weights = listed_depth_weights(self.config.loss_weights, output.depth_valid.shape[1])
+        return target_distilled_loss(output, batch, self._target_tensor("lm_head_weight"), self.config.loss, weights)
 
     # ---- inference: a stateful chain proposer -------------------------------------------------------------------
     @torch.no_grad()
