@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -145,7 +146,17 @@ def readme_table() -> str:
     for d in DRAFTERS:
         read_by = link(d.read_by, d.read_anchor, prefix + "benchmarks.md") if d.read_anchor else d.read_by
         lines.append("| " + " | ".join([d.label, *drafter_cells(d, prefix), read_by]) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", measured_on(sorted({f for d in DRAFTERS for f in drafter_numbers(d)["files"]}))])
+
+
+def measured_on(files: list[str]) -> str:
+    """Which machine the result files were measured on: their CPU model, threads and torch (from each call's
+    recorded environment), so a reader knows where a speedup holds."""
+    machines = sorted({(env.get("cpu", "?"), env.get("threads", "?"), env.get("torch", "?"))
+                       for env in (load(name).get("config", {}).get("environment", {}) for name in files)})
+    said = "; ".join(f"{cpu}, {threads} thread{'s' if threads != 1 else ''}, torch {torch}"
+                     for cpu, threads, torch in machines)
+    return textwrap.fill(f"Measured on: {said} (the environment recorded in {', '.join(files)}).", width=118)
 
 
 # ---- docs/benchmarks.md: one line per measured claim, every topic ------------------------------------------------
