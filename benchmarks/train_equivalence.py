@@ -5,7 +5,8 @@ recipe, and write the sha256 of every weight, feature shard and exported file.
     python benchmarks/train_equivalence.py --work /tmp/eq_after --out /tmp/after.json     # on the new tree
     cmp /tmp/before.json /tmp/after.json
 
-Run logs and timings are not hashed (they hold wall-clock times); everything a later step reads is.
+Run logs and timings are not hashed (they hold wall-clock times); everything a later step reads is. Run both trees
+with the same thread count (OMP_NUM_THREADS): float sums in another order train other weights.
 """
 
 from __future__ import annotations
