@@ -23,7 +23,7 @@ from inference.engine.policy import FixedWidth
 from inference.engine.rounds import ChainRounds
 from inference.engine.target import TargetModel
 
-READS = ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero")
+READS = ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "cpu")
 
 
 def counted(call, monkeypatch) -> tuple[collections.Counter, object]:

@@ -44,7 +44,7 @@ def decode(target, drafter: Drafter | None, prompts: list[list[int]], rounds, po
               eos_token_ids=eos_token_ids, max_new_tokens=max_new_tokens, timed=timed)
     run.start(prompts, rounds)
     while any(run.running):  # the active rows, read on the host
-        width = policy.choose(run.active)  # reads earlier rounds only: lossless
+        width = policy.choose(torch.tensor(run.running))  # earlier rounds only (lossless); a host tensor: no sync
         run.drop_finished(rounds, drop_finished_rows)
         draft = rounds.draft(run, width)
         verdict = run.clock.run("verify", rounds.verify, run, draft)
