@@ -35,7 +35,7 @@ from inference.engine.generate import speculative_generate
 from inference.evaluation.metrics import acceptance_counts
 from inference.evaluation.prompts import load_questions
 from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings
-from inference.engine.target import TargetModel
+from inference.engine.target import TargetModel, default_device
 
 MIN_GAIN = 0.10  # first-position acceptance over the random copy's
 MIN_Z = 3.0  # two-proportion z of that difference
@@ -111,7 +111,8 @@ def run(settings: EvalSettings) -> int:
     if kind not in DRAFTERS:
         raise ValueError(f"{directory}: drafter kind {kind!r} is not registered; known: {sorted(DRAFTERS)}")
     _, questions = load_questions(prompt_set, num_prompts=settings.num_prompts)
-    target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype("cpu"))
+    device = default_device()
+    target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device)
     info = target.target_info()
     use_template = bool(getattr(target.tokenizer, "chat_template", None))
     check_chat_template(target.tokenizer, use_template, settings.target, settings.chat_template_kwargs)

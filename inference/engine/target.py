@@ -55,6 +55,12 @@ def unused_token_ids(tokenizer, vocab_size: int) -> tuple[int, ...] | None:
     return tuple(rows)
 
 
+def default_device() -> torch.device:
+    """The accelerator when there is one (CUDA, ROCm, XPU, MPS alike), else the CPU: where eval, calibrate and
+    doctor load the target."""
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+
+
 def resolve_dtype(name: str, device) -> torch.dtype:
     """A dtype name, or "auto": float32 on a CPU (bf16 matmuls are ~100x slower there), bfloat16 on an accelerator.
     The one reading of "auto" for recipes (target.dtype) and for eval, calibrate and doctor (--dtype)."""

@@ -29,7 +29,7 @@ from inference.evaluation.chat_template import check_chat_template, parse_templa
 from inference.evaluation.eval import load_prompt_sets
 from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings, check_at_least, split
 from inference.engine.generate import speculative_generate
-from inference.engine.target import TargetModel
+from inference.engine.target import TargetModel, default_device
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     prompt_sets = load_prompt_sets(settings)
-    target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype("cpu"))
+    device = default_device()
+    target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device)
     check_chat_template(target.tokenizer, not settings.no_chat_template, settings.target,
                         settings.chat_template_kwargs)
     (name,) = settings.drafter

@@ -43,7 +43,7 @@ from inference.evaluation.report import format_table, read_appendable, write_rep
 from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings, check_at_least, numbers, split
 from inference.engine.schedule import build_schedules, parse_schedule_specs
 from inference.engine.roofline import stream_bandwidth, weight_bytes
-from inference.engine.target import TargetModel
+from inference.engine.target import TargetModel, default_device
 from inference.engine.tree.draft import check_budget
 
 WARMUP_TOKENS = 4
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         prompt_sets = load_prompt_sets(settings)
-        device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else "cpu"
+        device = default_device()
         config = run_config(settings, device)
         previous = read_appendable(settings.out, config) if settings.append else []  # checked before anything loads
         target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device,
