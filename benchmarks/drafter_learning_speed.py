@@ -26,8 +26,8 @@ def main(argv: list[str]) -> None:
 
     from train.build import build_drafter, load_data, load_target
     from train.config import load_recipe
-    from train.features import FeatureProvider, make_batch
-    from train.vocab import count_tokens
+    from train.features.cache import FeatureProvider, make_batch
+    from train.data.vocab import count_tokens
 
     torch.set_num_threads(1)
     kind, steps, overrides = argv[0], int(argv[1]), argv[2:]

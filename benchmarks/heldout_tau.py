@@ -7,7 +7,7 @@ parity"), on any drafter directory or training checkpoint.
 Each drafter decodes the first turn of `--num-prompts` questions of `--prompts` (greedy, `--max-new-tokens` new
 tokens, k drafts a round) with our engine against the target; heldout_tau = 1 + accepted / rounds over all prompts,
 with the accepted drafts per position. A training checkpoint (<output.dir>/checkpoints/step_N) is read through its
-recipe and weights (train/checkpoint.py), any other directory through our readers (drafters.load_drafter).
+recipe and weights (train/fit/checkpoint.py), any other directory through our readers (drafters.load_drafter).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def decode(target, drafter, prompts: list[str], k: int, max_new_tokens: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     from inference.engine.target import TargetModel
-    from train.checkpoint import load_trained_drafter
+    from train.fit.checkpoint import load_trained_drafter
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", action="append", required=True, help="a drafter directory or training checkpoint")

@@ -90,7 +90,7 @@ def child(spec: dict) -> dict:
     torch.set_num_threads(1)
     from drafters import DRAFTERS
     from train.config import OptimConfig
-    from train.optim import build_optimizer
+    from train.fit.optim import build_optimizer
 
     imported = status_bytes("VmRSS")
     kind, fields = VARIANTS[spec["variant"]]

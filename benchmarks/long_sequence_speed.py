@@ -27,7 +27,7 @@ torch.set_num_threads(1)
 from drafters import DRAFTERS
 from drafters.base import TargetInfo
 from train.config import OptimConfig
-from train.optim import build_optimizer
+from train.fit.optim import build_optimizer
 spec = json.loads(sys.argv[1])
 D, V, L, B = 576, 49152, spec["length"], spec["batch"]
 g = torch.Generator().manual_seed(0)

@@ -25,7 +25,7 @@ import torch
 
 
 def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
-    """Linear warm-up to 1, then cosine to min_ratio at the last step (train/optim.py's rule)."""
+    """Linear warm-up to 1, then cosine to min_ratio at the last step (train/fit/optim.py's rule)."""
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, steps - warmup - 1))

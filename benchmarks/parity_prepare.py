@@ -31,7 +31,7 @@ def dump_batches(args, work: str) -> tuple[str, str]:
     from drafters.dflash.anchors import sample_anchors
     from train.build import build_drafter, load_data, load_target
     from train.config import load_recipe
-    from train.vocab import count_tokens
+    from train.data.vocab import count_tokens
 
     torch.set_num_threads(1)
     recipe = load_recipe(os.path.join("recipes", "smollm2", f"{args.drafter}.yaml"), args.recipe_override)
@@ -79,7 +79,7 @@ def dump_batches(args, work: str) -> tuple[str, str]:
 def target_batches(args, recipe, target, data, drafter, layer_ids) -> list[dict]:
     """The first 2 x num_batches training conversations with the target's features, computed once per (data section,
     layer ids, num_batches) and shared by the DFlash and DSpark runs (the target forward is the costly part here)."""
-    from train.features import FeatureProvider, make_batch
+    from train.features.cache import FeatureProvider, make_batch
 
     key = json.dumps({"data": dataclasses.asdict(recipe.data), "layers": layer_ids, "n": args.num_batches},
                      sort_keys=True, default=str)

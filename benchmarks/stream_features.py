@@ -86,13 +86,13 @@ def finish(process: subprocess.Popen, log: str) -> None:
 
 
 def step_tokens(args, run_dir: str) -> list[int]:
-    """Tokens of each optimizer step of the epoch (the trainer's data order, train/loop.py)."""
+    """Tokens of each optimizer step of the epoch (the trainer's data order, train/fit/loop.py)."""
     from transformers import AutoTokenizer
 
     from inference.assets.store import resolve_target
     from train.config import derive, load_recipe
-    from train.data import build_dataset
-    from train.stream import StreamPlan
+    from train.data.dataset import build_dataset
+    from train.features.stream import StreamPlan
 
     recipe = load_recipe(RECIPE, overrides(args, "offline", run_dir))
     data = build_dataset(AutoTokenizer.from_pretrained(resolve_target(recipe.target.name_or_path)), recipe.data)

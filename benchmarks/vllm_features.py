@@ -35,7 +35,7 @@ def run(args: list[str], log: str) -> None:
 
 
 def open_cache(directory: str):
-    from train.features import FeatureCache
+    from train.features.cache import FeatureCache
 
     with open(os.path.join(directory, "meta.json")) as f:
         meta = json.load(f)
@@ -69,7 +69,7 @@ def dataset_token_ids(out: str) -> dict[str, dict[int, list[int]]]:
 
     from inference.assets.store import resolve_target
     from train.config import load_recipe
-    from train.data import build_dataset
+    from train.data.dataset import build_dataset
 
     recipe = load_recipe(RECIPE, DATA + [f"output.dir={out}/unused"])
     data = build_dataset(AutoTokenizer.from_pretrained(resolve_target(recipe.target.name_or_path)), recipe.data)

@@ -104,7 +104,7 @@ class DraftContext:
 
 @dataclass(frozen=True)
 class FeatureRequest:
-    """What a drafter asks of the target. Training serves it online, offline and hybrid alike (train/features.py);
+    """What a drafter asks of the target. Training serves it online, offline and hybrid alike (train/features/cache.py);
     the engine serves it after every target forward (DraftContext).
 
     layer_ids:     hidden states by vLLM layer id (id k = input of decoder layer k, id N = final pre-norm output).

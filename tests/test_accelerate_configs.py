@@ -62,7 +62,7 @@ def test_slurm_script_is_valid_bash_launching_an_existing_config_and_resuming():
         assert needed in text, needed
     default_config = re.search(r"CONFIG=\$\{CONFIG:-(\S+)\}", text).group(1)
     assert (CONFIG_DIR.parent.parent / default_config).is_file()
-    from train.loop import PREEMPTED_EXIT_CODE
+    from train.fit.loop import PREEMPTED_EXIT_CODE
 
     assert f'"$status" -eq {PREEMPTED_EXIT_CODE}' in text
 

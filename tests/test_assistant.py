@@ -22,7 +22,7 @@ from conftest import make_tiny_model
 from drafters.assistant import AssistantConfig, AssistantDrafter
 from drafters.base import DraftContext, FeatureRequest
 from inference.engine.target import TargetModel
-from train.features import FeatureProvider, training_request
+from train.features.cache import FeatureProvider, training_request
 
 NUM_DRAFTS = 3
 

@@ -16,12 +16,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from inference.evaluation.chat_template import (check_template_kwargs, parse_template_kwargs, render_prompt,
                                                 render_text, thinking_mismatch, trained_mode_mismatch)
-from train.chat import tokenize_conversation
+from train.data.chat import tokenize_conversation
 from train.cli import main as cli
 from train.config import load_recipe, save_recipe
-from train.data import DataConfig, build_dataset
-from train.metrics import load_eval_prompts
-from train.regenerate import regenerate
+from train.data.dataset import DataConfig, build_dataset
+from train.fit.metrics import load_eval_prompts
+from train.data.regenerate import regenerate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OFF = {"enable_thinking": False}

@@ -15,7 +15,7 @@ from transformers import (DeepseekV3Config, Gemma4TextConfig, LlamaConfig, Qwen3
 from drafters import DRAFTERS, TargetInfo
 from train.config import ScheduleConfig, derive, load_recipe, parse_overrides, recipe_from_dict, recipe_to_dict, \
     save_recipe
-from train.optim import lr_factor
+from train.fit.optim import lr_factor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_RECIPE = os.path.join(ROOT, "recipes", "debug", "tiny_eagle3.yaml")

@@ -33,7 +33,7 @@ from drafters.ngram import NgramConfig, NgramDrafter
 from inference.engine.generate import speculative_generate
 from inference.engine.rounds import commit_context, roll_back
 from inference.engine.target import TargetModel
-from train.features import FeatureProvider
+from train.features.cache import FeatureProvider
 
 NUM_DRAFTS = 3  # proposal length used throughout; every factory below can draft at least this many
 

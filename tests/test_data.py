@@ -15,10 +15,10 @@ from offline_tokenizers import END_OF_TURN, TEMPLATES, build_tokenizer
 from tokenizers import processors
 
 from inference.evaluation.chat_template import render_text as render
-from train.chat import tokenize_conversation
-from train.conversations import iter_conversations, iter_json_array, normalise_record
-from train.data import DataConfig, build_dataset, collate
-from train.vocab import count_tokens, coverage, report_coverage
+from train.data.chat import tokenize_conversation
+from train.data.conversations import iter_conversations, iter_json_array, normalise_record
+from train.data.dataset import DataConfig, build_dataset, collate
+from train.data.vocab import count_tokens, coverage, report_coverage
 
 
 def _msg(role, content):

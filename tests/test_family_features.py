@@ -12,7 +12,7 @@ import torch
 from drafters.base import FeatureRequest
 from inference.assets.debug_target import DEBUG_TARGETS
 from inference.engine.target import TargetModel
-from train.features import FeatureCache, FeatureProvider, cache_meta
+from train.features.cache import FeatureCache, FeatureProvider, cache_meta
 
 LENGTH = 20  # past tiny-gemma4's and tiny-gpt-oss's sliding window of 16
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.test_train import DEBUG_RECIPE, ROOT, reset_accelerate, run, tiny_overrides, weights, write_chats
-from train.checkpoint import list_checkpoints
+from train.fit.checkpoint import list_checkpoints
 
 MAX_STEPS = 36  # long enough that each kill at a random step lands at least 8 steps before the run would end
 RUN_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -205,7 +205,7 @@ def test_full_disk_while_flushing_the_feature_cache_names_the_shard(workdir, tmp
     from drafters.base import FeatureRequest
     from drafters.files import DiskFullError
     from inference.engine.target import TargetModel
-    from train.features import FeatureCache, FeatureProvider, cache_meta
+    from train.features.cache import FeatureCache, FeatureProvider, cache_meta
 
     target = TargetModel.from_pretrained(workdir[1])
     request = FeatureRequest(layer_ids=(1, 3))
@@ -265,7 +265,7 @@ def make_cache(workdir, directory: str):
     """A one-shard cache of two samples; returns (target, request, meta, batch)."""
     from drafters.base import FeatureRequest
     from inference.engine.target import TargetModel
-    from train.features import FeatureCache, FeatureProvider, cache_meta
+    from train.features.cache import FeatureCache, FeatureProvider, cache_meta
 
     target = TargetModel.from_pretrained(workdir[1])
     request = FeatureRequest(layer_ids=(1, 3))
@@ -280,7 +280,7 @@ def make_cache(workdir, directory: str):
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
 def test_a_damaged_cache_shard_is_named(workdir, tmp_path, damage):
-    from train.features import FeatureCache, FeatureProvider
+    from train.features.cache import FeatureCache, FeatureProvider
 
     target, request, meta, batch = make_cache(workdir, str(tmp_path / "c"))
     shard = tmp_path / "c" / "rank0-00000.safetensors"
@@ -302,7 +302,7 @@ def test_a_damaged_cache_shard_is_named(workdir, tmp_path, damage):
 
 
 def test_a_cache_without_checksums_stays_readable_with_a_warning(workdir, tmp_path):
-    from train.features import FeatureCache, FeatureProvider
+    from train.features.cache import FeatureCache, FeatureProvider
 
     target, request, meta, batch = make_cache(workdir, str(tmp_path / "c"))
     expected = FeatureProvider("offline", target, request, FeatureCache(str(tmp_path / "c"), meta))(batch)

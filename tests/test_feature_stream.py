@@ -1,4 +1,4 @@
-"""Streamed features (train/stream.py, train/stream_producer.py) on the tiny debug target: a producer beside the
+"""Streamed features (train/features/stream.py, train/features/stream_producer.py) on the tiny debug target: a producer beside the
 trainer gives the offline cache's features bit for bit within the disk window, a crashed and resumed trainer ends
 bitwise where an uninterrupted one does, a shard being written is waited for, and a lost producer or a bad
 features.stream field is one line.
@@ -29,7 +29,7 @@ def workdir(tmp_path_factory):
     only read it)."""
     from inference.assets.debug_target import resolve_debug_target
     from inference.engine.target import TargetModel
-    from train.data import build_dataset
+    from train.data.dataset import build_dataset
 
     root = tmp_path_factory.mktemp("stream")
     target_dir = resolve_debug_target("debug:tiny-llama", cache_dir=str(root / "cache"))
@@ -47,11 +47,11 @@ def streamed(workdir, out, cache, *extra):
 
 
 class Producer:
-    """train.stream_producer.produce in a thread (started after the Accelerator state is reset)."""
+    """train.feature_source.produce in a thread (started after the Accelerator state is reset)."""
 
     def __init__(self, overrides):
         from train.build import process_state
-        from train.stream_producer import produce
+        from train.feature_source import produce
 
         self.stop, self.errors, self.written = threading.Event(), [], []
         recipe, state = load_recipe(DEBUG_RECIPE, overrides), process_state()
@@ -77,16 +77,16 @@ class Producer:
 
 
 class ProducerRanks:
-    """Producer ranks 0..ranks-1 (train.stream_producer.run_producer, HF extraction), each in a thread with its own
+    """Producer ranks 0..ranks-1 (train.features.stream_producer.run_producer, HF extraction), each in a thread with its own
     target, as `accelerate launch -m train.prepare` would run them in processes."""
 
     def __init__(self, overrides, ranks: int):
         from inference.engine.target import TargetModel
         from train.build import build_drafter, feature_provider
-        from train.data import build_dataset
-        from train.features import cache_meta, training_request, write_cache
-        from train.stream import StreamDir
-        from train.stream_producer import run_producer
+        from train.data.dataset import build_dataset
+        from train.features.cache import cache_meta, training_request, write_cache
+        from train.features.stream import StreamDir
+        from train.features.stream_producer import run_producer
 
         recipe = load_recipe(DEBUG_RECIPE, overrides)
         self.threads, self.written, self.errors = [], [], []
@@ -139,7 +139,7 @@ class DiskWatch:
     the largest single shard."""
 
     def __init__(self, cache):
-        from train.stream import StreamDir
+        from train.features.stream import StreamDir
 
         self.stream, self.most, self.most_bytes, self.largest = StreamDir(str(cache)), 0, 0, 0
         self.done = threading.Event()
@@ -183,7 +183,7 @@ def losses(out):
 
 def test_streamed_features_equal_offline_bit_for_bit_and_disk_stays_in_the_window(workdir, tmp_path):
     from train import prepare
-    from train.features import FeatureCache
+    from train.features.cache import FeatureCache
 
     one = ("train.batch_size=1", "train.max_steps=8", "train.log_every=1")  # batch 1: each sample extracted alone
     offline = tiny_overrides(workdir, str(tmp_path / "off"), "features.mode=offline",
@@ -259,8 +259,8 @@ def test_a_crashed_trainer_resumed_from_its_checkpoint_trains_bitwise_the_uninte
 
 def test_the_trainer_waits_for_a_shard_being_written_and_checks_it(workdir, tmp_path):
     from train.build import build_trainer
-    from train.stream import StreamPlan
-    from train.stream_producer import write_shard
+    from train.features.stream import StreamPlan
+    from train.features.stream_producer import write_shard
 
     overrides = streamed(workdir, tmp_path / "run", tmp_path / "c")
     reset_accelerate()
@@ -273,7 +273,7 @@ def test_the_trainer_waits_for_a_shard_being_written_and_checks_it(workdir, tmp_
         f.write(b"\x00" * 100)
 
     def extract(cache, dataset, indices):  # the producer's HF extraction of the trainer's micro-batches
-        from train.features import write_cache
+        from train.features.cache import write_cache
         return write_cache(trainer.target, dataset, cache, batch_size=2, pad_token_id=trainer.pad_token_id,
                            indices=indices, progress=False)
 
@@ -306,8 +306,8 @@ def test_the_trainer_waits_for_a_shard_being_written_and_checks_it(workdir, tmp_
 def test_a_producer_never_rewrites_a_shard_the_trainer_deletes_while_it_looks(tmp_path):
     """The trainer publishes its new position, then deletes: a producer that read the old position and looks at the
     disk after the deletion must read the position again instead of extracting the deleted shard anew."""
-    from train.stream import StreamDir, StreamPlan
-    from train.stream_producer import run_producer
+    from train.features.stream import StreamDir, StreamPlan
+    from train.features.stream_producer import run_producer
 
     plan = StreamPlan(num_samples=4, seed=0, global_batch_size=1, steps_per_epoch=4, max_steps=4, steps_per_shard=1)
     extracted = []
@@ -333,8 +333,8 @@ def test_a_producer_never_rewrites_a_shard_the_trainer_deletes_while_it_looks(tm
 
 def test_a_producer_that_falls_behind_or_never_starts_is_named(workdir, tmp_path):
     from train.build import build_trainer
-    from train.stream import ProducerError
-    from train.stream_producer import Heartbeat
+    from train.features.stream import ProducerError
+    from train.features.stream_producer import Heartbeat
 
     overrides = streamed(workdir, tmp_path / "run", tmp_path / "c", "features.stream.timeout_s=0.2")
     reset_accelerate()

@@ -143,3 +143,24 @@ def test_every_file_the_map_names_exists():
     paths = map_tree()
     assert len(paths) > 60 and "inference/engine/tree/" in paths and "train/feature_source.py" in paths
     assert [path for path in paths if not (ROOT / path).exists()] == []
+
+
+# train/ by stage, the way a batch travels: each floor may import only the floors before it (and itself); the
+# commands and the composition root (build.py, feature_source.py, prepare.py, ...) sit on top of them all
+TRAIN_FLOORS = [("train.data",), ("train.config", "train.recipe_checks"), ("train.features",), ("train.fit",)]
+
+
+def train_floor(module: str) -> int:
+    for index, prefixes in enumerate(TRAIN_FLOORS):
+        if any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
+            return index
+    return len(TRAIN_FLOORS)
+
+
+def test_train_stages_import_one_way():
+    graph = import_graph(sorted((ROOT / "train").rglob("*.py")))
+    upward = sorted(f"{module} -> {other}" for module, imports in graph.items() for other in imports
+                    if other.startswith("train.") and train_floor(other) > train_floor(module))
+    assert upward == []
+    assert train_floor("train.data.dataset") == 0 and train_floor("train.fit.loop") == 3
+    assert train_floor("train.build") == len(TRAIN_FLOORS)

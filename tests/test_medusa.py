@@ -14,7 +14,7 @@ from conftest import make_tiny_model
 from drafters.base import DraftContext
 from drafters.medusa import MedusaConfig, MedusaDrafter
 from inference.engine.target import TargetModel
-from train.features import FeatureProvider
+from train.features.cache import FeatureProvider
 
 
 @pytest.fixture(scope="module")

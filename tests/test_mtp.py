@@ -23,7 +23,7 @@ from drafters.mtp import MTPConfig, MTPDrafter
 from drafters.mtp.export import checkpoint_index, find_native, read_tensors
 from inference.engine.generate import speculative_generate
 from inference.engine.target import TargetModel
-from train.features import FeatureProvider
+from train.features.cache import FeatureProvider
 
 NUM_LAYERS = 2  # of every tiny native target; its MTP module is layer index 2 where the layout numbers it so
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, max_position_embeddings=128,

@@ -22,7 +22,7 @@ from drafters.mtp.export import checkpoint_index, find_native, fuse_experts, rea
 from inference.assets.debug_target import build_tokenizer, debug_config, resolve_debug_target
 from inference.engine.generate import speculative_generate
 from inference.engine.target import TargetModel
-from train.features import FeatureProvider
+from train.features.cache import FeatureProvider
 
 NAMES = ["tiny-qwen3.5", "tiny-qwen3.5-moe"]
 

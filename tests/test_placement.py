@@ -1,4 +1,4 @@
-"""target.placement: sharded (train/placement.py): FSDP2 of the frozen target across 2 gloo processes on CPU.
+"""target.placement: sharded (train/features/placement.py): FSDP2 of the frozen target across 2 gloo processes on CPU.
 
 Each process feeds its own batch through the online FeatureProvider with the replicated target, shards it, and
 feeds the same batch again: hidden states, the final normed hidden state, the argmax and top-k logits are equal
@@ -33,8 +33,8 @@ def _worker(rank: int, port: int, results) -> None:
     from drafters.base import FeatureRequest
     from inference.assets.store import resolve_target
     from inference.engine.target import TargetModel
-    from train.features import FeatureProvider
-    from train.placement import local_bytes, shard_target
+    from train.features.cache import FeatureProvider
+    from train.features.placement import local_bytes, shard_target
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -80,7 +80,7 @@ def test_placement_is_a_strict_field_and_sharding_needs_online_features():
 
 
 def test_target_memory_per_placement_by_hand():
-    from train.placement import engine_bytes_per_gpu, fitting_placement, target_bytes_per_gpu
+    from train.features.placement import engine_bytes_per_gpu, fitting_placement, target_bytes_per_gpu
 
     shape = dict(params=1000, bytes_per_param=2, largest_layer=100, head=200, world_size=8)
     assert target_bytes_per_gpu("replicated", **shape) == 2000

@@ -11,9 +11,9 @@ import torch
 from offline_tokenizers import build_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from train.conversations import normalise_record
-from train.data import DataConfig, build_dataset
-from train.regenerate import regenerate
+from train.data.conversations import normalise_record
+from train.data.dataset import DataConfig, build_dataset
+from train.data.regenerate import regenerate
 
 
 def _tiny_model(tokenizer):

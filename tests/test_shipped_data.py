@@ -1,4 +1,4 @@
-"""Shipped regenerated data (train/shipped_data.py): `draftsmith prepare` packs a .jsonl.gz with its manifest and
+"""Shipped regenerated data (train/data/shipped.py): `draftsmith prepare` packs a .jsonl.gz with its manifest and
 held-out questions, resumes from the gzip alone without redoing a row, reproduces it byte for byte (greedy), and
 training refuses a file that does not match its manifest or its target's tokenizer, and never sees a held-out id."""
 
@@ -14,9 +14,9 @@ from accelerate import PartialState
 
 from train.cli import main as cli
 from train.config import load_recipe
-from train.data import build_dataset
+from train.data.dataset import build_dataset
 from train.prepare import regenerate_data, regenerate_share, regeneration_model
-from train.shipped_data import check, heldout_ids, histogram, read_lines, unpack_to_working, working_path
+from train.data.shipped import check, heldout_ids, histogram, read_lines, unpack_to_working, working_path
 
 RECIPE = str(Path(__file__).resolve().parent.parent / "recipes" / "debug" / "tiny_eagle3.yaml")
 

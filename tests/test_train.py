@@ -95,7 +95,7 @@ def test_debug_target_is_an_ordinary_model_directory(workdir):
 
 
 def test_data_order_of_two_processes_equals_one_process_with_accumulation():
-    from train.data import epoch_order, step_indices
+    from train.data.dataset import epoch_order, step_indices
 
     order = epoch_order(40, seed=3, epoch=1)
     assert sorted(order) == list(range(40)) and order != epoch_order(40, seed=3, epoch=2)
@@ -153,7 +153,7 @@ def test_resume_is_bitwise_exact_and_export_loads(workdir, tmp_path):
 def test_checkpoint_from_another_target_is_refused(workdir, tmp_path):
     from inference.engine.target import TargetModel
     from tests.conftest import make_tiny_model
-    from train.checkpoint import check_target
+    from train.fit.checkpoint import check_target
 
     trainer, _ = run(workdir, str(tmp_path / "run"), "train.max_steps=2", "train.save_every=2")
     checkpoint = os.path.join(tmp_path, "run", "checkpoints", "step_2")
@@ -214,7 +214,7 @@ def test_hybrid_computes_the_first_epoch_and_reads_the_cache_after(workdir, tmp_
 
 
 def test_cache_checksum_and_stale_data_are_detected(workdir, tmp_path):
-    from train.features import FeatureCache, FeatureProvider, cache_meta
+    from train.features.cache import FeatureCache, FeatureProvider, cache_meta
 
     from drafters.base import FeatureRequest
     from inference.engine.target import TargetModel

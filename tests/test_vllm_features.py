@@ -1,4 +1,4 @@
-"""features.extractor: vllm (train/vllm_features.py, train/vllm_connector.py).
+"""features.extractor: vllm (train/features/vllm_features.py, train/features/vllm_connector.py).
 
 Without vLLM: the recipe fields and their refusals, the engine's keyword arguments, the one-line error when vLLM is
 missing, the head-only target (its final norm and argmax equal the full target's exactly: same weights, same ops),
@@ -19,7 +19,7 @@ import torch
 
 from train.cli import main as cli
 from train.config import load_recipe
-from train.vllm_features import (data_parallel, engine_kwargs, head_outputs, head_target, pin_devices, vllm_layer_ids,
+from train.features.vllm_features import (data_parallel, engine_kwargs, head_outputs, head_target, pin_devices, vllm_layer_ids,
                                  written)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,7 +67,7 @@ def test_engine_captures_the_requested_layers_and_the_final_one_through_our_conn
                                                 "eagle_aux_hidden_state_layer_ids": [2, 15, 27, 30]}}}
     transfer = kwargs["kv_transfer_config"]
     assert (transfer["kv_connector"], transfer["kv_connector_module_path"]) == (
-        "DraftsmithHiddenStatesConnector", "train.vllm_connector")
+        "DraftsmithHiddenStatesConnector", "train.features.vllm_connector")
     assert transfer["kv_connector_extra_config"] == {"shared_storage_path": "/s"}
     assert (kwargs["max_model_len"], kwargs["enforce_eager"], kwargs["gpu_memory_utilization"]) == (385, True, 0.1)
     on_gpu = engine_kwargs("/m", "bfloat16", settings, device_type="cuda", layer_ids=[1], staging="/s", max_len=9)
@@ -136,8 +136,8 @@ def test_vllm_features_equal_hf_features_on_smollm2(tmp_path, monkeypatch):
     from drafters.base import FeatureRequest
     from inference.assets.store import resolve_target
     from inference.engine.target import TargetModel
-    from train.features import FeatureCache, cache_meta, write_cache
-    from train.vllm_features import write_cache_vllm
+    from train.features.cache import FeatureCache, cache_meta, write_cache
+    from train.features.vllm_features import write_cache_vllm
 
     path = resolve_target("smollm2-135m-instruct")
     full = TargetModel.from_pretrained(path)

@@ -20,7 +20,7 @@ from train.config import recipe_from_argv
 def main(argv: list[str] | None = None) -> int:
     recipe = recipe_from_argv("draftsmith train", "Train a drafter from a recipe.", argv)
     from train.build import build_trainer  # after the recipe is known to be valid: torch/accelerate import is slow
-    from train.loop import PREEMPTED_EXIT_CODE, Preempted
+    from train.fit.loop import PREEMPTED_EXIT_CODE, Preempted
 
     started = time.perf_counter()
     trainer = build_trainer(recipe)

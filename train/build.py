@@ -14,14 +14,14 @@ from accelerate.utils import set_seed
 
 from drafters import DRAFTERS
 from inference.engine.target import TargetModel, resolve_dtype
-from train.checkpoint import load_checkpoint, resolve_resume
+from train.fit.checkpoint import load_checkpoint, resolve_resume
 from train.config import Derived, Recipe, derive, recipe_to_dict, save_recipe
-from train.data import build_dataset
-from train.features import FeatureCache, FeatureProvider, cache_meta, training_request
-from train.loop import RunClock, Trainer
-from train.metrics import flat_config, load_eval_prompts
-from train.optim import build_optimizer, build_scheduler, schedule_position
-from train.vocab import count_tokens
+from train.data.dataset import build_dataset
+from train.features.cache import FeatureCache, FeatureProvider, cache_meta, training_request
+from train.fit.loop import RunClock, Trainer
+from train.fit.metrics import flat_config, load_eval_prompts
+from train.fit.optim import build_optimizer, build_scheduler, schedule_position
+from train.data.vocab import count_tokens
 
 
 def use_cpu() -> bool:
@@ -41,7 +41,7 @@ def load_target(recipe: Recipe, device, *, whole: bool = False) -> TargetModel:
     dtype = resolve_dtype(recipe.target.dtype, device)
     if recipe.target.placement == "served" and not whole:  # features come from the cache: only the head is needed here
         from inference.assets.store import resolve_target
-        from train.vllm_features import head_target
+        from train.features.vllm_features import head_target
 
         return head_target(resolve_target(recipe.target.name_or_path), dtype, device)
     return TargetModel.from_pretrained(recipe.target.name_or_path, dtype=dtype, device=device)
@@ -78,7 +78,7 @@ def feature_meta(recipe: Recipe, target: TargetModel, request, num_samples: int)
 def feature_provider(recipe: Recipe, split: str, target: TargetModel, request, num_samples: int,
                      rank: int, derived: Derived | None = None) -> FeatureProvider:
     """The split's provider for the drafter's FeatureRequest; offline/hybrid ones read/write
-    <features.cache_dir>/<split>; streamed ones read the stream (train/stream.py; the train split needs the run's
+    <features.cache_dir>/<split>; streamed ones read the stream (train/features/stream.py; the train split needs the run's
     `derived` values, which fix the data order) and the eval cache."""
     mode = recipe.features.mode
     if mode == "online":
@@ -87,7 +87,7 @@ def feature_provider(recipe: Recipe, split: str, target: TargetModel, request, n
         raise ValueError(f"features.cache_dir must be set for features.mode={mode}")
     meta = feature_meta(recipe, target, request, num_samples)
     if mode == "streamed":
-        from train.stream import StreamDir, StreamedEvalFeatures, StreamedFeatures, StreamPlan
+        from train.features.stream import StreamDir, StreamedEvalFeatures, StreamedFeatures, StreamPlan
 
         stream, settings = StreamDir(recipe.features.cache_dir), recipe.features.stream
         if split == "eval":
@@ -115,7 +115,7 @@ def build_trainer(recipe: Recipe) -> Trainer:
     accelerator.print(f"derived: {derived}; data: {data.counts}")
     drafter = build_drafter(recipe, target)
     if recipe.target.placement == "sharded" and state.num_processes > 1:
-        from train.placement import shard_target
+        from train.features.placement import shard_target
 
         shard_target(target, state.num_processes)
         drafter.target_info = target.target_info()  # without the weight map: warm starts are done

@@ -24,7 +24,8 @@ import yaml
 
 from drafters import DRAFTERS
 from drafters.configs import coerce, from_dict, to_dict
-from train.data import DataConfig
+from train.data.dataset import DataConfig
+from train.recipe_checks import check_placement, check_settings, check_stream
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -35,7 +36,7 @@ class TargetConfig:
     dtype: "auto" = float32 on CPU, bfloat16 on GPU. placement: "replicated" = every process holds the whole
     target; "sharded" = FSDP2 across the processes, forward only (online training); "served" = the target runs
     elsewhere (vLLM filled the cache) and training holds only its embeddings, final norm and lm_head (offline
-    training). See train/placement.py."""
+    training). See train/features/placement.py."""
 
     name_or_path: str
     dtype: Dtype = "auto"
@@ -63,7 +64,7 @@ class VllmEngineConfig:
 
 @dataclass(kw_only=True)
 class StreamConfig:
-    """`features.mode: streamed` (train/stream.py): a shard holds `steps_per_shard` optimizer steps' global batches;
+    """`features.mode: streamed` (train/features/stream.py): a shard holds `steps_per_shard` optimizer steps' global batches;
     at most `window_shards` shards are on disk at once (the one the trainer reads and those ahead of it). The
     trainer stops with one line when a producer is gone or a shard has not come within `timeout_s` seconds."""
 
@@ -78,7 +79,7 @@ class FeaturesConfig:
     online and write the cache the first time a sample is seen, read it afterwards; streamed: `draftsmith prepare`
     runs beside the training and writes shards just ahead of it, which training deletes once read (`stream:`).
     dtype "auto" = the target's. extractor: what `draftsmith prepare` computes features with: "hf" (the target's
-    HF forward in this process) or "vllm" (vLLM's hidden-state extraction, train/vllm_features.py; the shards are
+    HF forward in this process) or "vllm" (vLLM's hidden-state extraction, train/features/vllm_features.py; the shards are
     the same either way)."""
 
     mode: Literal["online", "offline", "hybrid", "streamed"] = "online"
@@ -92,7 +93,7 @@ class FeaturesConfig:
 @dataclass(kw_only=True)
 class RegenerateConfig:
     """`draftsmith prepare` answers `num_conversations` conversations of data.path with the target itself
-    (train/regenerate.py) and writes them to data.regenerated_path, which training then reads. Sampling:
+    (train/data/regenerate.py) and writes them to data.regenerated_path, which training then reads. Sampling:
     temperature (0 = greedy), top_p, top_k (0 = off) and min_p (0 = off), as vLLM and SGLang take them.
     unique_prompts: drop a conversation whose first user turn repeats an earlier one's in the seeded order (ShareGPT
     repeats 7% of its first turns, one of them 123 times in 10,000) before taking num_conversations."""
@@ -260,14 +261,8 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     recipe = from_dict(Recipe, {**raw, "drafter_kind": kind, "drafter": drafter_config})
     check_phases(recipe)
     check_literal_paths(recipe)
-    from train.vllm_features import check_settings  # the vLLM engine fields (vLLM itself is not imported)
-
-    check_settings(recipe.features.vllm)
-    from train.stream import check_stream
-
+    check_settings(recipe.features.vllm)  # the vLLM engine fields (vLLM itself is not imported)
     check_stream(recipe.features)
-    from train.placement import check_placement
-
     check_placement(recipe)
     return recipe
 

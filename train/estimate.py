@@ -102,7 +102,7 @@ def steps_per_hour(seconds_per_step: float) -> float:
 def measure_throughput(target, dataset, request, batch_size: int, pad_token_id: int) -> float:
     """Feature tokens per second of the target on the first batches of `dataset` (one warm-up batch untimed)."""
     from inference.engine.target import synchronize
-    from train.features import FeatureProvider, make_batch
+    from train.features.cache import FeatureProvider, make_batch
 
     provider = FeatureProvider("online", target, request)
     num_batches = min(NUM_TIMED_BATCHES + 1, max(1, len(dataset) // batch_size))
@@ -170,7 +170,7 @@ def probe(recipe_path: str, overrides: list[str], num_steps: int, output_dir: st
     steps with the drafter's full config (the last phase). Returns (Probe, trainer)."""
     from inference.engine.target import synchronize
     from train.build import build_trainer
-    from train.features import make_batch, sample_lengths
+    from train.features.cache import make_batch, sample_lengths
 
     recipe = load_recipe(recipe_path, [*overrides, "features.mode=online", "features.cache_dir=null",
                                        "target.placement=replicated",
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_cache_estimate(recipe: Recipe, target, data, request, num_processes: int, device) -> None:
-    from train.features import sample_lengths
+    from train.features.cache import sample_lengths
 
     layer_ids = request.layer_ids
     dtype = target.feature_dtype(recipe.features.dtype)
@@ -297,7 +297,7 @@ def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_by
                      gpu_source: str) -> str | None:
     """Target memory per GPU under each target.placement, the DDP total with it, and the first placement that fits
     in gpu_bytes (returned)."""
-    from train.placement import PLACEMENTS, engine_bytes_per_gpu, fitting_placement, target_bytes_per_gpu
+    from train.features.placement import PLACEMENTS, engine_bytes_per_gpu, fitting_placement, target_bytes_per_gpu
 
     rest = memory_plan(sizes, "ddp", world_size)
     rest = rest["total"] - rest["target weights"]

@@ -28,7 +28,7 @@ import torch
 from drafters import DRAFTERS
 from drafters.files import replace_directory
 from inference.engine.target import TargetModel
-from train.checkpoint import is_training_checkpoint, load_trained_drafter, training_checkpoint_target
+from train.fit.checkpoint import is_training_checkpoint, load_trained_drafter, training_checkpoint_target
 
 
 

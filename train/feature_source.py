@@ -1,9 +1,9 @@
 """Where a recipe's stored features come from: one `FeatureSource` per process, built in one place from the recipe.
 
 `features.extractor` names it: "hf" runs the target's own forward in this process (the whole target, replicated);
-"vllm" runs a vLLM engine per data-parallel rank (train/vllm_features.py) while this process holds only the target's
+"vllm" runs a vLLM engine per data-parallel rank (train/features/vllm_features.py) while this process holds only the target's
 embeddings, final norm and lm_head. `draftsmith prepare`'s offline cache (train/prepare.py) and the stream producer
-(train/stream_producer.py) both ask a source for its target, data, rank and `extract`, and cannot tell which it is;
+(train/features/stream_producer.py) both ask a source for its target, data, rank and `extract`, and cannot tell which it is;
 the cache it writes is the same format either way, so training cannot either.
 """
 
@@ -16,7 +16,7 @@ from accelerate import PartialState
 
 from train.build import build_drafter, load_data, load_target
 from train.config import Recipe
-from train.features import write_cache
+from train.features.cache import write_cache
 
 # (cache, dataset, indices or None for this rank's whole share, progress bar) -> samples written
 Extract = Callable[[Any, Any, "list[int] | None", bool], int]
@@ -29,7 +29,7 @@ class FeatureSource:
 
     name: str  # the recipe's features.extractor
     target: Any  # inference.engine.target.TargetModel
-    data: Any  # train.data.PreparedData
+    data: Any  # train.data.dataset.PreparedData
     request: Any  # drafters.base.FeatureRequest
     rank: int
     ranks: int
@@ -47,7 +47,7 @@ class FeatureSource:
 def feature_source(recipe: Recipe, state: PartialState) -> FeatureSource:
     """The recipe's feature source for this process: the one place features.extractor is read."""
     if recipe.features.extractor == "vllm":
-        from train.vllm_features import vllm_extractor, vllm_head
+        from train.features.vllm_features import vllm_extractor, vllm_head
 
         target, rank, ranks = vllm_head(recipe, state)
         make_writer = vllm_extractor
@@ -67,3 +67,25 @@ def hf_extractor(recipe: Recipe, state: PartialState, target, request, datasets,
                            rank=rank, world_size=ranks, indices=indices, progress=progress)
 
     return extract
+
+
+def produce(recipe, state, stop: threading.Event | None = None) -> int:
+    """`draftsmith prepare` for a streamed recipe: this process's eval share, then its shards of the train split
+    until the trainer is done (or `stop` is set), from the recipe's feature source. Returns the shards written."""
+    from train.build import feature_meta, feature_provider
+    from train.features.stream import StreamDir
+    from train.features.stream_producer import run_producer
+
+    source = feature_source(recipe, state)
+    eval_cache = feature_provider(recipe, "eval", source.target, source.request, len(source.data.eval),
+                                  source.rank).cache
+    source.extract(eval_cache, source.data.eval)
+    # the meta the trainer checks every shard against
+    meta = feature_meta(recipe, source.target, source.request, len(source.data.train))
+    stream = StreamDir(recipe.features.cache_dir)
+    print(f"producer rank {source.rank} of {source.ranks}: eval features in {eval_cache.directory}; streaming into "
+          f"{stream.shards}")
+    written = run_producer(stream, source.data.train, meta, source.extract, rank=source.rank, ranks=source.ranks,
+                           stop=stop)
+    print(f"producer rank {source.rank}: the trainer is done; this rank wrote {written} shards")
+    return written

@@ -1,15 +1,15 @@
 """`draftsmith prepare RECIPE [key=value ...]`: regenerate answers with the target, then write the offline cache.
 
 1. When the recipe has a `regenerate:` section, the target answers `regenerate.num_conversations` conversations of
-   data.path (a seeded sample) and the results go to data.regenerated_path (train/regenerate.py). It resumes by
+   data.path (a seeded sample) and the results go to data.regenerated_path (train/data/regenerate.py). It resumes by
    conversation id. Under `accelerate launch` each process answers its share into <path>.rank<r> and the main
    process merges them. `regenerate.use_vllm: true` answers with a vLLM engine per process instead of HF generate
    (same prompts, sampling settings and resumable output).
 2. When features.mode is offline or hybrid, every process writes the features of its share of the train and eval
-   splits into <features.cache_dir>/{train,eval} (train/features.py); an interrupted run resumes from its index.
-   features.extractor: vllm computes them in a vLLM engine per rank instead (train/vllm_features.py).
+   splits into <features.cache_dir>/{train,eval} (train/features/cache.py); an interrupted run resumes from its index.
+   features.extractor: vllm computes them in a vLLM engine per rank instead (train/features/vllm_features.py).
 3. When features.mode is streamed, every process is a producer that runs beside `draftsmith train` and writes the
-   train split's shards just ahead of it (train/stream_producer.py), until the trainer is done.
+   train split's shards just ahead of it (train/features/stream_producer.py), until the trainer is done.
 
     draftsmith prepare recipes/smollm2/eagle3_full.yaml
     accelerate launch --config_file recipes/accelerate/8gpu_ddp.yaml -m train.prepare recipes/llama3.1-8b/eagle3.yaml
@@ -33,7 +33,7 @@ def regenerate_data(recipe: Recipe, state: PartialState) -> None:
 
     Each process answers every num_processes-th conversation into its own part (<path>.rank<r>, or the path itself
     with one process), resuming by id; the main process then appends the parts' new records to the path."""
-    from train.shipped_data import is_packed, unpack_to_working, working_path
+    from train.data.shipped import is_packed, unpack_to_working, working_path
 
     path = recipe.data.regenerated_path
     if not path:
@@ -56,14 +56,14 @@ def regenerate_data(recipe: Recipe, state: PartialState) -> None:
 
 def pack_regenerated(recipe: Recipe, tokenizer) -> dict:
     """Gzip the working file of data.regenerated_path with its manifest and held-out questions
-    (train/shipped_data.py): the source, the generator and its settings, counts and token histograms."""
+    (train/data/shipped.py): the source, the generator and its settings, counts and token histograms."""
     import dataclasses
     import importlib.metadata
 
     import torch
 
-    from train.conversations import load_conversations
-    from train.shipped_data import describe, pack, read_lines, working_path
+    from train.data.conversations import load_conversations
+    from train.data.shipped import describe, pack, read_lines, working_path
 
     settings, path = recipe.regenerate, recipe.data.regenerated_path
     records = [json.loads(line) for line in read_lines(working_path(path)).splitlines() if line.strip()]
@@ -87,8 +87,8 @@ def part_paths(out_path: str, num_processes: int) -> list[str]:
 def regenerate_share(recipe: Recipe, model, tokenizer, rank: int, num_processes: int) -> dict[str, float]:
     """Answer this process's share (every num_processes-th of the seeded sample, from `rank`) into its part file;
     what the part already holds is skipped, so an interrupted run resumes."""
-    from train.regenerate import regenerate, written_ids
-    from train.shipped_data import working_path
+    from train.data.regenerate import regenerate, written_ids
+    from train.data.shipped import working_path
 
     settings = recipe.regenerate
     share = regeneration_sample(recipe)[rank::num_processes]
@@ -106,7 +106,7 @@ def regenerate_share(recipe: Recipe, model, tokenizer, rank: int, num_processes:
 def regeneration_sample(recipe: Recipe) -> list[dict]:
     """The conversations regenerate: answers, in order: data.path shuffled with regenerate.seed, first-turn repeats
     dropped when regenerate.unique_prompts, cut to regenerate.num_conversations."""
-    from train.conversations import load_conversations, unique_first_turns
+    from train.data.conversations import load_conversations, unique_first_turns
 
     settings = recipe.regenerate
     conversations, _ = load_conversations(recipe.data.path, recipe.data.format)
@@ -152,7 +152,7 @@ def regeneration_model(recipe: Recipe, state: PartialState):
 def merge_parts(out_path: str, parts: list[str]) -> None:
     """Append the records of the per-rank files whose id `out_path` does not hold yet (a record cut off by a crash
     during an earlier merge is dropped first)."""
-    from train.regenerate import written_ids
+    from train.data.regenerate import written_ids
 
     done = written_ids(out_path)
     with open(out_path, "a", encoding="utf-8") as out:
@@ -185,13 +185,13 @@ def main(argv: list[str] | None = None) -> int:
 
     state = process_state()
     if recipe.features.extractor == "vllm" and recipe.features.mode != "online":
-        from train.vllm_features import require_vllm
+        from train.features.vllm_features import require_vllm
 
         require_vllm()  # before any regeneration, so a missing vLLM costs nothing
     if recipe.regenerate is not None:
         regenerate_data(recipe, state)
     if recipe.features.mode == "streamed":
-        from train.stream_producer import produce
+        from train.feature_source import produce
 
         produce(recipe, state)
     elif recipe.features.mode in ("offline", "hybrid"):

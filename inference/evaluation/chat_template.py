@@ -1,6 +1,6 @@
 """Chat-template rendering: the one function every rendering goes through, and the template options it passes.
 
-Training data (train/chat.py), regeneration (train/regenerate.py), the training probe (train/metrics.py), `draftsmith
+Training data (train/data/chat.py), regeneration (train/data/regenerate.py), the training probe (train/fit/metrics.py), `draftsmith
 eval`, `calibrate` and `doctor` all render conversations here, so a template option such as Qwen3's
 `enable_thinking=False` reaches every one of them: a drafter trained on answers rendered in one mode and served in
 the other loses most of its acceptance (a DFlash user measured 25% -> 60% once thinking was turned off everywhere).

@@ -7,10 +7,10 @@ The recipe's `data:` section is `DataConfig`. The training loop calls
 
 Steps (each cached by `datasets` under `cache_dir`, so a second run with the same source, tokenizer and settings
 reads Arrow files instead of re-tokenising):
-1. parse the source (the ShareGPT package, a .json or .jsonl file; ShareGPT or OpenAI messages; train/conversations.py),
+1. parse the source (the ShareGPT package, a .json or .jsonl file; ShareGPT or OpenAI messages; train/data/conversations.py),
 2. skip and count malformed conversations; stop with a ValueError when more than `max_skip_fraction` are,
 3. shuffle with `seed`, hold out `num_eval_samples`, take `num_samples` for training,
-4. render with the chat template and build the loss mask (train/chat.py), truncate or drop long ones, and drop the
+4. render with the chat template and build the loss mask (train/data/chat.py), truncate or drop long ones, and drop the
    ones with no assistant token left (they would add nothing to the loss).
 """
 
@@ -26,10 +26,10 @@ import datasets
 import torch
 
 from inference.evaluation.chat_template import check_template_kwargs, require_chat_template
-from train.chat import Truncation, tokenize_conversation, tokenizer_fingerprint
-from train.conversations import Format, iter_conversations, resolve_source
-from train.shipped_data import check as check_shipped
-from train.shipped_data import heldout_ids
+from train.data.chat import Truncation, tokenize_conversation, tokenizer_fingerprint
+from train.data.conversations import Format, iter_conversations, resolve_source
+from train.data.shipped import check as check_shipped
+from train.data.shipped import heldout_ids
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class DataConfig:
         `draftsmith eval` the same through --chat-template-kwargs, or the drafter serves in another mode.
     system_prompt: system message put before conversations that have none (None = whatever the template does).
     max_skip_fraction: the run stops when more than this fraction of records is malformed.
-    regenerated_path: a jsonl written by `draftsmith prepare` (train/regenerate.py).
+    regenerated_path: a jsonl written by `draftsmith prepare` (train/data/regenerate.py).
     regenerated_mode: "replace" trains on the regenerated conversations only; "merge" trains on `path` with every
         conversation that was regenerated replaced by its regenerated version (matched by id), the regenerated ones
         first: they are always inside `num_samples` (after the eval holdout).

@@ -4,7 +4,7 @@ The loop knows the drafter only through the contract in drafters/base.py: `targe
 `forward(batch)`, `loss(output, batch)`, `save(dir, "native")`, its `config` dataclass (phases set fields on it by
 name) and the inference methods the speculative-decoding probe drives. Only the drafter and its optimizer are
 prepared by accelerate; the target is frozen, unwrapped, on the accelerator's device, and features come from
-train/features.py (online, offline or hybrid) or train/stream.py (streamed).
+train/features/cache.py (online, offline or hybrid) or train/features/stream.py (streamed).
 
 Data order is a pure function of (seed, epoch, step): each epoch is a seeded permutation cut into global batches of
 batch_size x processes x grad_accum sequences; micro-batch m of process r takes slice m * processes + r. So the
@@ -35,12 +35,12 @@ from accelerate import Accelerator, DistributedType
 from tqdm.auto import tqdm
 
 from drafters.files import disk_full_reported, replace_directory
-from train.checkpoint import list_checkpoints, save_checkpoint
+from train.fit.checkpoint import list_checkpoints, save_checkpoint
 from train.config import Derived, Recipe, save_recipe
-from train.data import epoch_order, step_indices
-from train.features import FeatureProvider, make_batch
-from train.metrics import MeanMeter, RunLog, reduce_mean, speculative_probe
-from train.optim import schedule_position
+from train.data.dataset import epoch_order, step_indices
+from train.features.cache import FeatureProvider, make_batch
+from train.fit.metrics import MeanMeter, RunLog, reduce_mean, speculative_probe
+from train.fit.optim import schedule_position
 
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: what schedulers already read as "terminated", see docs/reliability.md
@@ -129,9 +129,9 @@ class Trainer:
     target: Any  # inference.engine.target.TargetModel, frozen
     drafter: torch.nn.Module  # prepared (maybe DDP/FSDP-wrapped)
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler  # may follow `clock` (train/optim.py schedule_position)
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # may follow `clock` (train/fit/optim.py schedule_position)
     clock: RunClock
-    data: Any  # train.data.PreparedData
+    data: Any  # train.data.dataset.PreparedData
     train_features: FeatureProvider
     eval_features: FeatureProvider
     eval_prompts: list[list[int]]
@@ -173,7 +173,7 @@ class Trainer:
 
     # ---- drafter config phases -------------------------------------------------------------------------------
     def schedule_position(self, step: int) -> float:
-        """Where the schedule stands at `step` by the run clock's last reading (train/optim.py schedule_position)."""
+        """Where the schedule stands at `step` by the run clock's last reading (train/fit/optim.py schedule_position)."""
         return schedule_position(step, self.clock.now, max_steps=self.derived.max_steps, config=self.recipe.schedule,
                                  budget_minutes=self.recipe.train.max_time_minutes)
 

@@ -9,7 +9,7 @@ renamed to .old_step_<N> and only then deleted, so a kill during the deletion ne
 Only names step_<N> count as checkpoints: a half-written or half-deleted directory is never picked as "latest".
 A full disk stops the save with a DiskFullError naming the checkpoint and output.dir, the temporary directory
 removed and every earlier checkpoint untouched.
-The data order is a pure function of (seed, epoch, step) (train/loop.py), so the step fixes the data position.
+The data order is a pure function of (seed, epoch, step) (train/fit/loop.py), so the step fixes the data position.
 All processes must share the output directory (one filesystem), as accelerate itself assumes.
 """
 

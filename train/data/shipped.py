@@ -9,7 +9,7 @@ tokenizer's fingerprint, the held-out ids) and the held-out slice as a FastChat 
 
 Training reads the gzip directly; `check` refuses, in one line naming the file and what to do, a file that does not
 match its manifest (cut off, edited) or was written by a target with another tokenizer, and `heldout_ids` are
-never trained on (train/data.py drops them from the pool).
+never trained on (train/data/dataset.py drops them from the pool).
 
 Quality: an empty answer ends its conversation (the next turn would not follow from it) and a conversation whose
 first prompt exceeds regenerate.max_prompt_tokens holds no answer; both are counted, and the loader drops a record
@@ -29,7 +29,7 @@ from collections import Counter
 from typing import Any
 
 from inference.evaluation.chat_template import render_text
-from train.chat import tokenizer_fingerprint
+from train.data.chat import tokenizer_fingerprint
 
 PACKED_SUFFIX = ".jsonl.gz"
 HISTOGRAM_EDGES = (0, 32, 64, 128, 256, 512, 1024, 2048)

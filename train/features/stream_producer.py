@@ -1,4 +1,4 @@
-"""The producer of streamed features: `draftsmith prepare RECIPE` when features.mode is streamed (train/stream.py).
+"""The producer of streamed features: `draftsmith prepare RECIPE` when features.mode is streamed (train/features/stream.py).
 
 Each producer rank (one process, or every process of an `accelerate launch`; with features.extractor: vllm also an
 independent job per features.vllm.data_parallel_rank) first writes its share of the eval split into the ordinary
@@ -22,8 +22,8 @@ import time
 from typing import Any, Callable
 
 from drafters.files import write_json_atomic
-from train.features import FeatureCache
-from train.stream import HEARTBEAT_S, POLL_S, StreamDir, StreamPlan
+from train.features.cache import FeatureCache
+from train.features.stream import HEARTBEAT_S, POLL_S, StreamDir, StreamPlan
 
 # extract(cache, dataset, indices): features of `indices` (in that order), or with None of this rank's share
 Extract = Callable[[FeatureCache, Any, "list[int] | None"], int]
@@ -109,25 +109,4 @@ def run_producer(stream: StreamDir, dataset, meta: dict[str, Any], extract: Extr
             now = stream.progress()
             if not now["shard"] <= todo[0] < now["end"]:  # the trainer restarted elsewhere meanwhile
                 stream.remove(todo[0])
-    return written
-
-
-def produce(recipe, state, stop: threading.Event | None = None) -> int:
-    """`draftsmith prepare` for a streamed recipe: this process's eval share, then its shards of the train split
-    until the trainer is done (or `stop` is set), from the recipe's feature source. Returns the shards written."""
-    from train.build import feature_meta, feature_provider
-    from train.feature_source import feature_source
-
-    source = feature_source(recipe, state)
-    eval_cache = feature_provider(recipe, "eval", source.target, source.request, len(source.data.eval),
-                                  source.rank).cache
-    source.extract(eval_cache, source.data.eval)
-    # the meta the trainer checks every shard against
-    meta = feature_meta(recipe, source.target, source.request, len(source.data.train))
-    stream = StreamDir(recipe.features.cache_dir)
-    print(f"producer rank {source.rank} of {source.ranks}: eval features in {eval_cache.directory}; streaming into "
-          f"{stream.shards}")
-    written = run_producer(stream, source.data.train, meta, source.extract, rank=source.rank, ranks=source.ranks,
-                           stop=stop)
-    print(f"producer rank {source.rank}: the trainer is done; this rank wrote {written} shards")
     return written

@@ -42,7 +42,7 @@ def regenerate(model: Any, tokenizer: Any, conversations: list[dict[str, Any]], 
     Args:
         model: an HF causal LM (eval mode, on its device), or a `vllm.LLM` when use_vllm.
         tokenizer: the target's tokenizer.
-        conversations: [{"id": str, "messages": [{"role", "content"}]}] (train.conversations.load_conversations).
+        conversations: [{"id": str, "messages": [{"role", "content"}]}] (train.data.conversations.load_conversations).
         out_path: jsonl file; existing records are kept and their ids skipped.
         max_new_tokens, temperature, top_p, top_k, min_p: sampling (temperature 0 = greedy; top_k 0 and min_p 0 =
             off). DeepSpec regenerates Qwen3 answers at T 0.7, top-p 0.8, top-k 20, min-p 0.

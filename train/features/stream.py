@@ -1,6 +1,6 @@
 """Streamed features (`features.mode: streamed`): producers write shards while the trainer reads and deletes them.
 
-The design notes behind this module: docs/decisions.md, "train/stream.py".
+The design notes behind this module: docs/decisions.md, "train/features/stream.py".
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from drafters.files import write_json_atomic
-from train.data import epoch_order
-from train.features import FeatureCache, FeatureProvider
+from train.data.dataset import epoch_order
+from train.features.cache import FeatureCache, FeatureProvider
 
 POLL_S = 0.05  # how often a waiting trainer or an idle producer looks again
 HEARTBEAT_S = 2.0  # how often a producer rewrites its heartbeat
@@ -31,19 +31,6 @@ class ProducerError(RuntimeError):
     user_error = True  # train/cli.py prints the one line instead of a traceback
 
 
-def check_stream(features) -> None:
-    """ValueError naming the features.stream field (or features.cache_dir) that cannot describe a stream."""
-    settings = features.stream
-    for name in ("window_shards", "steps_per_shard"):
-        if getattr(settings, name) < 1:
-            raise ValueError(f"features.stream.{name} must be >= 1, got {getattr(settings, name)}")
-    if not settings.timeout_s > 0:
-        raise ValueError(f"features.stream.timeout_s must be > 0 seconds, got {settings.timeout_s}")
-    if features.mode == "streamed" and not features.cache_dir:
-        raise ValueError("features.cache_dir must be set for features.mode=streamed (the shards and the trainer's "
-                         "progress live there, on a disk both producer and trainer see)")
-
-
 @functools.lru_cache(maxsize=2)
 def _order(num_samples: int, seed: int, epoch: int) -> tuple[int, ...]:
     return tuple(epoch_order(num_samples, seed, epoch))
@@ -51,7 +38,7 @@ def _order(num_samples: int, seed: int, epoch: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class StreamPlan:
-    """What fixes every shard's content: the trainer's data order (train/loop.py) cut into shards."""
+    """What fixes every shard's content: the trainer's data order (train/fit/loop.py) cut into shards."""
 
     num_samples: int
     seed: int

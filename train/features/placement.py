@@ -23,18 +23,6 @@ from __future__ import annotations
 import torch
 
 
-def check_placement(recipe) -> None:
-    """ValueError naming the field when the placement cannot work with the rest of the recipe."""
-    if recipe.target.placement == "served" and recipe.features.mode not in ("offline", "streamed"):
-        raise ValueError(f"target.placement: served needs features.mode: offline or streamed (mode "
-                         f"{recipe.features.mode} runs the target in training); fill the cache with draftsmith "
-                         "prepare first, or stream it")
-    if recipe.target.placement == "sharded" and recipe.features.mode != "online":
-        raise ValueError(f"target.placement: sharded needs features.mode: online (mode {recipe.features.mode} runs "
-                         "the target on some processes only, and a sharded forward is collective); use a replicated "
-                         "target to fill a cache, or features.extractor: vllm")
-
-
 def shard_target(target, world_size: int) -> None:
     """FSDP2-shard `target` (a TargetModel) across the `world_size` processes of the default process group."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -37,8 +37,8 @@ from safetensors.torch import save as safetensors_bytes
 
 from drafters.base import FeatureRequest
 from drafters.files import disk_full_reported, write_atomic, write_json_atomic
-from train.data import collate
-from train.placement import release_gathered
+from train.data.dataset import collate
+from train.features.placement import release_gathered
 
 CACHE_FORMAT = 1
 DEFAULT_SHARD_BYTES = 256 << 20
@@ -209,7 +209,7 @@ class FeatureProvider:
     """Fills a batch with target features. The drafter never learns which mode produced them.
 
     Args:
-        mode: "online" | "offline" | "hybrid" (| "streamed": train/stream.py's subclass, which sets the cache
+        mode: "online" | "offline" | "hybrid" (| "streamed": train/features/stream.py's subclass, which sets the cache
             of the shard it reads in `at_step`).
         target: the frozen TargetModel (used by online and hybrid).
         request: the drafter's `feature_request()`.

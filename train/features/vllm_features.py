@@ -2,7 +2,7 @@
 
 The target runs in a vLLM engine (tensor parallel over `features.vllm.tensor_parallel_size` GPUs, one engine per
 data-parallel rank) with vLLM's `extract_hidden_states` speculative method: every prompt token's hidden states at the
-requested layers are kept in a cache-only KV layer, and the hidden-states connector (train/vllm_connector.py) writes
+requested layers are kept in a cache-only KV layer, and the hidden-states connector (train/features/vllm_connector.py) writes
 each finished request's rows to a staging file. This module reads those files into the same FeatureCache the HF
 extractor writes (shards, index, sha256, per-rank resumable parts), so training cannot tell them apart.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-CONNECTOR = ("DraftsmithHiddenStatesConnector", "train.vllm_connector")
+CONNECTOR = ("DraftsmithHiddenStatesConnector", "train.features.vllm_connector")
 WRITE_TIMEOUT_S = 600.0
 
 
@@ -34,26 +34,6 @@ def require_vllm() -> None:
     except ImportError:
         raise ValueError("features.extractor is vllm but vllm is not importable in this environment; install it "
                          "(docs/distributed.md, 'The vLLM environment') or set features.extractor=hf") from None
-
-
-def check_settings(settings) -> None:
-    """ValueError naming the features.vllm field that cannot describe an engine."""
-    where = "features.vllm"
-    if settings.tensor_parallel_size < 1:
-        raise ValueError(f"{where}.tensor_parallel_size must be >= 1, got {settings.tensor_parallel_size}")
-    if settings.max_num_seqs < 1:
-        raise ValueError(f"{where}.max_num_seqs must be >= 1, got {settings.max_num_seqs}")
-    fraction = settings.gpu_memory_utilization
-    if fraction is not None and not 0.0 < fraction <= 1.0:
-        raise ValueError(f"{where}.gpu_memory_utilization must be in (0, 1], got {fraction}")
-    if settings.max_model_len is not None and settings.max_model_len < 2:
-        raise ValueError(f"{where}.max_model_len must be >= 2, got {settings.max_model_len}")
-    size, rank = settings.data_parallel_size, settings.data_parallel_rank
-    if (size is None) != (rank is None):
-        raise ValueError(f"{where}: set both data_parallel_size and data_parallel_rank, or neither (then the "
-                         "launcher's processes are the ranks)")
-    if size is not None and not (size >= 1 and 0 <= rank < size):
-        raise ValueError(f"{where}.data_parallel_rank {rank} is not in [0, data_parallel_size={size})")
 
 
 def data_parallel(settings, process_index: int, num_processes: int) -> tuple[int, int]:
@@ -212,7 +192,7 @@ def write_cache_vllm(target, llm, dataset, cache, *, rank: int = 0, world_size: 
     from tqdm.auto import tqdm
     from vllm import SamplingParams
 
-    from train.features import samples_to_write
+    from train.features.cache import samples_to_write
 
     todo = samples_to_write(dataset, cache, rank, world_size, indices)
     captured = vllm_layer_ids(cache.meta["layer_ids"], target.num_layers)
@@ -261,7 +241,7 @@ def vllm_head(recipe, state):
 def vllm_extractor(recipe, state, target, request, datasets, rank: int, ranks: int):
     """train/feature_source.Extract over a vllm.LLM on this rank's GPUs, sized for the longest sample of `datasets`
     and built on the first call that has samples to write (a rank whose share is cached never starts one)."""
-    from train.features import samples_to_write
+    from train.features.cache import samples_to_write
 
     engine = []
 
@@ -282,7 +262,7 @@ def vllm_engine(recipe, state, target, request, datasets, rank: int):
 
     from inference.assets.store import resolve_target
     from inference.engine.target import resolve_dtype
-    from train.features import sample_lengths
+    from train.features.cache import sample_lengths
 
     settings = recipe.features.vllm
     staging = os.path.join(recipe.features.cache_dir, f"vllm-staging-rank{rank}")

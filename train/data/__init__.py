@@ -1,0 +1,1 @@
+"""Training data: sources, chat rendering, the dataset and its order, regeneration, shipped files."""

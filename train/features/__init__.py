@@ -1,0 +1,1 @@
+"""The target's features: the cache, vLLM extraction, streaming, where the target lives."""

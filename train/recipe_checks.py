@@ -1,0 +1,50 @@
+"""The recipe's cross-field checks that `train.config.load_recipe` runs on every recipe: the vLLM engine fields, the
+stream settings and the target's placement. Pure functions of the recipe: nothing is built or imported to check it.
+"""
+
+from __future__ import annotations
+
+
+def check_settings(settings) -> None:
+    """ValueError naming the features.vllm field that cannot describe an engine."""
+    where = "features.vllm"
+    if settings.tensor_parallel_size < 1:
+        raise ValueError(f"{where}.tensor_parallel_size must be >= 1, got {settings.tensor_parallel_size}")
+    if settings.max_num_seqs < 1:
+        raise ValueError(f"{where}.max_num_seqs must be >= 1, got {settings.max_num_seqs}")
+    fraction = settings.gpu_memory_utilization
+    if fraction is not None and not 0.0 < fraction <= 1.0:
+        raise ValueError(f"{where}.gpu_memory_utilization must be in (0, 1], got {fraction}")
+    if settings.max_model_len is not None and settings.max_model_len < 2:
+        raise ValueError(f"{where}.max_model_len must be >= 2, got {settings.max_model_len}")
+    size, rank = settings.data_parallel_size, settings.data_parallel_rank
+    if (size is None) != (rank is None):
+        raise ValueError(f"{where}: set both data_parallel_size and data_parallel_rank, or neither (then the "
+                         "launcher's processes are the ranks)")
+    if size is not None and not (size >= 1 and 0 <= rank < size):
+        raise ValueError(f"{where}.data_parallel_rank {rank} is not in [0, data_parallel_size={size})")
+
+
+def check_stream(features) -> None:
+    """ValueError naming the features.stream field (or features.cache_dir) that cannot describe a stream."""
+    settings = features.stream
+    for name in ("window_shards", "steps_per_shard"):
+        if getattr(settings, name) < 1:
+            raise ValueError(f"features.stream.{name} must be >= 1, got {getattr(settings, name)}")
+    if not settings.timeout_s > 0:
+        raise ValueError(f"features.stream.timeout_s must be > 0 seconds, got {settings.timeout_s}")
+    if features.mode == "streamed" and not features.cache_dir:
+        raise ValueError("features.cache_dir must be set for features.mode=streamed (the shards and the trainer's "
+                         "progress live there, on a disk both producer and trainer see)")
+
+
+def check_placement(recipe) -> None:
+    """ValueError naming the field when the placement cannot work with the rest of the recipe."""
+    if recipe.target.placement == "served" and recipe.features.mode not in ("offline", "streamed"):
+        raise ValueError(f"target.placement: served needs features.mode: offline or streamed (mode "
+                         f"{recipe.features.mode} runs the target in training); fill the cache with draftsmith "
+                         "prepare first, or stream it")
+    if recipe.target.placement == "sharded" and recipe.features.mode != "online":
+        raise ValueError(f"target.placement: sharded needs features.mode: online (mode {recipe.features.mode} runs "
+                         "the target on some processes only, and a sharded forward is collective); use a replicated "
+                         "target to fill a cache, or features.extractor: vllm")
