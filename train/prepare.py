@@ -58,7 +58,7 @@ def pack_regenerated(recipe: Recipe, tokenizer) -> dict:
     """Gzip the working file of data.regenerated_path with its manifest and held-out questions
     (train/data/shipped.py): the source, the generator and its settings, counts and token histograms."""
     import dataclasses
-    import importlib.metadata
+    import importlib
 
     import torch
 
@@ -72,7 +72,7 @@ def pack_regenerated(recipe: Recipe, tokenizer) -> dict:
     meta = {"source": {"path": recipe.data.path, "rows_usable": len(load_conversations(recipe.data.path,
                                                                                      recipe.data.format)[0])},
             "generator": {"target": recipe.target.name_or_path, "dtype": recipe.target.dtype,
-                          "engine": f"{engine} {importlib.metadata.version(engine)}", "torch": torch.__version__},
+                          "engine": f"{engine} {importlib.import_module(engine).__version__}", "torch": torch.__version__},
             "settings": dataclasses.asdict(settings),
             "complete": set(sources) <= {r["id"] for r in records}}
     counts = describe(records, sources, tokenizer, settings, recipe.data.chat_template,
