@@ -119,7 +119,7 @@ fi
 VLLM_PYTHON=${VLLM_PYTHON:-python}
 if "$VLLM_PYTHON" -c "import vllm" 2> /dev/null; then
     step "vLLM features == HF features, 50 steps from each (SmolLM2)" "$RESULTS/vllm_features.log" \
-        env PYTHONPATH="$PWD" "$VLLM_PYTHON" benchmarks/vllm_features.py --out "$RESULTS/vllm_features"
+        env PYTHONPATH="$PWD" "$VLLM_PYTHON" benchmarks/training/vllm_features.py --out "$RESULTS/vllm_features"
     [[ -f "$RESULTS/vllm_features/summary.json" ]] && sed 's/^/    /' "$RESULTS/vllm_features/summary.json" >> "$SUMMARY"
 else
     echo "- skipped vLLM features: $VLLM_PYTHON cannot import vllm (docs/distributed.md, 'The vLLM environment')" \
@@ -131,11 +131,11 @@ fi
 STREAM_SAMPLES=48
 [[ ${#CPU_FLAG[@]} -gt 0 ]] && STREAM_SAMPLES=8
 step "streamed vs offline features (SmolLM2, hf producer)" "$RESULTS/stream.log" \
-    python benchmarks/stream_features.py --out "$RESULTS/stream" --samples $STREAM_SAMPLES --repeats 1 \
+    python benchmarks/training/stream_features.py --out "$RESULTS/stream" --samples $STREAM_SAMPLES --repeats 1 \
     --result "$RESULTS/stream/stream_features.json"
 if "$VLLM_PYTHON" -c "import vllm" 2> /dev/null; then
     step "streamed vs offline features (SmolLM2, vLLM producer)" "$RESULTS/stream_vllm.log" \
-        python benchmarks/stream_features.py --out "$RESULTS/stream_vllm" --samples $STREAM_SAMPLES --repeats 1 \
+        python benchmarks/training/stream_features.py --out "$RESULTS/stream_vllm" --samples $STREAM_SAMPLES --repeats 1 \
         --extractor vllm --python "$VLLM_PYTHON" --result "$RESULTS/stream_vllm/stream_features.json"
 fi
 

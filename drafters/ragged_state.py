@@ -9,7 +9,7 @@ Three kinds of decoder layer, read from the config's `layer_types` (or `sliding_
   would see alone. Such models get a 4-D mask per layer type (sdpa: boolean, eager: additive).
 - linear attention (gated DeltaNet in Qwen3.5 / Qwen3.6 / Qwen3-Next): a conv state and a recurrent state with no
   sequence axis, so no holes: after a verify every row needs exactly the state after its accepted tokens. Chosen by
-  measurement (docs/benchmarks.md, benchmarks/rollback_cost.py): during a forward after the prefill each mixer is
+  measurement (docs/benchmarks.md, benchmarks/engine/rollback_cost.py): during a forward after the prefill each mixer is
   stepped one token at a time through transformers' own single-token path and the state after every position is
   kept ("snapshot", as vLLM's hybrid spec decoding keeps per-position states); `keep_after` then copies each row's
   state at its accepted count. Slots fed as invalid leave a row's state untouched. "rerun" (the block in one chunked

@@ -1,6 +1,6 @@
 """Peak memory of one training step (forward, backward, AdamW step) of EAGLE-3, DFlash and DSpark, from the shapes
 alone: what `draftsmith estimate` prints as the drafter's step peak (`step_shape` reads them off a built drafter),
-checked against measurement by benchmarks/long_sequence_memory.py (docs/benchmarks.md, "Long sequences").
+checked against measurement by benchmarks/training/long_sequence_memory.py (docs/benchmarks.md, "Long sequences").
 
 The model counts values (then bytes per value) of what is alive at the peak:
 - static: the drafter's parameters and buffers, the target tensors it computes with (embedding, lm_head), the batch's

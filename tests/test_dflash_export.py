@@ -11,9 +11,9 @@
     decoding must equal our engine greedily, round by round (same output, same drafts; the dflash package also
     reports the same acceptance). Each skips with the reason when the client is absent (pinned transformers 5.24
     has its DFlash support, so those run everywhere; dflash / speculators run in a throwaway venv, see
-    benchmarks/dflash_clients.py).
+    benchmarks/peers/dflash_clients.py).
 
-benchmarks/dflash_clients.py runs the same comparisons and prints the table of docs/benchmarks.md.
+benchmarks/peers/dflash_clients.py runs the same comparisons and prints the table of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ TRANSFORMERS_REASON = ("this transformers has no DFlash support (DFlashTokenCand
                        "MuseGlimmerAssistantModel)")
 
 
-# ---- shared set-up (also used by benchmarks/dflash_clients.py) ---------------------------------------------------
+# ---- shared set-up (also used by benchmarks/peers/dflash_clients.py) ---------------------------------------------------
 def make_target(dtype=torch.float64, seed: int = 0) -> TargetModel:
     return TargetModel(make_tiny_model("qwen3", seed=seed, num_layers=NUM_TARGET_LAYERS, dtype=dtype),
                        name_or_path="tiny-qwen3")

@@ -6,7 +6,7 @@
    in float64: the draft distributions of a served chain must equal our engine's, so a convention slip in the
    writer fails here without any peer installed.
 3. By the peers themselves (`peer` marker): speculators' and SpecForge's model classes reproduce our logits to
-   1e-4 in fp32; skipped with the reason when the peer is not importable (benchmarks/peer_check.py installs them).
+   1e-4 in fp32; skipped with the reason when the peer is not importable (benchmarks/peers/peer_check.py installs them).
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def test_sglang_export_refuses_what_its_readers_cannot_express(tmp_path, config,
 
 
 # ---- the peers themselves ----------------------------------------------------------------------------------------
-PEER_REASON = "{} is not installed here; `python benchmarks/peer_check.py parity` runs this test in a venv that has it"
+PEER_REASON = "{} is not installed here; `python benchmarks/peers/peer_check.py parity` runs this test in a venv that has it"
 SEQUENCE = [[5, 17, 33, 9, 120, 41, 7, 200, 64, 90, 11, 3, 250, 18]]
 
 

@@ -1,11 +1,11 @@
-"""benchmarks/server_speedup.py without vLLM: its input checks and the arithmetic of its JSON (synthetic passes)."""
+"""benchmarks/peers/server_speedup.py without vLLM: its input checks and the arithmetic of its JSON (synthetic passes)."""
 
 import importlib.util
 import os
 
 import pytest
 
-PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "server_speedup.py")
+PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "peers", "server_speedup.py")
 spec = importlib.util.spec_from_file_location("server_speedup", PATH)
 server_speedup = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(server_speedup)

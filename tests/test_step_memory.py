@@ -1,6 +1,6 @@
 """The step-memory model of `draftsmith estimate` (drafters/step_memory.py): its parameter count is the drafters'
 own, its parts grow linearly in the sequence once chunks are full, checkpointing shrinks the activations, and it
-predicts the peaks benchmarks/long_sequence_memory.py measured (docs/results/long_sequence_memory.json) within 20%."""
+predicts the peaks benchmarks/training/long_sequence_memory.py measured (docs/results/long_sequence_memory.json) within 20%."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import pytest
 from test_long_sequences import FACTORIES, target_info
 
-from benchmarks import long_sequence_memory as bench
+from benchmarks.training import long_sequence_memory as bench
 from drafters.step_memory import StepShape, activation_values, step_peak_bytes, step_peak_parts, step_shape, \
     trained_params
 

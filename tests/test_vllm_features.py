@@ -4,7 +4,7 @@ Without vLLM: the recipe fields and their refusals, the engine's keyword argumen
 missing, the head-only target (its final norm and argmax equal the full target's exactly: same weights, same ops),
 the connector file's completion test on a real flock, and per-process GPU pinning.
 With vLLM (marker `peer`, skipped where it is not importable): vLLM's features of two SmolLM2 samples equal the HF
-target's to float32 tolerance, written through the real FeatureCache. benchmarks/vllm_features.py is the full
+target's to float32 tolerance, written through the real FeatureCache. benchmarks/training/vllm_features.py is the full
 check (8 conversations, every layer, 50 training steps from each cache).
 """
 

@@ -8,7 +8,7 @@ any greedy run) a round is fixed by the drafter's proposal at the current positi
 the proposal that matches the continuation, and the target adds the next token. For a drafter whose proposals
 depend on the token history only (the n-gram drafter) a replay is exactly what the engine would do at batch 1,
 with the costs of a profile in place of the clock: a deterministic way to compare width policies
-(tests/test_adaptive.py, benchmarks/auto_vs_fixed.py). The drafter's catch-up is committed every round (the engine
+(tests/test_adaptive.py, benchmarks/engine/auto_vs_fixed.py). The drafter's catch-up is committed every round (the engine
 defers it over width-0 rounds; for history-only drafters the two are the same) and serves no target features.
 """
 

@@ -5,7 +5,7 @@ the shipped `.jsonl.gz` when only that exists, so a partial regeneration resumes
 packs the working file (`pack`): the gzip (deterministic bytes: no name, mtime 0), the manifest
 (<stem>.manifest.json: source, generator and settings, counts, token-length histograms, sha256 of the jsonl, the
 tokenizer's fingerprint, the held-out ids) and the held-out slice as a FastChat question file
-(<stem>.heldout.jsonl, for `draftsmith eval --prompts` and benchmarks/heldout_tau.py).
+(<stem>.heldout.jsonl, for `draftsmith eval --prompts` and benchmarks/training/heldout_tau.py).
 
 Training reads the gzip directly; `check` refuses, in one line naming the file and what to do, a file that does not
 match its manifest (cut off, edited) or was written by a target with another tokenizer, and `heldout_ids` are

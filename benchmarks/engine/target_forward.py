@@ -1,0 +1,107 @@
+"""The target forward per path: seconds of a decode step and of a verify of W drafts, v(W) in decode steps, GB/s.
+
+    python benchmarks/engine/target_forward.py --threads 1 --widths 1,2,3,7 --repeats 15 [--clock cpu] --out FILE.json
+
+Loads SmolLM2-135M twice (today's HF path and the fast path of inference/engine/fastpath.py), prefills the same
+100-token context in each, then times `extend` over W + 1 tokens followed by the rollback a full rejection does,
+the paths and widths taking turns inside every repeat (interleaved, medians). v(W) = t(W) / t(0) is what the engine's
+cost profile measures per round minus the drafter; achieved GB/s = weight bytes per forward / t, beside the stream
+probe (inference/engine/roofline.py). Also checks that the two paths' logits agree (max abs difference printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from inference.engine import fastpath
+from inference.engine.roofline import stream_bandwidth, weight_bytes
+from inference.engine.target import TargetModel
+
+
+def time_widths(targets: dict, widths: list[int], repeats: int, context: int, clock=time.perf_counter) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 10000, (1, context), generator=generator)
+    blocks = {w: torch.randint(100, 10000, (1, w + 1), generator=generator) for w in widths}
+    for target in targets.values():
+        target.prefill(prompt, torch.ones_like(prompt))
+    seconds = {(name, w): [] for name in targets for w in widths}
+    with torch.no_grad():
+        for attempt in range(repeats + 1):
+            for w in widths:
+                for name, target in targets.items():
+                    mark = target.mark()
+                    start = clock()
+                    target.extend(blocks[w])
+                    elapsed = clock() - start
+                    target.keep_after(mark, torch.zeros(1, dtype=torch.long))
+                    if attempt:
+                        seconds[(name, w)].append(elapsed)
+    return {key: statistics.median(values) for key, values in seconds.items()}
+
+
+def max_logit_difference(targets: dict, context: int) -> float:
+    prompt = torch.randint(100, 10000, (1, context), generator=torch.Generator().manual_seed(1))
+    logits = [target.prefill(prompt, torch.ones_like(prompt))[0] for target in targets.values()]
+    steps = [target.extend(prompt[:, :4])[0] for target in targets.values()]
+    return max(float((logits[0] - logits[1]).abs().max()), float((steps[0] - steps[1]).abs().max()))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--widths", default="0,1,3,7")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--context", type=int, default=100)
+    parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                        help="cpu: this thread's CPU seconds (1 thread only), which a loaded machine's scheduling "
+                             "does not inflate; wall: elapsed seconds")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu measures one thread: use it with --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    torch.set_num_threads(args.threads)
+    widths = [int(w) for w in args.widths.split(",")]
+    if widths[0] != 0:
+        widths = [0] + widths
+    hf = TargetModel.from_pretrained("smollm2-135m-instruct")
+    fast = TargetModel.from_pretrained("smollm2-135m-instruct")
+    path = fastpath.enable(fast.model)
+    targets = {"hf": hf, path: fast}
+    nbytes = weight_bytes(hf.model)
+    stream = stream_bandwidth(clock=clock)
+    difference = max_logit_difference(targets, args.context)
+    medians = time_widths(targets, widths, args.repeats, args.context, clock)
+    load = os.getloadavg()[0]
+    result = {"threads": args.threads, "clock": args.clock, "load_1min": load, "weight_bytes": nbytes,
+              "stream_gb_per_s": stream,
+              "max_abs_logit_difference": difference, "paths": {}}
+    for name in targets:
+        step = medians[(name, 0)]
+        result["paths"][name] = {
+            "ar_step_ms": 1e3 * step, "achieved_gb_per_s": nbytes / step / 1e9,
+            "verify_ms": {w: 1e3 * medians[(name, w)] for w in widths},
+            "v": {w: medians[(name, w)] / step for w in widths},
+            "achieved_gb_per_s_verify": {w: nbytes / medians[(name, w)] / 1e9 for w in widths}}
+        row = result["paths"][name]
+        print(f"{name:16s} threads={args.threads} {args.clock} AR {row['ar_step_ms']:6.1f} ms "
+              f"{row['achieved_gb_per_s']:5.1f} GB/s"
+              f" ({row['achieved_gb_per_s'] / stream:.0%} of stream)  "
+              + "  ".join(f"v({w})={row['v'][w]:.2f}" for w in widths if w))
+    ratio = result["paths"]["hf"]["ar_step_ms"] / result["paths"][path]["ar_step_ms"]
+    print(f"stream {stream:.1f} GB/s, weights {nbytes / 1e6:.0f} MB, AR step hf/fast {ratio:.2f}x, "
+          f"max |logit diff| {difference:.2e}, load {load:.1f}")
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
