@@ -139,14 +139,32 @@ def drafter_cells(d: Drafter, prefix: str) -> list[str]:
 
 # ---- README: what it measures, per drafter ------------------------------------------------------------------------
 def readme_table() -> str:
+    """The per-drafter table (links as numbered references, so a row fits 120 columns), the machine it was measured
+    on, and which readers load each drafter's exports."""
     prefix = "docs/"
-    lines = ["| drafter | tau, k = 1 | tau, k = 3 | speedup, k = 1 | speedup, auto k | greedy = plain greedy "
-             "| exports read by |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for d in DRAFTERS:
-        read_by = link(d.read_by, d.read_anchor, prefix + "benchmarks.md") if d.read_anchor else d.read_by
-        lines.append("| " + " | ".join([d.label, *drafter_cells(d, prefix), read_by]) + " |")
-    return "\n".join(lines + ["", measured_on(sorted({f for d in DRAFTERS for f in drafter_numbers(d)["files"]}))])
+    rows = ["| drafter | tau, k = 1 | tau, k = 3 | speedup, k = 1 | speedup, auto k | greedy = plain greedy |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    rows += ["| " + " | ".join([d.label, *drafter_cells(d, prefix)]) + " |" for d in DRAFTERS]
+    readers = [f"- {d.label}: " + (link(d.read_by, d.read_anchor, prefix + "benchmarks.md") if d.read_anchor
+                                   else d.read_by) for d in DRAFTERS]
+    files = sorted({f for d in DRAFTERS for f in drafter_numbers(d)["files"]})
+    body, targets = numbered_links("\n".join(rows + readers))
+    lines = body.split("\n")
+    wrapped = [textwrap.fill(line, width=118, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+               for line in lines[len(rows):]]
+    return "\n".join(lines[:len(rows)] + ["", measured_on(files), "", "Exports read by:", ""] + wrapped + [""] +
+                     [f"[{n}]: {url}" for n, url in targets])
+
+
+def numbered_links(text: str) -> tuple[str, list[tuple[int, str]]]:
+    """`text` with every inline link [t](url) as a reference [t][n], one n per distinct url in order of first use."""
+    numbers: dict[str, int] = {}
+
+    def reference(match) -> str:
+        number = numbers.setdefault(match.group(2), len(numbers) + 1)
+        return f"[{match.group(1)}][{number}]"
+
+    return re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)", reference, text), [(n, url) for url, n in numbers.items()]
 
 
 def measured_on(files: list[str]) -> str:
