@@ -24,6 +24,8 @@ import statistics
 import time
 
 import torch
+
+from inference.evaluation.eval import environment
 import torch.nn.functional as F
 from torch import nn
 
@@ -144,6 +146,7 @@ def main(argv=None) -> int:
                   f"{ratio}")
     print(f"stream {results['stream_gb_per_s']:.1f} GB/s, weights {nbytes / 1e6:.0f} MB")
     if args.out:
+        results["environment"] = environment(torch.device("cpu"))  # CPU model, ISA flags, threads
         with open(args.out, "w") as handle:
             json.dump(results, handle, indent=1)
     return 0

@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from inference.evaluation.eval import environment
+
 from inference.engine import fastpath
 from inference.engine.roofline import stream_bandwidth, weight_bytes
 from inference.engine.target import TargetModel
@@ -98,6 +100,7 @@ def main(argv=None) -> int:
     print(f"stream {stream:.1f} GB/s, weights {nbytes / 1e6:.0f} MB, AR step hf/fast {ratio:.2f}x, "
           f"max |logit diff| {difference:.2e}, load {load:.1f}")
     if args.out:
+        result["environment"] = environment(torch.device("cpu"))  # CPU model, ISA flags, threads
         with open(args.out, "w") as handle:
             json.dump(result, handle, indent=1)
     return 0

@@ -18,7 +18,6 @@ float32, no oneDNN, no nn.Linear); `kernel_choice(model)` says what it chose and
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference.engine import kernels
+from inference.engine.machine import cpu_model
 
 HF_PATH, FAST_PATH = "hf", "fast-cpu-linear"
 
@@ -90,7 +90,7 @@ def enable(model) -> str:
     for parent, name, child in swaps:
         setattr(parent, name, FastLinear(child, choices[shape_of(child)]["plan"]))
     model._draftsmith_kernels = {"seconds": time.perf_counter() - started, "threads": torch.get_num_threads(),
-                                 "cpu": json.loads(kernels.machine_key((0, 0, False)))["cpu"],
+                                 "cpu": cpu_model(),
                                  "shapes": {f"{o}x{i}{'+bias' if b else ''}": choice
                                             for (o, i, b), choice in choices.items()}}
     return FAST_PATH

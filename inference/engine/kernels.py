@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -29,6 +28,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from inference.engine.machine import cpu_flags, cpu_model
 
 MAX_ROWS = 16  # rows timed and chosen per count; above, F.linear (MKL's large-M GEMM is near the compute roof)
 PACK_HINT_ROWS = 8  # oneDNN's and MKL's reorder hint; oneDNN measured the same layout for hints 2..16
@@ -93,11 +94,7 @@ def plan_for(timings: dict[int, dict[str, float]]) -> list[str]:
 
 def machine_key(shape: tuple[int, int, bool]) -> str:
     """What a cached choice is valid for: the CPU model, torch, threads, the weight shape and the candidates."""
-    cpu = platform.processor()
-    if os.path.isfile("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return json.dumps({"cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    return json.dumps({"cpu": cpu_model(), "cpu_flags": cpu_flags(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                        "shape": list(shape), "kernels": sorted(KERNELS), "rows": list(TIMED_ROWS)})
 
 

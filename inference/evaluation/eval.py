@@ -42,6 +42,7 @@ from inference.evaluation.prompts import load_questions, select_spread
 from inference.evaluation.report import format_table, read_appendable, write_report
 from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings, check_at_least, numbers, split
 from inference.engine.schedule import build_schedules, parse_schedule_specs
+from inference.engine.machine import cpu_flags, cpu_model
 from inference.engine.roofline import stream_bandwidth, weight_bytes
 from inference.engine.target import TargetModel, default_device
 from inference.engine.tree.draft import check_budget
@@ -135,14 +136,10 @@ def parse_settings(args: argparse.Namespace) -> EvalSettings:
 
 def environment(device: torch.device, dtype: torch.dtype = torch.float32) -> dict:
     """Software and hardware the numbers were measured on (no host name)."""
-    cpu = platform.processor()
-    if os.path.isfile("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     env = {"torch": torch.__version__, "transformers": transformers.__version__,
            "python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
            "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-           "cpu": cpu}
+           "cpu": cpu_model(), "cpu_flags": cpu_flags()}
     backend = getattr(torch, device.type, None)  # torch.cuda also serves ROCm builds
     if device.type != "cpu" and hasattr(backend, "get_device_name"):
         env["accelerator"] = backend.get_device_name(device)
