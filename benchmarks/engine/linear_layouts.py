@@ -19,13 +19,12 @@ only): on a machine loaded by other work it leaves out the time the scheduler gi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
-from inference.evaluation.eval import environment
+from inference.evaluation.eval import write_measurement
 import torch.nn.functional as F
 from torch import nn
 
@@ -146,9 +145,7 @@ def main(argv=None) -> int:
                   f"{ratio}")
     print(f"stream {results['stream_gb_per_s']:.1f} GB/s, weights {nbytes / 1e6:.0f} MB")
     if args.out:
-        results["environment"] = environment(torch.device("cpu"))  # CPU model, ISA flags, threads
-        with open(args.out, "w") as handle:
-            json.dump(results, handle, indent=1)
+        write_measurement(args.out, results)
     return 0
 
 

@@ -12,14 +12,13 @@ probe (inference/engine/roofline.py). Also checks that the two paths' logits agr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
 import torch
 
-from inference.evaluation.eval import environment
+from inference.evaluation.eval import write_measurement
 
 from inference.engine import fastpath
 from inference.engine.roofline import stream_bandwidth, weight_bytes
@@ -100,9 +99,7 @@ def main(argv=None) -> int:
     print(f"stream {stream:.1f} GB/s, weights {nbytes / 1e6:.0f} MB, AR step hf/fast {ratio:.2f}x, "
           f"max |logit diff| {difference:.2e}, load {load:.1f}")
     if args.out:
-        result["environment"] = environment(torch.device("cpu"))  # CPU model, ISA flags, threads
-        with open(args.out, "w") as handle:
-            json.dump(result, handle, indent=1)
+        write_measurement(args.out, result)
     return 0
 
 

@@ -245,11 +245,9 @@ def main(argv=None) -> int:
                    "vllm_threads": plain.info.get("threads"), "repeats": args.repeats,
                    "target_path": target.path, "load_1min": os.getloadavg()[0], "torch": torch.__version__,
                    "transformers": transformers.__version__, "vllm": vllm.__version__})
-    from inference.evaluation.eval import environment
+    from inference.evaluation.eval import write_measurement
 
-    result["environment"] = environment(torch.device("cpu"))  # CPU model, ISA flags, threads
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
+    write_measurement(args.out, result)
     print(f"AR tok/s: ours {result['ar_tokens_per_s_ours']:.1f}, vLLM {result['ar_tokens_per_s_vllm']:.1f}")
     print("| k | tok/s ours | tok/s vLLM | speedup ours | speedup vLLM | tau ours | tau vLLM | identical |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

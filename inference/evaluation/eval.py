@@ -31,6 +31,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from drafters.files import write_json_atomic
 from inference.engine import fastpath
 from inference.engine.costs import profile_costs
 from inference.evaluation.chat_template import (check_chat_template, parse_template_kwargs, render_prompt,
@@ -144,6 +145,12 @@ def environment(device: torch.device, dtype: torch.dtype = torch.float32) -> dic
     if device.type != "cpu" and hasattr(backend, "get_device_name"):
         env["accelerator"] = backend.get_device_name(device)
     return env
+
+
+def write_measurement(path: str, result: dict, device="cpu") -> None:
+    """A benchmark's JSON, written atomically, with the machine it was measured on under "environment" (CPU
+    model, ISA flags, threads, versions)."""
+    write_json_atomic(path, {**result, "environment": environment(torch.device(device))}, indent=1)
 
 
 @dataclass
