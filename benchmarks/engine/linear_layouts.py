@@ -30,6 +30,7 @@ from torch import nn
 
 from inference.engine import fastpath, kernels
 from inference.engine.roofline import stream_bandwidth
+from inference.evaluation.eval import write_measurement
 
 
 def layer_weights(model) -> list[torch.Tensor]:

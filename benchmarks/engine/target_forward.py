@@ -18,11 +18,10 @@ import time
 
 import torch
 
-from inference.evaluation.eval import write_measurement
-
 from inference.engine import fastpath
 from inference.engine.roofline import stream_bandwidth, weight_bytes
 from inference.engine.target import TargetModel
+from inference.evaluation.eval import write_measurement
 
 
 def time_widths(targets: dict, widths: list[int], repeats: int, context: int, clock=time.perf_counter) -> dict:
