@@ -24,7 +24,7 @@ TARGET = "debug:tiny-llama"
 PROMPTS = str(Path(__file__).parent / "data" / "questions_small.jsonl")
 
 
-def overfit(target: TargetModel, drafter, steps: int):
+def overfit(target: TargetModel, drafter, steps: int, lr: float = 1e-2):
     """Train `drafter` (in a few seconds) on the target's own greedy answers to the doctor's prompts, so that its
     acceptance there is far above random weights."""
     _, questions = load_questions(PROMPTS, num_prompts=5)
@@ -38,7 +38,7 @@ def overfit(target: TargetModel, drafter, steps: int):
     features = target.features(ids, mask, drafter.target_layer_ids())
     batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, "target_hidden": features.hidden,
              "target_last_hidden": features.last_hidden, "target_argmax": features.argmax}
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
     for step in range(steps):
         loss, _ = drafter.loss(drafter({**batch, "epoch": step}), batch)
         optimizer.zero_grad()

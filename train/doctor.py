@@ -1,6 +1,7 @@
-"""`draftsmith doctor DRAFTER --target T [--prompts P]`: check a drafter checkpoint before it ships.
+"""`draftsmith doctor DRAFTER --target T [--prompts P] [--serve vllm]`: check a drafter checkpoint before it ships.
 
     draftsmith doctor runs/smollm2_eagle3/speculators --target smollm2-135m-instruct
+    /work/envs/vllm/bin/draftsmith doctor runs/smollm2_eagle3/speculators --target smollm2-135m-instruct --serve vllm
 
 Two kinds of checks, each printed as PASS / FAIL / WARN / INFO with what to fix:
 1. The format checks the drafter's kind provides (its export module's `export_checks(directory, target_info)`,
@@ -16,6 +17,8 @@ Two kinds of checks, each printed as PASS / FAIL / WARN / INFO with what to fix:
    gets on the same prompts. k is capped at the drafter's longest proposal (a DFlash block of 4 drafts 3). The
    per-position acceptance (unconditional: rounds whose first j drafts were all accepted / rounds) and
    tau = 1 + accepted / rounds are printed for both.
+3. With `--serve vllm` (in an environment where vLLM is importable): the export served by vLLM on the same prompts,
+   k and greedy settings beside our engine; differing outputs or acceptance (per position) fail (train/serve_check.py).
 
 Exit status: 0 when nothing failed, 1 when a check failed, 2 for bad input (one line naming the field).
 """
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
+import os
 import sys
 
 import torch
@@ -36,6 +41,7 @@ from inference.evaluation.metrics import acceptance_counts
 from inference.evaluation.prompts import load_questions
 from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings
 from inference.engine.target import TargetModel, default_device
+from train import serve_check
 
 MIN_GAIN = 0.10  # first-position acceptance over the random copy's
 MIN_Z = 3.0  # two-proportion z of that difference
@@ -53,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="options the chat template reads, e.g. enable_thinking=false (the drafter's recipe's)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="what the target and drafter compute in; auto: float32 on a CPU, bfloat16 on a GPU")
+    parser.add_argument("--serve", default=None, metavar="SERVER",
+                        help="also serve the export with SERVER (vllm) on the same prompts and compare its outputs and "
+                             "acceptance with our engine's")
     return parser
 
 
@@ -93,6 +102,27 @@ def engine_check(trained: dict, random: dict) -> tuple[str, str]:
                     " training?)")
 
 
+def served(target, drafter, directory: str, method: str, prompts: list[list[int]], k_asked: int,
+           settings: EvalSettings) -> tuple[str, str]:
+    """The export served by vLLM beside our engine (train/serve_check.py), as one row's (status, detail)."""
+    k = serve_check.served_k(drafter, k_asked)
+    mine = serve_check.ours(target, drafter, prompts, k, settings.max_new_tokens)
+    dtype = str(target.model.dtype).removeprefix("torch.")
+    try:
+        theirs = serve_check.vllm_served(target.name_or_path, directory, method, k, prompts, settings.max_new_tokens,
+                                         dtype, target.device.type)
+    except Exception as err:  # vLLM's refusal of the file is the finding: one line of it, the other rows stand
+        return "fail", f"vLLM (method {method}, k={k}) refused the export: {type(err).__name__}: " + \
+            " ".join(str(err).split())[:400]
+    status, detail = serve_check.compare(theirs, mine)
+    return status, f"k={k}, " + detail
+
+
+def _header(directory: str) -> dict:
+    with open(os.path.join(directory, "config.json")) as f:
+        return json.load(f)
+
+
 def _fmt(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
 
@@ -105,11 +135,12 @@ def settings_from(args: argparse.Namespace) -> EvalSettings:
                         chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
 
 
-def run(settings: EvalSettings) -> int:
+def run(settings: EvalSettings, serve: str | None = None) -> int:
     (directory,), (prompt_set,), (k_asked,) = settings.drafter, settings.prompts, settings.num_draft_tokens
     kind = checkpoint_kind(directory)
     if kind not in DRAFTERS:
         raise ValueError(f"{directory}: drafter kind {kind!r} is not registered; known: {sorted(DRAFTERS)}")
+    method = serve_check.require(serve, kind, _header(directory)) if serve else None
     _, questions = load_questions(prompt_set, num_prompts=settings.num_prompts)
     device = default_device()
     target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device)
@@ -131,6 +162,8 @@ def run(settings: EvalSettings) -> int:
         trained = acceptance(target, drafter, prompts, k, settings.max_new_tokens)
         random = acceptance(target, randomised(drafter), prompts, k, settings.max_new_tokens)
         rows.append(("engine", *engine_check(trained, random)))
+        if method:
+            rows.append((f"serve {serve}", *served(target, drafter, directory, method, prompts, k_asked, settings)))
     width = max(len(name) for name, _, _ in rows)
     for name, status, detail in rows:
         print(f"  {STATUS[status]}  {name:<{width}}  {detail}")
@@ -142,7 +175,7 @@ def run(settings: EvalSettings) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        return run(settings_from(args))
+        return run(settings_from(args), args.serve)
     except (ValueError, OSError, KeyError) as err:
         message = str(err).strip("'\"") if isinstance(err, KeyError) else str(err)
         print(f"draftsmith doctor: error: {message}", file=sys.stderr)

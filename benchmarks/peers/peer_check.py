@@ -212,18 +212,16 @@ def _serve_one(fmt: str, export_dir: str, target_dir: str, args, ours: dict, wor
     with open(result_path) as f:
         theirs = json.load(f)
     same = sum(a == b for a, b in zip(theirs["tokens"], ours["tokens"]))
-    agree = _within(theirs["tau"], ours["tau"]) and all(
-        _within(a, b) for a, b in zip(theirs["per_position"], ours["per_position"]))
+    from train.serve_check import agrees  # the rule `draftsmith doctor --serve vllm` applies
+
+    agree = agrees(theirs["tau"], ours["tau"]) and all(
+        agrees(a, b) for a, b in zip(theirs["per_position"], ours["per_position"]))
     row.update(vllm={k: v for k, v in theirs.items() if k != "tokens"},
                identical_outputs=f"{same}/{len(ours['tokens'])}",
                result=("pass" if agree else "FAIL") + f": tau {theirs['tau']:.3f} vs ours {ours['tau']:.3f}, per"
                f" position {_fmt(theirs['per_position'])} vs {_fmt(ours['per_position'])}, identical outputs"
                f" {same}/{len(ours['tokens'])}")
     return row
-
-
-def _within(theirs: float, ours: float) -> bool:
-    return (theirs < 0.05 and ours < 0.05) or abs(theirs - ours) <= 0.10 * max(abs(ours), 1e-9)
 
 
 def _fmt(values) -> str:

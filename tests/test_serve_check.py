@@ -1,0 +1,106 @@
+"""`draftsmith doctor DRAFTER --target T --serve vllm` (train/serve_check.py): the comparison on hand-made decodes,
+the one-line refusals, and, where vLLM is installed, SmolLM2 with an overfitted EAGLE-3 served by vLLM: the export
+passes, and an export whose layer ids are listed out of order (our engine reads the fc blocks in the listed order,
+vLLM in sorted order) fails, naming the positions whose acceptance differs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.test_doctor import PROMPTS, overfit
+from train.doctor import main
+from train.serve_check import Served, compare, require
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def served(tokens, rounds, accepted, survived) -> Served:
+    return Served(tokens=tokens, rounds=rounds, accepted=accepted, survived=survived)
+
+
+def test_identical_decodes_pass_and_the_detail_gives_both_sides_counts():
+    mine = served([[1, 2, 3], [4, 5]], rounds=10, accepted=12, survived=[7, 4, 1])
+    status, detail = compare(served([[1, 2, 3], [4, 5]], 10, 12, [7, 4, 1]), mine)
+    assert status == "pass" and "[7, 4, 1] of 10 rounds" in detail and "identical outputs 2/2" in detail
+
+
+def test_acceptance_within_the_tolerance_passes_and_beyond_it_names_the_positions():
+    mine = served([[1]], rounds=100, accepted=120, survived=[70, 40, 10])
+    assert compare(served([[1]], 100, 118, [68, 40, 10]), mine)[0] == "pass"  # 3% and 0%: numerics
+    assert compare(served([[1]], 100, 122, [72, 40, 2]), served([[1]], 100, 123, [70, 40, 3]))[0] == "pass"  # 3%,
+    # and position 3 below the floor on both
+    status, detail = compare(served([[1]], 100, 70, [50, 15, 5]), mine)
+    assert status == "fail" and "positions [1, 2, 3]" in detail and "tau 1.700 in vLLM vs 2.200 ours" in detail
+
+
+def test_differing_outputs_fail_naming_the_prompt_and_the_first_token():
+    mine = served([[1, 2, 3], [4, 5, 6]], rounds=4, accepted=2, survived=[2])
+    status, detail = compare(served([[1, 2, 3], [4, 9, 6]], 4, 2, [2]), mine)
+    assert status == "fail" and "prompts [1] (prompt 1 from token 1)" in detail and "identical outputs 1/2" in detail
+
+
+def test_what_cannot_be_served_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="--serve 'sglang'"):
+        require("sglang", "eagle3", {})
+    if HAS_VLLM:
+        with pytest.raises(ValueError, match="serves no ngram drafter"):
+            require("vllm", "ngram", {})
+        with pytest.raises(ValueError, match="native checkpoint"):
+            require("vllm", "eagle3", {"draftsmith_kind": "eagle3"})
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="checks the message shown where vLLM is not installed")
+def test_serve_vllm_without_vllm_is_one_line(tmp_path, capsys):
+    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from inference.engine.target import TargetModel
+
+    target = TargetModel.from_pretrained("debug:tiny-llama")
+    Eagle3Drafter(Eagle3Config(layer_ids=(1, 2, 3), draft_vocab_size=128), target.target_info()).save(
+        str(tmp_path / "e"), "eagle3")
+    capsys.readouterr()
+    code = main([str(tmp_path / "e"), "--target", "debug:tiny-llama", "--prompts", PROMPTS, "--serve", "vllm"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "vllm is not importable" in err[0] and "The vLLM environment" in err[0]
+
+
+def reorder_layer_ids(export: str) -> None:
+    """List the export's layer ids last-first and permute fc's input blocks to match: the same drafter for a reader
+    that follows the listed order (ours), a different one for a reader that sorts them (vLLM)."""
+    with open(f"{export}/config.json") as f:
+        config = json.load(f)
+    ids = config["eagle_aux_hidden_state_layer_ids"]
+    config["eagle_aux_hidden_state_layer_ids"] = ids[::-1]
+    with open(f"{export}/config.json", "w") as f:
+        json.dump(config, f)
+    weights = load_file(f"{export}/model.safetensors")
+    name = next(n for n in weights if n.endswith("fc.weight"))
+    weights[name] = torch.cat(weights[name].chunk(len(ids), dim=1)[::-1], dim=1).contiguous()
+    save_file(weights, f"{export}/model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
+def test_vllm_serves_a_good_export_alike_and_the_check_catches_a_misread_one(tmp_path, capsys):
+    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from inference.engine.target import TargetModel
+
+    target = TargetModel.from_pretrained("smollm2-135m-instruct")
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(Eagle3Config(layer_ids=(2, 15, 27), draft_vocab_size=2048, ttt_steps=2),
+                            target.target_info())
+    overfit(target, drafter, steps=60, lr=1e-3).save(str(tmp_path / "good"), "eagle3")
+    argv = ["--target", "smollm2-135m-instruct", "--prompts", PROMPTS, "--max-new-tokens", "32", "--serve", "vllm"]
+    code = main([str(tmp_path / "good"), *argv])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "serve vllm" in line)
+    assert code == 0 and row.startswith("  PASS") and "identical outputs 5/5" in row, out
+    drafter.save(str(tmp_path / "reordered"), "eagle3")
+    reorder_layer_ids(str(tmp_path / "reordered"))
+    code = main([str(tmp_path / "reordered"), *argv])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "serve vllm" in line)
+    assert code == 1 and row.startswith("  FAIL") and "acceptance differs at positions" in row, out

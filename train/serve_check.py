@@ -1,0 +1,132 @@
+"""`draftsmith doctor DRAFTER --target T --serve vllm`: the export served by vLLM beside our engine on the same prompts,
+k and greedy decoding; outputs or acceptance (in all, per position) that differ fail the check, naming what differs.
+
+Good training metrics and near-zero acceptance once served is the complaint every peer's tracker hears most (layer-id
+offsets, nested configs, think mode, runner versions): this runs the server the user will deploy on the file they will
+ship. vLLM runs in this process (it must be importable: docs/distributed.md, "The vLLM environment"; on a CPU with
+VLLM_ENABLE_V1_MULTIPROCESSING=0), after our engine has decoded the same token prompts.
+
+Quantities (the same under greedy chain verification on both sides): tau = 1 + accepted / rounds, and for each
+position j the rounds whose first j drafts were all accepted (vLLM's spec-decode counters
+`num_accepted_tokens_per_pos`, `num_drafts`; our engine's rounds). Agreement: identical outputs on every prompt, and
+tau and every position's share within TOLERANCE of ours (relative; shares below FLOOR on both sides agree: a handful
+of rounds). k: the drafter's block less one for block drafters (vLLM serves the block whole), else the asked k,
+capped at the drafter's longest proposal.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass
+
+from drafters import Drafter
+from drafters.base import NATIVE_KIND_KEY
+
+METHODS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark", "mtp": "mtp", "medusa": "medusa"}
+TOLERANCE = 0.10
+FLOOR = 0.05
+SERVERS = ("vllm",)
+
+
+@dataclass(frozen=True)
+class Served:
+    """One engine's greedy decode of the prompts: tokens per prompt, rounds, accepted drafts, survived per position."""
+    tokens: list[list[int]]
+    rounds: int
+    accepted: int
+    survived: list[int]
+
+    @property
+    def tau(self) -> float:
+        return 1 + self.accepted / max(self.rounds, 1)
+
+    @property
+    def shares(self) -> list[float]:
+        return [s / max(self.rounds, 1) for s in self.survived]
+
+
+def require(server: str, kind: str, header: dict) -> str:
+    """vLLM's speculative method for this export; ValueError (one line: what to do) when it cannot be served."""
+    if server not in SERVERS:
+        raise ValueError(f"--serve {server!r}: the servers it checks are {', '.join(SERVERS)}")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise ValueError("--serve vllm: vllm is not importable in this environment; run doctor with the vLLM "
+                         "environment's python (docs/distributed.md, 'The vLLM environment')") from None
+    if kind not in METHODS:
+        raise ValueError(f"--serve vllm: vLLM serves no {kind} drafter; it serves {', '.join(sorted(METHODS))}")
+    if header.get(NATIVE_KIND_KEY) == kind:
+        raise ValueError("--serve vllm: this is draftsmith's native checkpoint, which vLLM does not read; export it "
+                         "(draftsmith export DIR --format ...) and check the export")
+    return METHODS[kind]
+
+
+def served_k(drafter: Drafter, k_asked: int) -> int:
+    block = getattr(drafter.config, "block_size", None)
+    k = block - 1 if block else k_asked
+    return min(k, drafter.max_draft_tokens() or k)
+
+
+def ours(target, drafter: Drafter, prompts: list[list[int]], k: int, max_new_tokens: int) -> Served:
+    from inference.engine.generate import speculative_generate
+    from inference.evaluation.metrics import acceptance_counts
+
+    out = speculative_generate(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=max_new_tokens,
+                               eos_token_ids=list(target.target_info().eos_token_ids))
+    counts = acceptance_counts(out)
+    return Served([list(t) for t in out.tokens], counts["rounds"], counts["accepted"], counts["survived"])
+
+
+def vllm_served(target_dir: str, export_dir: str, method: str, k: int, prompts: list[list[int]],
+                max_new_tokens: int, dtype: str, device_type: str) -> Served:
+    """vLLM's engine with the export as its drafter, one request at a time (batch 1, as ours), greedy."""
+    if device_type == "cpu":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=target_dir, speculative_config={"method": method, "model": export_dir,
+                                                    "num_speculative_tokens": k},
+              enforce_eager=True, disable_log_stats=False, dtype=dtype, max_model_len=2048, seed=0,
+              gpu_memory_utilization=0.3)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    tokens = [list(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0].outputs[0].token_ids)
+              for p in prompts]
+    metrics = {m.name: m for m in llm.get_metrics()}
+    del llm
+    gc.collect()
+    per_position = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return Served(tokens, int(metrics["vllm:spec_decode_num_drafts"].value),
+                  int(metrics["vllm:spec_decode_num_accepted_tokens"].value),
+                  [int(v) for v in (per_position.values if per_position is not None else [0] * k)])
+
+
+def agrees(theirs: float, ours_value: float) -> bool:
+    return (theirs < FLOOR and ours_value < FLOOR) or abs(theirs - ours_value) <= TOLERANCE * max(abs(ours_value), 1e-9)
+
+
+def compare(theirs: Served, mine: Served, server: str = "vLLM") -> tuple[str, str]:
+    """(status, detail): pass when the outputs are identical and the acceptance agrees (module docstring)."""
+    problems = []
+    differing = [i for i, (a, b) in enumerate(zip(theirs.tokens, mine.tokens)) if a != b]
+    if differing or len(theirs.tokens) != len(mine.tokens):
+        first = differing[0] if differing else len(mine.tokens)
+        a, b = (theirs.tokens[first], mine.tokens[first]) if differing else ([], [])
+        at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        problems.append(f"outputs differ on prompts {differing} (prompt {first} from token {at}): the target decodes"
+                        f" differently in {server} (dtype, chat template, stop tokens), so the drafts are not compared"
+                        " on the same text")
+    if not agrees(theirs.tau, mine.tau):
+        problems.append(f"tau {theirs.tau:.3f} in {server} vs {mine.tau:.3f} ours")
+    positions = [j + 1 for j, (a, b) in enumerate(zip(theirs.shares, mine.shares)) if not agrees(a, b)]
+    if positions or len(theirs.survived) != len(mine.survived):
+        problems.append(f"acceptance differs at positions {positions or 'count'}: {server} reads the export"
+                        " differently from our engine (layer ids and their order, a nested config, norms, vocabulary"
+                        " map); the format checks above say which field")
+    detail = (f"{server}: tau {theirs.tau:.2f}, accepted per position {theirs.survived} of {theirs.rounds} rounds;"
+              f" ours: tau {mine.tau:.2f}, {mine.survived} of {mine.rounds}; identical outputs"
+              f" {len(mine.tokens) - len(differing)}/{len(mine.tokens)}")
+    return ("fail", detail + "; " + "; ".join(problems)) if problems else ("pass", detail)
