@@ -5,10 +5,12 @@ Legend: B batch, T sequence, N positions (flattened), K draft depth, V target vo
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from drafters.output import DraftOutput
 
 
 _ROWS_PER_CHUNK = 256  # rows of [V] per logsumexp chunk: small temporaries that the allocator can reuse
@@ -137,6 +139,28 @@ def position_cells(batch: Mapping[str, Any],
     valid = (labels < lengths[:, None, None]) & in_loss[:, labels]  # [B, T, K]
     batch_index, position = valid.any(dim=-1).nonzero(as_tuple=True)
     return batch_index, position, labels[position].clamp(max=seq_len - 1), valid[batch_index, position]
+
+
+def chained_depths(batch: Mapping[str, Any], num_depths: int,
+                   step: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                   head: Callable[[torch.Tensor], torch.Tensor]) -> DraftOutput:
+    """The teacher-forced training forward of a drafter whose depth k at position i reads the token at i + k + 1 and
+    depth k - 1's hidden state there (depth 0: the target's final hidden state), MTP modules and the assistant alike.
+
+    Args:
+        batch: input_ids, attention_mask, loss_mask [B, T], target_last_hidden [B, T, D].
+        step: (depth, tokens [B, T], hidden [B, T, D]) -> (hidden for the next depth, normed output [B, T, D]).
+        head: normed rows [N, K, D] -> logits [N, K, V]; only the rows with a loss (position_cells) reach it.
+    """
+    seq_len = batch["input_ids"].shape[1]
+    batch_index, position, label_position, depth_valid = position_cells(batch, num_depths)
+    tokens = F.pad(batch["input_ids"], (0, num_depths + 1))  # depth k at position i reads tokens[i + k + 1]
+    hidden, rows = batch["target_last_hidden"], []
+    for depth in range(num_depths):
+        hidden, normed = step(depth, tokens[:, depth + 1 : depth + 1 + seq_len], hidden)
+        rows.append(normed[batch_index, position])
+    return DraftOutput(logits=head(torch.stack(rows, dim=1)), batch_index=batch_index, label_position=label_position,
+                       depth_valid=depth_valid)
 
 
 def full_vocab_cross_entropy(output, batch: Mapping[str, Any], lm_head_weight: torch.Tensor,

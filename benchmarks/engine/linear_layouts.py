@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference.engine import fastpath, kernels
+from inference.engine.machine import add_timing_arguments, timing_clock
 from inference.engine.roofline import stream_bandwidth
 from inference.evaluation.eval import write_measurement
 
@@ -96,16 +96,10 @@ def _fast(weights: list[torch.Tensor]) -> list[fastpath.FastLinear]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
+    add_timing_arguments(parser)
     parser.add_argument("--rows", default="1,2,4,8")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--clock", default="wall", choices=("wall", "cpu"))
-    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    if args.clock == "cpu" and args.threads != 1:
-        parser.error("--clock cpu measures one thread: use it with --threads 1")
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    torch.set_num_threads(args.threads)
+    clock = timing_clock(args, parser)
     from transformers import AutoModelForCausalLM
 
     from inference.assets.store import resolve_target

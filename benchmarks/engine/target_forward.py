@@ -19,6 +19,7 @@ import time
 import torch
 
 from inference.engine import fastpath
+from inference.engine.machine import add_timing_arguments, timing_clock
 from inference.engine.roofline import stream_bandwidth, weight_bytes
 from inference.engine.target import TargetModel
 from inference.evaluation.eval import write_measurement
@@ -54,19 +55,11 @@ def max_logit_difference(targets: dict, context: int) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
+    add_timing_arguments(parser)
     parser.add_argument("--widths", default="0,1,3,7")
-    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--context", type=int, default=100)
-    parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
-                        help="cpu: this thread's CPU seconds (1 thread only), which a loaded machine's scheduling "
-                             "does not inflate; wall: elapsed seconds")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    if args.clock == "cpu" and args.threads != 1:
-        parser.error("--clock cpu measures one thread: use it with --threads 1")
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    torch.set_num_threads(args.threads)
+    clock = timing_clock(args, parser)
     widths = [int(w) for w in args.widths.split(",")]
     if widths[0] != 0:
         widths = [0] + widths

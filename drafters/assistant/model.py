@@ -28,7 +28,7 @@ from drafters.base import DraftContext, Drafter, FeatureRequest, Proposal, Targe
 from drafters.output import DraftOutput
 from drafters.layers import FrozenTargetTensors, RMSNorm, RotaryEmbedding, draw_drafts, rope_inverse_frequencies
 from drafters.layers import rope_parameters
-from drafters.losses import listed_depth_weights, position_cells, target_distilled_loss
+from drafters.losses import chained_depths, listed_depth_weights, target_distilled_loss
 
 
 class AssistantDrafter(Drafter):
@@ -148,24 +148,19 @@ class AssistantDrafter(Drafter):
                              "features.mode=online")
         input_ids = batch["input_ids"]
         batch_size, seq_len = input_ids.shape
-        steps, device = self.config.num_steps, input_ids.device
-        batch_index, position, label_position, depth_valid = position_cells(batch, steps)
+        device = input_ids.device
         query_positions = torch.arange(1, seq_len + 1, device=device).expand(batch_size, seq_len)
         columns = torch.arange(seq_len, device=device)
         # row i (query position i + 1) sees the target's keys 0..i of its own sequence
         mask = (columns[None, :] <= columns[:, None])[None] & batch["attention_mask"].bool()[:, None, :]
         mask = mask.unsqueeze(1)  # [B, 1, T, T]
-        tokens = F.pad(input_ids, (0, steps + 1))  # step k at position i reads tokens[i + 1 + k]
-        hidden = batch["target_last_hidden"]
         key_positions = columns.expand(batch_size, seq_len)
-        rows = []
-        for k in range(steps):
-            normed, hidden = self.step(tokens[:, k + 1 : k + 1 + seq_len], hidden, query_positions,
-                                       batch["target_kv"], mask, key_positions)
-            rows.append(normed[batch_index, position])
-        logits = self.lm_head(torch.stack(rows, dim=1))  # [N, K, V]: only rows with a loss
-        return DraftOutput(logits=logits, batch_index=batch_index, label_position=label_position,
-                           depth_valid=depth_valid)
+
+        def step(_, tokens, hidden):
+            normed, hidden = self.step(tokens, hidden, query_positions, batch["target_kv"], mask, key_positions)
+            return hidden, normed
+
+        return chained_depths(batch, self.config.num_steps, step, self.lm_head)
 
     def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """sum_k w_k * mean CE of step k over its valid cells of all processes (AssistantConfig.loss_weights)."""

@@ -16,7 +16,7 @@ from torch import nn
 from drafters.base import DraftContext, Drafter, FeatureRequest, Proposal, TargetInfo, full_vocab_log_probs
 from drafters.output import DraftOutput
 from drafters.layers import FrozenTargetTensors, draw_drafts
-from drafters.losses import listed_depth_weights, position_cells, target_distilled_loss
+from drafters.losses import chained_depths, listed_depth_weights, target_distilled_loss
 from drafters.mtp import export as mtp_export
 from drafters.mtp.config import MTPConfig
 from drafters.mtp.layers import (
@@ -160,23 +160,14 @@ class MTPDrafter(Drafter):
             logits [N, K, V] of depth k at i; label_position [N, K] = i + k + 2 (clamped to T - 1 past the end);
             depth_valid [N, K] = label inside the sequence and in loss_mask.
         """
-        input_ids = batch["input_ids"]
-        batch_size, seq_len = input_ids.shape
-        steps, device = self.num_steps, input_ids.device
-        batch_index, position, label_position, depth_valid = position_cells(batch, steps)
-        hidden = batch["target_last_hidden"]
+        batch_size, seq_len = batch["input_ids"].shape
+        device = batch["input_ids"].device
         positions = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-        position_embeddings = self.rotary(hidden.to(self.layers[0].eh_proj.weight.dtype), positions, *self._rope_kind)
+        position_embeddings = self.rotary(batch["target_last_hidden"].to(self.layers[0].eh_proj.weight.dtype),
+                                          positions, *self._rope_kind)
         mask = causal_mask(seq_len, device)
-        tokens = F.pad(input_ids, (0, steps + 1))  # depth k at position i reads tokens[i + k + 1]
-        normed_rows = []
-        for depth in range(steps):
-            hidden, normed = self._step(depth, tokens[:, depth + 1 : depth + 1 + seq_len], hidden, positions, mask,
-                                        position_embeddings=position_embeddings)
-            normed_rows.append(normed[batch_index, position])
-        logits = self._logits(torch.stack(normed_rows, dim=1))  # [N, K, V]: only rows with a loss
-        return DraftOutput(logits=logits, batch_index=batch_index, label_position=label_position,
-                           depth_valid=depth_valid)
+        return chained_depths(batch, self.num_steps, lambda depth, tokens, hidden: self._step(
+            depth, tokens, hidden, positions, mask, position_embeddings=position_embeddings), self._logits)
 
     def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """sum_k w_k * mean CE at depth k over its valid cells of all processes (see MTPConfig.loss)."""
