@@ -6,18 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from drafters.layer_ids import AUTO, LayerIds
+from drafters.dflash.config import BlockBackboneConfig
 
 
 @dataclass(kw_only=True)
-class DSparkConfig:
-    """The `drafter:` section of a recipe for kind "dspark". None = derive as DFlash does.
+class DSparkConfig(BlockBackboneConfig):
+    """The `drafter:` section of a recipe for kind "dspark": the backbone's fields (BlockBackboneConfig, DFlash's;
+    None = derive as DFlash does) and these.
 
-    Backbone (DFlash's; see DFlashConfig): layer_ids ("auto" or ids), allow_linear_attention_ids, num_layers,
-      mask_token_id, allow_text_mask_token,
-      intermediate_size ... rope_theta. block_size: S inputs [anchor, MASK x (S-1)] give S drafts (slot k predicts
-      the token anchor + k + 1, the anchor slot included), so a proposal is at most S tokens. num_anchors: blocks per
-      training sequence, redrawn every epoch.
+    block_size: S inputs [anchor, MASK x (S-1)] give S drafts (slot k predicts the token anchor + k + 1, the anchor
+      slot included), so a proposal is at most S tokens.
     markov_head_type: "vanilla" | "gated" | "rnn" | "none" (no sequential head); markov_rank: r >= 1.
     enable_confidence_head; confidence_head_with_markov: feed W1[x_{k-1}] to it too (needs a sequential head).
     loss: ce_weight * CE + l1_weight * ||p_draft - p_target||_1 + confidence_weight * BCE(c, 1 - L1 / 2), each cell
@@ -28,13 +26,7 @@ class DSparkConfig:
       () = uncalibrated.
     """
 
-    layer_ids: LayerIds = AUTO
-    allow_linear_attention_ids: bool = False
-    num_layers: int = 5
     block_size: int = 7
-    num_anchors: int = 512
-    mask_token_id: int | None = None
-    allow_text_mask_token: bool = False
     markov_head_type: Literal["vanilla", "gated", "rnn", "none"] = "vanilla"
     markov_rank: int = 256
     enable_confidence_head: bool = True
@@ -47,11 +39,6 @@ class DSparkConfig:
     loss_weighting: Literal["decay", "dpace"] = "decay"
     dpace_alpha: float = 0.5
     confidence_temperatures: tuple[float, ...] = ()
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rope_theta: float | None = None
 
     def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
         """One training step's shape for drafters/step_memory.StepShape: DFlash's blocks, plus the sequential head

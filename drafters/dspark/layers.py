@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from drafters.dflash.config import DFlashConfig
+from drafters.dflash.config import DFlashConfig, backbone_fields
 from drafters.dspark.config import DSparkConfig
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn", "none")
@@ -37,13 +37,7 @@ MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn", "none")
 
 def backbone_config(config: DSparkConfig) -> DFlashConfig:
     """The DFlash backbone DSpark runs on (DFlash's resolve / shape rules then apply unchanged)."""
-    return DFlashConfig(layer_ids=config.layer_ids, allow_linear_attention_ids=config.allow_linear_attention_ids,
-                        num_layers=config.num_layers, block_size=config.block_size,
-                        num_anchors=config.num_anchors, mask_token_id=config.mask_token_id,
-                        allow_text_mask_token=config.allow_text_mask_token,
-                        intermediate_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
-                        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                        rope_theta=config.rope_theta)
+    return DFlashConfig(**backbone_fields(config))
 
 
 def check_config(config: DSparkConfig) -> None:
