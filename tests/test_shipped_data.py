@@ -65,6 +65,18 @@ def test_pack_resume_from_the_gzip_alone_and_reproduce(tmp_path):
     assert Path(tmp_path / "part.jsonl.gz").read_bytes() == Path(tmp_path / "whole.jsonl.gz").read_bytes()
 
 
+def test_a_complete_file_needs_no_engine(tmp_path, capsys):
+    """Every sampled conversation written: prepare builds no model, so regenerate.use_vllm needs no vLLM here."""
+    state = PartialState(cpu=True)
+    regenerate_data(_recipe(tmp_path, "done.jsonl.gz", 4), state)
+    packed = Path(tmp_path / "done.jsonl.gz").read_bytes()
+    os.remove(working_path(str(tmp_path / "done.jsonl.gz")))
+    capsys.readouterr()
+    regenerate_data(_recipe(tmp_path, "done.jsonl.gz", 4, "regenerate.use_vllm=true"), state)
+    assert "nothing to regenerate" in capsys.readouterr().out
+    assert Path(tmp_path / "done.jsonl.gz").read_bytes() == packed
+
+
 def test_training_refuses_a_file_unlike_its_manifest_and_never_sees_held_out_ids(tmp_path, capsys):
     state = PartialState(cpu=True)
     recipe = _recipe(tmp_path, "data.jsonl.gz", 8)

@@ -33,7 +33,7 @@ def regenerate_data(recipe: Recipe, state: PartialState) -> None:
 
     Each process answers every num_processes-th conversation into its own part (<path>.rank<r>, or the path itself
     with one process), resuming by id; the main process then appends the parts' new records to the path."""
-    from train.data.shipped import is_packed, unpack_to_working, working_path
+    from train.data.shipped import is_packed, packed_as_working, unpack_to_working, working_path
 
     path = recipe.data.regenerated_path
     if not path:
@@ -41,13 +41,17 @@ def regenerate_data(recipe: Recipe, state: PartialState) -> None:
     if state.is_main_process:
         unpack_to_working(path)  # a shipped .jsonl.gz seeds the working file: its rows are not redone
     state.wait_for_everyone()
-    model, tokenizer = regeneration_model(recipe, state)
-    stats = regenerate_share(recipe, model, tokenizer, state.process_index, state.num_processes)
-    print(f"rank {state.process_index}: regenerated {stats}")
+    if pending(recipe, state.num_processes):
+        model, tokenizer = regeneration_model(recipe, state)
+        stats = regenerate_share(recipe, model, tokenizer, state.process_index, state.num_processes)
+        print(f"rank {state.process_index}: regenerated {stats}")
+    else:  # no engine built (nor vLLM needed) when every row is written
+        tokenizer = target_tokenizer(recipe)
+        print(f"{path}: every conversation of the sample is written; nothing to regenerate")
     state.wait_for_everyone()
     if state.num_processes > 1 and state.is_main_process:
         merge_parts(working_path(path), part_paths(working_path(path), state.num_processes))
-    if is_packed(path) and state.is_main_process:
+    if is_packed(path) and state.is_main_process and not packed_as_working(path):
         manifest = pack_regenerated(recipe, tokenizer)
         print(f"packed {path}: {manifest['records']} records, {manifest['counts']['answered']} answered, "
               f"held out {manifest['heldout']['size']}; manifest {manifest['sha256'][:12]}")
@@ -84,6 +88,16 @@ def part_paths(out_path: str, num_processes: int) -> list[str]:
     return [out_path] if num_processes == 1 else [f"{out_path}.rank{rank}" for rank in range(num_processes)]
 
 
+def pending(recipe: Recipe, num_processes: int) -> int:
+    """Conversations of the sample that neither the working file nor any process's part holds yet."""
+    from train.data.regenerate import written_ids
+    from train.data.shipped import working_path
+
+    working = working_path(recipe.data.regenerated_path)
+    done = set().union(*(written_ids(part) for part in dict.fromkeys([working, *part_paths(working, num_processes)])))
+    return sum(conversation["id"] not in done for conversation in regeneration_sample(recipe))
+
+
 def regenerate_share(recipe: Recipe, model, tokenizer, rank: int, num_processes: int) -> dict[str, float]:
     """Answer this process's share (every num_processes-th of the seeded sample, from `rank`) into its part file;
     what the part already holds is skipped, so an interrupted run resumes."""
@@ -114,6 +128,14 @@ def regeneration_sample(recipe: Recipe) -> list[dict]:
     if settings.unique_prompts:
         conversations = unique_first_turns(conversations)
     return conversations[:settings.num_conversations]
+
+
+def target_tokenizer(recipe: Recipe):
+    from transformers import AutoTokenizer
+
+    from inference.assets.store import resolve_target
+
+    return AutoTokenizer.from_pretrained(resolve_target(recipe.target.name_or_path))
 
 
 def regeneration_model(recipe: Recipe, state: PartialState):

@@ -57,6 +57,12 @@ def read_lines(path: str) -> bytes:
         return f.read()
 
 
+def packed_as_working(path: str) -> bool:
+    """The shipped gzip holds exactly the working file's lines (nothing to repack)."""
+    work = working_path(path)
+    return os.path.exists(path) and os.path.exists(work) and read_lines(path) == read_lines(work)
+
+
 def unpack_to_working(path: str) -> None:
     """Seed the working file from the shipped gzip (checked first) when the working file does not exist yet."""
     work = working_path(path)
