@@ -18,6 +18,18 @@ from transformers import DynamicCache
 from drafters.ragged_state import FamilyState
 
 
+MASKABLE_ATTENTION = ("sdpa", "eager")  # the kernels that take an arbitrary 4-D mask (tree forwards)
+
+
+def path_order(path: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """path [B, W] node ids (-1 past a row's end) -> a permutation [B, N] listing the path first, then the rest."""
+    order = []
+    for nodes in path.tolist():
+        kept = [node for node in nodes if node >= 0]
+        order.append(kept + [node for node in range(num_nodes) if node not in kept])
+    return torch.tensor(order, dtype=torch.long, device=path.device)
+
+
 class RaggedLM:
     """Wraps `model` (an HF causal LM). Shapes: B batch, S new tokens, L cache slots, V vocab."""
 
@@ -90,6 +102,52 @@ class RaggedLM:
         finally:
             self.family.end_block()
         return out.logits.float()
+
+    @torch.no_grad()
+    def extend_tree(self, input_ids: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor,
+                    parents: torch.Tensor) -> torch.Tensor:
+        """Feed N nodes of a tree after each row's sequence in one forward (the cache must hold a prefill): node i
+        sees the row's valid slots, then its ancestors and itself (ancestors [B, N, N] bool), at position length +
+        depth[b, i]; linear-attention layers step each node from its parent's state (parents [B, N], -1 = the root's
+        parent is the sequence). Every root-to-node path computes what the same tokens fed as a chain would.
+        Returns logits [B, N, V] (float32)."""
+        if self.slot_mask is None:
+            raise ValueError("a tree forward needs a prefilled cache (call prefill first)")
+        kernel = getattr(self.model.config, "_attn_implementation", "eager") or "eager"
+        if kernel not in MASKABLE_ATTENTION:
+            raise ValueError(f"tree verification needs attn_implementation in {MASKABLE_ATTENTION} (an arbitrary 4-D "
+                             f"mask); the target uses {kernel!r}: load it with attn_implementation='sdpa'")
+        mask = self.family.tree_attention_mask(self.slot_mask, ancestors, depth)
+        position_ids = self.lengths[:, None] + depth.to(self.device)
+        self.slot_mask = torch.cat([self.slot_mask, torch.ones_like(input_ids, device=self.device)], dim=1)
+        self.family.begin_block(self.cache, None, parents=parents.to(self.device))  # per-node linear states
+        try:
+            out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask, position_ids=position_ids,
+                             use_cache=True, **{self.cache_arg: self.cache})
+        finally:
+            self.family.end_block()
+        return out.logits.float()
+
+    @torch.no_grad()
+    def keep_path(self, mark: int, path: torch.Tensor, keep: torch.Tensor) -> None:
+        """Roll a tree block fed since `mark` back to a path through it: row b keeps its first keep[b] nodes of
+        path[b] ([B, W] node ids, -1 past a row's end; keep 0 for a finished row), in path order. The path's K/V
+        move to the first slots of the block, then `keep_after` keeps them and crops the rest: afterwards the cache
+        is the cache of the path fed as a chain (linear states: the one recorded after the last kept node)."""
+        order = path_order(path, self.num_slots - mark).to(self.device)  # [B, N]
+        if self.family.has_linear:
+            keep_dev = keep.to(self.device)
+            last = path.to(self.device).gather(1, (keep_dev - 1).clamp(min=0)[:, None])[:, 0]
+            self.family.keep_states(self.cache, torch.where(keep_dev > 0, last + 1, torch.zeros_like(last)))
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None:  # linear-attention and KV-sharing layers hold no slots
+                continue
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)  # [B, H_kv, L + N, d]
+                block = tensor[:, :, mark:]
+                index = order[:, None, :, None].expand(-1, block.shape[1], -1, block.shape[3])
+                tensor[:, :, mark:] = block.gather(2, index)
+        self.keep_after(mark, keep)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` [B'] (long, increasing): the engine drops rows that finished, so later forwards

@@ -18,7 +18,7 @@ from drafters.ragged_lm import RaggedLM
 from drafters.ragged_state import MECHANISMS
 from inference.engine.run import left_pad
 from inference.engine.tree.draft import DraftTree
-from inference.engine.tree.target import keep_path, tree_extend
+from inference.engine.tree.target import tree_extend
 
 # Parts of some forwards run in float32 whatever the model's dtype: transformers' gated delta rule (its reference
 # kernels cast to float32 and keep a float32 recurrent state) and the RMSNorm of gpt-oss and DeepSeek-V3 (computed in
@@ -110,7 +110,7 @@ def test_tree_rollback_equals_recompute(name):
     keep = torch.tensor([3, 3, 1])
     mark = target.mark()
     tree_extend(target, tree)
-    keep_path(target, mark, path, keep)
+    target.keep_path(mark, path, keep)
     for row in range(3):
         sequences[row] += [int(tree.tokens[row, node]) for node in path[row, : int(keep[row])]]
     assert_equals_fresh_prefill(target, sequences, torch.tensor([7, 8, 9]), name)

@@ -22,7 +22,7 @@ from drafters.base import DraftContext
 from inference.engine.generate import speculative_generate, tree_speculative_generate
 from inference.engine.tree.draft import DraftTree, chain_tree, ddtree, dynamic_tree
 from inference.engine.tree.rounds import grow_tree
-from inference.engine.tree.target import keep_path, path_features, tree_extend
+from inference.engine.tree.target import path_features, tree_extend
 from inference.engine.tree.verify import greedy_tree_verify, sample_tree_verify
 
 KINDS = sorted(FACTORIES)
@@ -277,7 +277,7 @@ def test_commit_after_a_non_first_branch_equals_a_chain_commit(kind):
     mark = trees.mark()
     logits, served = tree_extend(trees, tree, request)
     keep = (path >= 0).sum(-1)
-    keep_path(trees, mark, path, keep)
+    trees.keep_path(mark, path, keep)
     block = tree.tokens.gather(1, path.clamp(min=0))
     next_tokens = logits[torch.arange(2)[:, None], path.clamp(min=0)].argmax(-1).gather(1, (keep - 1)[:, None])[:, 0]
     valid = path >= 0

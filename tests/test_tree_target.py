@@ -13,7 +13,7 @@ from conftest import make_tiny_model
 from drafters.base import FeatureRequest
 from inference.engine.target import TargetModel
 from inference.engine.tree.draft import DraftTree
-from inference.engine.tree.target import keep_path, path_features, tree_extend
+from inference.engine.tree.target import path_features, tree_extend
 
 # node:     0   1   2   3   4   5   6
 PARENTS = [-1, 0, 0, 1, 1, 3, 2]
@@ -106,7 +106,7 @@ def test_compaction_leaves_the_cache_of_the_accepted_path(kernel):
     _, served = tree_extend(target, small_tree(2), request)
     path = torch.tensor([[0, 1, 3, 5], [0, 2, -1, -1]])
     keep = torch.tensor([4, 2])
-    keep_path(target, mark, path, keep)
+    target.keep_path(mark, path, keep)
     features = path_features(served, path)
     probe = torch.tensor([[40], [41]])
     logits, _ = target.extend(probe)

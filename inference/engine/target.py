@@ -261,14 +261,30 @@ class TargetModel:
         request = request or FeatureRequest()
         with self.capture(request.layer_ids, want_last_hidden=request.final_hidden) as captured:
             logits = self.runner.extend(input_ids, valid, logits_to_keep)
+        served = self._served(request, captured, logits)
+        if request.kv_layers:
+            served.update(self.kv_view(request.kv_layers))
+        return logits, served
+
+    def extend_tree(self, input_ids, ancestors, depth, parents,
+                    request: FeatureRequest | None = None) -> tuple[torch.Tensor, dict]:
+        """Verify forward over the N nodes of a tree [B, N] after each row's sequence (RaggedLM.extend_tree: node i
+        sees its ancestors, at position length + depth). Returns logits [B, N, V] (row i: the target's distribution
+        after the root-to-i path) and the features `request` asks for over the nodes, as `extend` serves them (no
+        KV view: a tree's slots are not a sequence until `keep_path`)."""
+        request = request or FeatureRequest()
+        with self.capture(request.layer_ids, want_last_hidden=request.final_hidden) as captured:
+            logits = self.runner.extend_tree(input_ids, ancestors, depth, parents)
+        return logits, self._served(request, captured, logits)
+
+    @staticmethod
+    def _served(request: FeatureRequest, captured: dict, logits: torch.Tensor) -> dict:
         served: dict = {"hidden": {layer_id: captured[layer_id] for layer_id in request.layer_ids}}
         if request.final_hidden:
             served["final_hidden"] = captured["last"]
         if request.top_k_logits:
             served["top_k"] = tuple(logits.topk(request.top_k_logits, dim=-1))
-        if request.kv_layers:
-            served.update(self.kv_view(request.kv_layers))
-        return logits, served
+        return served
 
     def kv_view(self, kv_layers) -> dict:
         """The live KV cache of decoder layers `kv_layers`: target_kv {layer: (keys, values) [B, H_kv, L, d]} and
@@ -284,6 +300,11 @@ class TargetModel:
     def keep_after(self, mark: int, keep: torch.Tensor) -> None:
         """Roll back: row b keeps the first keep[b] tokens fed since `mark` (crop on rejection)."""
         self.runner.keep_after(mark, keep)
+
+    def keep_path(self, mark: int, path: torch.Tensor, keep: torch.Tensor) -> None:
+        """Roll a tree block fed since `mark` back to a path: row b keeps its first keep[b] nodes of path[b] [B, W]
+        (RaggedLM.keep_path); afterwards the cache is the path's, fed as a chain."""
+        self.runner.keep_path(mark, path, keep)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` [B'] (long, increasing) of the generation: finished rows leave the batch."""

@@ -28,7 +28,7 @@ from drafters.base import Drafter
 from inference.engine.rounds import commit_context
 from inference.engine.run import Draft, Verdict
 from inference.engine.tree.draft import DraftTree, chain_tree, ddtree, dynamic_tree
-from inference.engine.tree.target import keep_path, path_features, tree_extend
+from inference.engine.tree.target import path_features, tree_extend
 from inference.engine.tree.verify import greedy_tree_verify, sample_tree_verify
 
 
@@ -72,7 +72,7 @@ class TreeRounds:
             path, num_accepted, new_tokens = greedy_tree_verify(tree, logits)
         else:
             path, num_accepted, new_tokens = sample_tree_verify(tree, run.pick(logits), run.generator)
-        keep_path(target, mark, path, torch.where(run.active, num_accepted + 1, torch.zeros_like(num_accepted)))
+        target.keep_path(mark, path, torch.where(run.active, num_accepted + 1, torch.zeros_like(num_accepted)))
         features = path_features(served, path)
         if request.kv_layers:  # read after compaction: the cache a chain accepting the same path would leave
             features.update(target.kv_view(request.kv_layers))
