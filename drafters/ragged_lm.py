@@ -15,10 +15,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from drafters.ragged_state import FamilyState
-
-
-MASKABLE_ATTENTION = ("sdpa", "eager")  # the kernels that take an arbitrary 4-D mask (tree forwards)
+from drafters.ragged_state import MASKABLE_ATTENTION, FamilyState
 
 
 def path_order(path: torch.Tensor, num_nodes: int) -> torch.Tensor:
