@@ -35,6 +35,47 @@ MASKABLE_ATTENTION = ("sdpa", "eager")
 MECHANISMS = ("snapshot", "rerun")
 
 
+class RoomyLayer(DynamicLayer):
+    """A full-attention cache layer whose keys and values are views into buffers with room to grow: a block appended
+    after the prefill is written into the room, where transformers' DynamicLayer concatenates (a fresh copy of the
+    whole layer, and on a CPU fresh pages, every decode step). Crops keep the view; a row selection copies, and the
+    next append moves it into a new buffer. The first write (a prefill, or training's one forward) takes no room."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        used, new = (self.keys.shape[-2] if self.keys.numel() else 0), key_states.shape[-2]
+        if used == 0:  # the first block: its own tensors, no room
+            self.keys, self.values = key_states, value_states
+            return self.keys, self.values
+        if not self._has_room(used + new, key_states):
+            room = used + new + max(256, (used + new) // 2)
+            self.buffers = tuple(torch.empty(*old.shape[:2], room, old.shape[3], dtype=old.dtype, device=old.device)
+                                 for old in (self.keys, self.values))
+            for buffer, old in zip(self.buffers, (self.keys, self.values)):
+                buffer[:, :, :used] = old
+        for buffer, block in zip(self.buffers, (key_states, value_states)):
+            buffer[:, :, used:used + new] = block
+        self.keys, self.values = (buffer[:, :, :used + new] for buffer in self.buffers)
+        return self.keys, self.values
+
+    def _has_room(self, length: int, block: torch.Tensor) -> bool:
+        """The current keys are a prefix view of the buffers (no row selection since) and `length` slots fit."""
+        if self.buffers is None:
+            return False
+        keys = self.buffers[0]
+        return (self.keys.data_ptr() == keys.data_ptr() and self.keys.shape[:2] == keys.shape[:2] == block.shape[:2]
+                and length <= keys.shape[2])
+
+    def reset(self) -> None:
+        self.buffers = None
+        super().reset()
+
+
 def layer_types(config) -> list[str]:
     """The decoder's layer types; configs without `layer_types` are all full or all sliding-window attention."""
     types = getattr(config, "layer_types", None)
@@ -103,12 +144,13 @@ class FamilyState:
 
     # ---- the cache ---------------------------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:
-        """A DynamicCache of the model's layer kinds, sliding-window layers replaced by full ones (every slot kept)."""
+        """A DynamicCache of the model's layer kinds, attention layers (sliding-window ones too: every slot kept) as
+        RoomyLayer."""
         cache = DynamicCache(config=self.config)
         for index, layer in enumerate(cache.layers):
-            if type(layer).__name__ == "DynamicSlidingWindowLayer":
-                cache.layers[index] = DynamicLayer()
-            elif type(layer) not in (DynamicLayer, LinearAttentionLayer, DummyLayer):
+            if type(layer).__name__ == "DynamicSlidingWindowLayer" or type(layer) is DynamicLayer:
+                cache.layers[index] = RoomyLayer()
+            elif type(layer) not in (LinearAttentionLayer, DummyLayer):
                 raise ValueError(f"target family {self.family}: cache layer {index} is a {type(layer).__name__}; "
                                  "missing: a per-row rollback of it in the engine")
         return cache
