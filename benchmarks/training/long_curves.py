@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.k and len(args.k) != len(args.run):
             raise ValueError(f"--k: give one per --run ({len(args.run)}), or none")
-        missing = [run for run in args.run if not checkpoints(run)]
+        found = {run: checkpoints(run) for run in args.run}
+        missing = [run for run in args.run if not found[run]]
         if missing:
             raise ValueError(f"--run {missing[0]}: no checkpoints/step_N there (train.save_every)")
         target = TargetModel.from_pretrained(args.target)
@@ -89,10 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"long_curves: error: {err}", file=sys.stderr)
         return 2
     described = f"{args.prompts} x {len(prompts)} first turns, {args.max_new_tokens} new tokens"
-    previous = json.load(open(args.out))["rows"] if os.path.exists(args.out) else []
+    previous = []
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            previous = json.load(f)["rows"]
     rows = []
     for i, run in enumerate(args.run):
-        for step, directory, seconds in checkpoints(run):
+        for step, directory, seconds in found[run]:
             drafter = load_trained_drafter(directory, target.target_info()).eval()
             k = args.k[i] if args.k else min(drafter.max_draft_tokens() or 7, 7)
             key = {"run": run, "step": step, "heldout_k": k, "heldout_prompts": described}
