@@ -39,6 +39,9 @@ class RaggedLM:
         self.slot_mask: torch.Tensor | None = None  # [B, L] long, 1 = a token of the sequence
         self.family = FamilyState(model)  # refuses a family it cannot roll back, naming what is missing
         self.state_base: int | None = None  # the slot the linear-attention records start at (None: no records)
+        # blocks after the prefill run by this forward over the model's weights (inference/engine/lean.py), or None
+        # for the model's own: lean(input_ids, position_ids, slot_mask, cache, logits_to_keep) -> logits
+        self.lean = None
 
     @property
     def device(self) -> torch.device:
@@ -88,6 +91,9 @@ class RaggedLM:
             self.slot_mask = torch.cat([self.slot_mask, new_mask], dim=1)
             self.family.begin_block(self.cache, valid)
         try:
+            if self.lean is not None and not prefill:
+                return self.lean.forward(input_ids.to(self.device), position_ids, self.slot_mask, self.cache,
+                                         logits_to_keep).float()
             out = self.model(
                 input_ids=input_ids.to(self.device),
                 attention_mask=self.family.attention_mask(self.slot_mask, position_ids),

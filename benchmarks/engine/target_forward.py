@@ -2,11 +2,12 @@
 
     python benchmarks/engine/target_forward.py --threads 1 --widths 1,2,3,7 --repeats 15 [--clock cpu] --out FILE.json
 
-Loads SmolLM2-135M twice (today's HF path and the fast path of inference/engine/fastpath.py), prefills the same
-100-token context in each, then times `extend` over W + 1 tokens followed by the rollback a full rejection does,
+Loads SmolLM2-135M three times (the HF path; the fast path's linear kernels, inference/engine/fastpath.py, under
+HF's modules; and those kernels under the lean decode forward, inference/engine/lean.py, as the engine runs with
+the fast path on), prefills the same 100-token context in each, then times `extend` over W + 1 tokens followed by the rollback a full rejection does,
 the paths and widths taking turns inside every repeat (interleaved, medians). v(W) = t(W) / t(0) is what the engine's
 cost profile measures per round minus the drafter; achieved GB/s = weight bytes per forward / t, beside the stream
-probe (inference/engine/roofline.py). Also checks that the two paths' logits agree (max abs difference printed).
+probe (inference/engine/roofline.py). Also checks that the paths' logits agree with HF's (max abs difference).
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def time_widths(targets: dict, widths: list[int], repeats: int, context: int, cl
 
 
 def max_logit_difference(targets: dict, context: int) -> float:
+    """The largest |logit| difference of any path from the first one, over a prefill and a 4-token block."""
     prompt = torch.randint(100, 10000, (1, context), generator=torch.Generator().manual_seed(1))
-    logits = [target.prefill(prompt, torch.ones_like(prompt))[0] for target in targets.values()]
-    steps = [target.extend(prompt[:, :4])[0] for target in targets.values()]
-    return max(float((logits[0] - logits[1]).abs().max()), float((steps[0] - steps[1]).abs().max()))
+    outputs = [torch.cat([target.prefill(prompt, torch.ones_like(prompt))[0], target.extend(prompt[:, :4])[0]], 1)
+               for target in targets.values()]
+    return max(float((out - outputs[0]).abs().max()) for out in outputs[1:])
 
 
 def main(argv=None) -> int:
@@ -66,7 +68,8 @@ def main(argv=None) -> int:
     hf = TargetModel.from_pretrained("smollm2-135m-instruct")
     fast = TargetModel.from_pretrained("smollm2-135m-instruct")
     path = fastpath.enable(fast.model)
-    targets = {"hf": hf, path: fast}
+    lean = TargetModel.from_pretrained("smollm2-135m-instruct", fast_path=True)
+    targets = {"hf": hf, path: fast, f"{lean.path}+{lean.decode}": lean}
     nbytes = weight_bytes(hf.model)
     stream = stream_bandwidth(clock=clock)
     difference = max_logit_difference(targets, args.context)
@@ -87,8 +90,9 @@ def main(argv=None) -> int:
               f"{row['achieved_gb_per_s']:5.1f} GB/s"
               f" ({row['achieved_gb_per_s'] / stream:.0%} of stream)  "
               + "  ".join(f"v({w})={row['v'][w]:.2f}" for w in widths if w))
-    ratio = result["paths"]["hf"]["ar_step_ms"] / result["paths"][path]["ar_step_ms"]
-    print(f"stream {stream:.1f} GB/s, weights {nbytes / 1e6:.0f} MB, AR step hf/fast {ratio:.2f}x, "
+    ratio = "  ".join(f"hf/{name} {result['paths']['hf']['ar_step_ms'] / row['ar_step_ms']:.2f}x"
+                      for name, row in result["paths"].items() if name != "hf")
+    print(f"stream {stream:.1f} GB/s, weights {nbytes / 1e6:.0f} MB, AR step {ratio}, "
           f"max |logit diff| {difference:.2e}, load {load:.1f}")
     if args.out:
         write_measurement(args.out, result)

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from drafters.base import FeatureRequest, TargetInfo
 from drafters.ragged_lm import RaggedLM
 from inference.engine import fastpath
+from inference.engine.lean import HF_DECODE, LEAN, LeanDecoder
 
 LOGIT_CHUNK_VALUES = 1 << 26  # logits `features` holds at once without return_logits: 256 MiB in fp32
 
@@ -85,7 +86,7 @@ class TargetModel:
     """
 
     def __init__(self, model, tokenizer=None, name_or_path: str = "", fast_path: bool = False,
-                 placement: str = "replicated"):
+                 placement: str = "replicated", lean: bool | None = None):
         if placement not in TARGET_PLACEMENTS:
             raise ValueError(f"placement {placement!r}: choose one of {', '.join(TARGET_PLACEMENTS)}")
         # where the weights are (TARGET_PLACEMENTS); `whole` says whether this process can run the forward alone
@@ -98,6 +99,12 @@ class TargetModel:
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "")
         self.runner = RaggedLM(model)  # first: it refuses a family the engine cannot roll back, in one line
+        # the decode / verify forward: "lean" (inference/engine/lean.py; by default with the fast path, where the
+        # model's structure and a probe allow) or "hf"; `lean_refused` says why not
+        self.decode, self.lean_refused = HF_DECODE, "the fast path is off"
+        if fast_path if lean is None else lean:
+            self.runner.lean, self.lean_refused = LeanDecoder.build(self.model)
+            self.decode = LEAN if self.runner.lean is not None else HF_DECODE
         decoder = model.get_decoder()
         self.layers = decoder.layers
         self.final_norm = decoder.norm
@@ -196,11 +203,16 @@ class TargetModel:
             handles.append(module.register_forward_pre_hook(grab(int(layer_id)), with_kwargs=True))
         if want_last_hidden:
             handles.append(self.final_norm.register_forward_hook(lambda m, a, out: captured.__setitem__("last", out)))
+        lean = self.runner.lean  # the lean forward calls no layer module: it fills the same dict itself
+        if lean is not None:
+            lean.taps, lean.tap_ids, lean.tap_last = captured, frozenset(int(i) for i in layer_ids), want_last_hidden
         try:
             yield captured
         finally:
             for handle in handles:
                 handle.remove()
+            if lean is not None:
+                lean.taps = None
 
     @torch.no_grad()
     def features(self, input_ids, attention_mask, layer_ids, return_logits: bool = False,

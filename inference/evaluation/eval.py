@@ -278,7 +278,8 @@ def profile_drafters(target, methods: list[Method], questions: list, settings: E
 def evaluate(settings: EvalSettings, target, methods: list[Method], prompt_sets: list, sink) -> list[dict]:
     """Run the baseline and every method over every prompt set, temperature and batch size; return all records."""
     env = environment(target.device, settings.torch_dtype(target.device))
-    roofline = {"target_path": target.path, "weight_bytes": weight_bytes(target.model),
+    roofline = {"target_path": target.path, "target_decode": target.decode, "lean_refused": target.lean_refused,
+                "weight_bytes": weight_bytes(target.model),
                 "stream_gb_per_s": stream_bandwidth(device=target.device),
                 "target_kernels": fastpath.kernel_choice(target.model)}
     total = sum(len(q.turns) for _, questions in prompt_sets for q in questions)
