@@ -156,6 +156,46 @@ def readme_table() -> str:
                      [f"[{n}]: {url}" for n, url in targets])
 
 
+LONG = [("EAGLE-3", "eagle3"), ("DFlash", "dflash"), ("DSpark", "dspark"), ("MTP-3", "mtp")]  # (label, kind)
+HELDOUT = "sharegpt_smollm2_10k.heldout"
+
+
+def long_table() -> str:
+    """The long recipes' drafters that have an eval file (docs/results/long_KIND_eval.json, written by
+    benchmarks/training/long_eval.sh): held-out tau per k, MT-Bench tau, the best k by measured speedup, speedup at
+    it and under auto k, vLLM's and ours from server_speedup_long_KIND_tT.json, and CPU-hours from long_curves.json."""
+    rows = ["| drafter | held-out tau, k = 1/2/3/5/7 | MT-Bench, k = 1/3 | best k | auto | vLLM/ours k=1 "
+            "| vLLM/ours k=3 | CPU-h |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    files = []
+    for label, kind in LONG:
+        name = f"long_{kind}_eval"
+        if not os.path.exists(os.path.join(RESULTS, name + ".json")):
+            continue
+        files.append(name)
+        drafter = next(r["drafter"] for r in load(name)["records"] if r["num_draft_tokens"] not in (0, "0"))
+        held = {k: record(name, drafter, k, dataset=HELDOUT) for k in (1, 2, 3, 5, 7)}
+        bench = {k: record(name, drafter, k, dataset="mt_bench") for k in (1, 3)}
+        best = max(held, key=lambda k: held[k]["speedup"])
+        auto = record(name, drafter, "auto", dataset=HELDOUT)
+        served = {1: [], 3: []}  # "vLLM/ours" per k, at 1 thread then 2 where measured
+        for threads in (1, 2):
+            server = f"server_speedup_long_{kind}_t{threads}"
+            if os.path.exists(os.path.join(RESULTS, server + ".json")):
+                for r in load(server)["rows"]:
+                    if r["k"] in served:
+                        served[r["k"]].append(f"{r['speedup_vllm']:.2f}/{r['speedup_ours']:.2f}")
+        curve = [r for r in load("long_curves")["rows"] if r["run"].endswith(f"smollm2_{kind}_long")] \
+            if os.path.exists(os.path.join(RESULTS, "long_curves.json")) else []
+        hours = f"{max(r['cpu_hours'] for r in curve):.2f}" if curve else "-"
+        rows.append(f"| {label} | {'/'.join(f2(held[k]['tau']) for k in held)} | "
+                    f"{'/'.join(f2(bench[k]['tau']) for k in bench)} | {best}: {x(held[best]['speedup'])} | "
+                    f"{x(auto['speedup'])} | {', '.join(served[1]) or '-'} | {', '.join(served[3]) or '-'} | "
+                    f"{hours} |")
+    if not files:
+        return "No long recipe evaluated yet (benchmarks/training/long_eval.sh)."
+    return "\n".join(rows + ["", measured_on(files)])
+
+
 def numbered_links(text: str) -> tuple[str, list[tuple[int, str]]]:
     """`text` with every inline link [t](url) as a reference [t][n], one n per distinct url in order of first use."""
     numbers: dict[str, int] = {}
@@ -304,7 +344,7 @@ def summary_table() -> str:
 
 TABLES = {  # file -> {table name: generator}
     os.path.join("docs", "benchmarks.md"): {"summary": summary_table},
-    "README.md": {"measured": readme_table},
+    "README.md": {"measured": readme_table, "long": long_table},
 }
 
 

@@ -11,8 +11,6 @@ timings).
 Candidates (every one computes x W^T + b; they differ only in the order float32 products are summed):
 - `linear`: F.linear on the [out, in] weight (MKL sgemm), the model's own kernel; no extra copy;
 - `transposed`: the weight stored [in, out] contiguous, as a matrix product (one extra copy);
-- `transposed-mv`: the same copy, one matrix-vector product per row (MKL's gemv streams it in order; at 1 row it
-  measured 1.4x the matrix product on an AMD EPYC with AVX-512);
 - `onednn`: oneDNN's prepacked linear (the weight reordered once into its blocked layout; one extra copy);
 - `onednn-pad4`: the same with fewer than 4 rows padded to 4 (its 2-row kernel is slow on some CPUs);
 - `mkl`: MKL's packed GEMM (cblas_sgemm_pack; one extra copy), where this torch has it.
@@ -60,21 +58,9 @@ def _transposed(x, weight_t, weight, bias):
     return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
 
 
-def _transposed_mv(x, weight_t, weight, bias):
-    """One matrix-vector product per row over the [in, out] copy read as a column-major [out, in] matrix (each
-    input element scales one contiguous column: a single sequential pass over the copy per row)."""
-    column_major = weight_t.t()
-    if bias is None:
-        rows = [torch.mv(column_major, row) for row in x]
-    else:
-        rows = [torch.addmv(bias, column_major, row) for row in x]
-    return rows[0][None] if len(rows) == 1 else torch.stack(rows)
-
-
 KERNELS = {
     "linear": Kernel("weight", lambda x, copy, weight, bias: F.linear(x, weight, bias)),
     "transposed": Kernel("transposed", _transposed),
-    "transposed-mv": Kernel("transposed", _transposed_mv),
     "onednn": Kernel("onednn", lambda x, packed, weight, bias: torch.ops.mkldnn._linear_pointwise(
         x, packed, bias, "none", [], "")),
     "onednn-pad4": Kernel("onednn", _padded_onednn),
