@@ -23,6 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results")
 
 
+def exists(name: str) -> bool:
+    return os.path.exists(os.path.join(RESULTS, name + ".json"))
+
+
 @lru_cache(maxsize=None)
 def load(name: str) -> dict:
     with open(os.path.join(RESULTS, name + ".json")) as f:
@@ -169,7 +173,7 @@ def long_table() -> str:
     files = []
     for label, kind in LONG:
         name = f"long_{kind}_eval"
-        if not os.path.exists(os.path.join(RESULTS, name + ".json")):
+        if not exists(name):
             continue
         files.append(name)
         drafter = next(r["drafter"] for r in load(name)["records"] if r["num_draft_tokens"] not in (0, "0"))
@@ -180,12 +184,12 @@ def long_table() -> str:
         served = {1: [], 3: []}  # "vLLM/ours" per k, at 1 thread then 2 where measured
         for threads in (1, 2):
             server = f"server_speedup_long_{kind}_t{threads}"
-            if os.path.exists(os.path.join(RESULTS, server + ".json")):
+            if exists(server):
                 for r in load(server)["rows"]:
                     if r["k"] in served:
                         served[r["k"]].append(f"{r['speedup_vllm']:.2f}/{r['speedup_ours']:.2f}")
         curve = [r for r in load("long_curves")["rows"] if r["run"].endswith(f"smollm2_{kind}_long")] \
-            if os.path.exists(os.path.join(RESULTS, "long_curves.json")) else []
+            if exists("long_curves") else []
         hours = f"{max(r['cpu_hours'] for r in curve):.2f}" if curve else "-"
         rows.append(f"| {label} | {'/'.join(f2(held[k]['tau']) for k in held)} | "
                     f"{'/'.join(f2(bench[k]['tau']) for k in bench)} | {best}: {x(held[best]['speedup'])} | "

@@ -4,8 +4,8 @@
 
 Loads SmolLM2-135M three times (the HF path; the fast path's linear kernels, inference/engine/fastpath.py, under
 HF's modules; and those kernels under the lean decode forward, inference/engine/lean.py, as the engine runs with
-the fast path on), prefills the same 100-token context in each, then times `extend` over W + 1 tokens followed by the rollback a full rejection does,
-the paths and widths taking turns inside every repeat (interleaved, medians). v(W) = t(W) / t(0) is what the engine's
+the fast path on), prefills the same 100-token context in each, then times `extend` over W + 1 tokens followed by
+the rollback a full rejection does, the paths and widths taking turns inside every repeat (interleaved, medians). v(W) = t(W) / t(0) is what the engine's
 cost profile measures per round minus the drafter; achieved GB/s = weight bytes per forward / t, beside the stream
 probe (inference/engine/roofline.py). Also checks that the paths' logits agree with HF's (max abs difference).
 """

@@ -13,14 +13,13 @@ Which models it runs is decided by structure and then by measurement, never by m
 attention with the module names above, and a probe at construction (a short prefill and a two-token block, HF's
 forward against this one, on the model itself) whose logits must agree to float32's summation bound; anything else
 (a scaled embedding, norms with an offset, soft-capped logits, extra norms) fails the probe and keeps the HF
-forward, with the reason kept in `LeanDecoder.refused`.
+forward, with the reason in `TargetModel.lean_refused`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from drafters.ragged_lm import RaggedLM
 from drafters.ragged_state import layer_types
@@ -38,7 +37,7 @@ class LeanDecoder:
 
     def __init__(self, model):
         decoder = model.get_decoder()
-        self.model, self.decoder = model, decoder
+        self.model = model
         self.layers = [_LayerWeights(layer) for layer in decoder.layers]
         self.embed, self.norm, self.rotary = decoder.embed_tokens, decoder.norm, decoder.rotary_emb
         self.norm_eps = _eps(decoder.norm)
@@ -179,7 +178,7 @@ def structure_reason(model) -> str | None:
                 module = getattr(module, part, None)
             if module is None:
                 return f"a decoder layer has no `{path}`"
-        if not isinstance(layer.mlp.gate_proj, nn.Module) or len(list(layer.children())) != 4:
+        if len(list(layer.children())) != 4:
             return f"a decoder layer holds {[n for n, _ in layer.named_children()]} (the lean forward knows " \
                    "input_layernorm, self_attn, post_attention_layernorm, mlp)"
     return None

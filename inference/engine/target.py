@@ -99,12 +99,11 @@ class TargetModel:
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "")
         self.runner = RaggedLM(model)  # first: it refuses a family the engine cannot roll back, in one line
-        # the decode / verify forward: "lean" (inference/engine/lean.py; by default with the fast path, where the
-        # model's structure and a probe allow) or "hf"; `lean_refused` says why not
-        self.decode, self.lean_refused = HF_DECODE, "the fast path is off"
+        # the lean decode / verify forward (inference/engine/lean.py; by default with the fast path) where the
+        # model's structure and a probe allow; `lean_refused` says why not (`decode` names what runs)
+        self.lean_refused = "the lean forward is off"
         if fast_path if lean is None else lean:
             self.runner.lean, self.lean_refused = LeanDecoder.build(self.model)
-            self.decode = LEAN if self.runner.lean is not None else HF_DECODE
         decoder = model.get_decoder()
         self.layers = decoder.layers
         self.final_norm = decoder.norm
@@ -122,6 +121,11 @@ class TargetModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model, tokenizer, name_or_path=path, fast_path=fast_path)
+
+    @property
+    def decode(self) -> str:
+        """Which forward runs the blocks after the prefill: "lean" or "hf"."""
+        return LEAN if self.runner.lean is not None else HF_DECODE
 
     @property
     def whole(self) -> bool:
