@@ -177,9 +177,11 @@ def full_vocab_cross_entropy(output, batch: Mapping[str, Any], lm_head_weight: t
     logits = output.logits.to(torch.promote_types(output.logits.dtype, torch.float32))
     rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
     if soft:
-        with torch.no_grad():
-            teacher_hidden = batch["target_last_hidden"][rows, output.label_position - 1].to(logits.dtype)
-            teacher = torch.softmax(F.linear(teacher_hidden, lm_head_weight.to(logits.dtype)), dim=-1)
+        with torch.no_grad():  # cells (i, k) and (i + 1, k - 1) read one teacher position: its head runs once
+            seq_len = batch["target_last_hidden"].shape[1]
+            cells, cell_of = torch.unique(rows * seq_len + output.label_position - 1, return_inverse=True)
+            teacher_hidden = batch["target_last_hidden"][cells // seq_len, cells % seq_len].to(logits.dtype)
+            teacher = torch.softmax(F.linear(teacher_hidden, lm_head_weight.to(logits.dtype)), dim=-1)[cell_of]
         return soft_cross_entropy(logits, teacher)
     labels = batch["input_ids"][rows, output.label_position]
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)

@@ -86,6 +86,9 @@ def test_greedy_eval_matches_plain_greedy_and_writes_the_report(dirs, tmp_path, 
     assert roofline.startswith("roofline: target path fast-cpu-linear")  # a float32 target runs the fast path
     assert all(record["target_path"] == "fast-cpu-linear" and record["achieved_gb_per_s"]["ar"] > 0
                and record["stream_gb_per_s"] > 0 for record in records)
+    # the draft model's steps run the fast path's kernels too (TargetModel.serve); the n-gram drafter has no linears
+    assert {r["drafter"]: r["drafter_path"] for r in records if r["drafter"] != "none"} == {
+        "ngram": "hf", "draft_model:draft": "fast-cpu-linear"}
     kernels = records[0]["target_kernels"]  # what the fast path chose on this machine, per shape and row count
     assert kernels["threads"] >= 1 and kernels["cpu"] and kernels["shapes"]
     assert all(len(shape["plan"]) == 17 and shape["timings_ms"] for shape in kernels["shapes"].values())

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import make_tiny_model, random_prompts
 from torch import nn
 
@@ -88,6 +89,32 @@ def test_greedy_speculative_equals_plain_greedy_on_the_fast_path(batch_size):
                 assert out.tokens == plain[start:start + batch_size], (name, k)
 
 
+def test_a_served_drafter_runs_the_kernels_at_inference_and_its_own_linears_when_it_trains():
+    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+
+    target = TargetModel(make_tiny_model("llama", dtype=torch.float32), fast_path=True)
+    info = target.target_info()
+    drafter = Eagle3Drafter(Eagle3Config(layer_ids=(0, 1, 2), draft_vocab_size=info.vocab_size,
+                                         init_head_from_target=False), info)
+    before = {name: tensor.data_ptr() for name, tensor in drafter.state_dict().items()}
+    assert target.serve(drafter) is drafter
+    choice = fastpath.kernel_choice(drafter)
+    assert choice is not None and choice["shapes"]
+    assert not any(type(module) is nn.Linear for module in drafter.modules())
+    assert {name: tensor.data_ptr() for name, tensor in drafter.state_dict().items()} == before
+    target.serve(drafter)
+    assert fastpath.kernel_choice(drafter) is choice  # served once
+    for module in (m for m in drafter.modules() if isinstance(m, fastpath.FastLinear)):
+        x = torch.randn(2, module.in_features)
+        assert torch.equal(module(x), F.linear(x, module.weight, module.bias))  # training: its own linear, exactly
+    # not served: a drafter without parameters, and any drafter of a target on the hf path
+    ngram = NgramDrafter(NgramDrafter.Config(), info)
+    assert target.serve(ngram) is ngram
+    other = Eagle3Drafter(Eagle3Config(layer_ids=(0, 1, 2), draft_vocab_size=info.vocab_size), info)
+    TargetModel(make_tiny_model("llama", dtype=torch.float32)).serve(other)
+    assert fastpath.kernel_choice(other) is None and any(type(m) is nn.Linear for m in other.modules())
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("name", sorted(kernels.KERNELS))
 def test_every_kernel_equals_the_product_to_the_float32_bound(name, bias):
@@ -128,9 +155,22 @@ def test_a_fast_linear_holds_only_the_weight_copies_its_plan_reads():
         torch.testing.assert_close(mixed(x), linear(x), rtol=0, atol=1e-5)
 
 
-def test_the_choice_is_timed_once_per_machine_and_then_read_back(tmp_path):
+def test_the_choice_is_timed_once_per_machine_and_then_read_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "busy", lambda: False)
     linears = {(8, 16, False): [nn.Linear(16, 8, bias=False) for _ in range(3)]}
     first = kernels.choose(linears, cache_dir=str(tmp_path))[(8, 16, False)]
     again = kernels.choose(linears, cache_dir=str(tmp_path))[(8, 16, False)]
     assert not first["cached"] and again["cached"] and again["plan"] == first["plan"]
     assert set(first["timings_ms"]) == set(kernels.TIMED_ROWS) and len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_choice_timed_on_a_busy_machine_is_not_kept_and_retime_times_again(tmp_path, monkeypatch):
+    linears = {(8, 16, False): [nn.Linear(16, 8, bias=False) for _ in range(3)]}
+    monkeypatch.setattr(kernels, "busy", lambda: True)
+    assert not kernels.choose(linears, cache_dir=str(tmp_path))[(8, 16, False)]["cached"]
+    assert not list(tmp_path.iterdir())  # used by this process, never cached
+    monkeypatch.setattr(kernels, "busy", lambda: False)
+    kernels.choose(linears, cache_dir=str(tmp_path))
+    assert kernels.choose(linears, cache_dir=str(tmp_path))[(8, 16, False)]["cached"]
+    monkeypatch.setenv("DRAFTSMITH_RETIME_KERNELS", "1")
+    assert not kernels.choose(linears, cache_dir=str(tmp_path))[(8, 16, False)]["cached"]

@@ -206,7 +206,7 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(args.threads)
         target = TargetModel.from_pretrained(args.target, fast_path=args.target_path == "auto")
-        drafter = load_drafter(args.drafter, target.target_info()).eval()
+        drafter = target.serve(load_drafter(args.drafter, target.target_info()).eval())
         _, questions = load_questions(args.prompts, num_prompts=args.num_prompts)
     except (ValueError, OSError) as err:
         print(f"server_speedup: error: {err}", file=sys.stderr)

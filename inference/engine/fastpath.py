@@ -61,7 +61,9 @@ class FastLinear(nn.Module):
 
 def unsupported_reason(model) -> str | None:
     """Why the fast path does not apply to `model` (None when it does)."""
-    parameter = next(model.parameters())
+    parameter = next(model.parameters(), None)
+    if parameter is None:
+        return "the model has no parameters"
     if parameter.device.type != "cpu":
         return f"device {parameter.device.type} (the fast path is for CPU; accelerators run the model's own kernels)"
     if not torch.backends.mkldnn.is_available():

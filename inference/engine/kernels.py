@@ -5,8 +5,9 @@ each put another first), so nothing is chosen by hand: `choose` times every cand
 model's own weights (all linears of one shape in turn, so the weights stream from memory as a forward streams
 them; the candidates interleaved inside every repeat, medians), and keeps the fastest per row count. The choice is
 cached per CPU model, torch version, thread count and weight shape (~/.cache/draftsmith/kernels/), so only the first
-run on a machine pays for it. `plan_for` turns timings into the plan; it is a pure function (tests feed it fake
-timings).
+run on a machine pays for it; a timing taken while other work held every core (`busy`) is used but not cached,
+and DRAFTSMITH_RETIME_KERNELS=1 times again whatever is cached. `plan_for` turns timings into the plan; it is a
+pure function (tests feed it fake timings).
 
 Candidates (every one computes x W^T + b; they differ only in the order float32 products are summed):
 - `linear`: F.linear on the [out, in] weight (MKL sgemm), the model's own kernel; no extra copy;
@@ -94,8 +95,8 @@ def plan_for(timings: dict[int, dict[str, float]]) -> list[str]:
 
 def machine_key(shape: tuple[int, int, bool]) -> str:
     """What a cached choice is valid for: the CPU model, torch, threads, the weight shape and the candidates."""
-    return json.dumps({"cpu": cpu_model(), "cpu_flags": cpu_flags(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                       "shape": list(shape), "kernels": sorted(KERNELS), "rows": list(TIMED_ROWS)})
+    return json.dumps({"cpu": cpu_model(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
+                       "threads": torch.get_num_threads(), "shape": list(shape), "kernels": sorted(KERNELS), "rows": list(TIMED_ROWS)})
 
 
 def time_shape(linears: list, repeats: int = 3, clock=time.perf_counter) -> dict[int, dict[str, float]]:
@@ -120,18 +121,29 @@ def time_shape(linears: list, repeats: int = 3, clock=time.perf_counter) -> dict
     return result
 
 
+def busy() -> bool:
+    """True when the machine's 1-minute load average reaches its core count: other work then competes for every
+    core and a timing ranks the kernels by who got scheduled, not by speed (seen: a 2-row pass timed 4x a 1-row
+    one at load 2 on 2 cores, and 1.1x when quiet)."""
+    return os.getloadavg()[0] >= (os.cpu_count() or 1)
+
+
 def choose(linears_by_shape: dict[tuple[int, int, bool], list], cache_dir: str = CACHE_DIR) -> dict:
     """{shape: {"plan": [kernel per row count], "timings": {rows: {kernel: ms}}, "cached": bool}} for every shape,
-    read from the cache where this machine timed it before, else timed now (and cached)."""
+    read from the cache where this machine timed it before (unless DRAFTSMITH_RETIME_KERNELS=1), else timed now and
+    cached when the machine was not `busy` (the record keeps the load it was timed at)."""
     choices = {}
+    retime = os.environ.get("DRAFTSMITH_RETIME_KERNELS", "") == "1"
     for shape, linears in linears_by_shape.items():
         key = machine_key(shape)
         path = os.path.join(cache_dir, hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
-        cached = _read(path, key)
+        cached = None if retime else _read(path, key)
         if cached is None:
             timings = time_shape(linears)
-            cached = {"key": key, "timings": {str(r): {k: 1e3 * s for k, s in t.items()} for r, t in timings.items()}}
-            _write(path, cached)
+            cached = {"key": key, "timings": {str(r): {k: 1e3 * s for k, s in t.items()} for r, t in timings.items()},
+                      "load_1min": os.getloadavg()[0]}
+            if not busy():
+                _write(path, cached)
         timings = {int(rows): by_kernel for rows, by_kernel in cached["timings"].items()}
         choices[shape] = {"plan": plan_for(timings), "timings_ms": timings, "cached": cached.get("read", False)}
     return choices

@@ -122,6 +122,17 @@ class TargetModel:
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model, tokenizer, name_or_path=path, fast_path=fast_path)
 
+    def serve(self, drafter):
+        """`drafter` as this target serves it: where the target runs the fast path, the drafter's own nn.Linear
+        layers run by this machine's chosen kernels too (fastpath.enable: a draft step is a few small-row linears,
+        the same sizes as a decode step). Its training forward and its weights are unchanged (FastLinear runs
+        F.linear where gradients are asked for). Returns the drafter; fastpath.kernel_choice(drafter) says what
+        runs (None: its own linears)."""
+        if (isinstance(drafter, torch.nn.Module) and self.path == fastpath.FAST_PATH
+                and fastpath.kernel_choice(drafter) is None and fastpath.unsupported_reason(drafter) is None):
+            fastpath.enable(drafter)
+        return drafter
+
     @property
     def decode(self) -> str:
         """Which forward runs the blocks after the prefill: "lean" or "hf"."""

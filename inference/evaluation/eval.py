@@ -221,6 +221,9 @@ def dataset_records(dataset: str, questions: list, runs: list[tuple[Method, RunR
             records.append(build_record(out, ar=ar_out, drafter_name=method.name, greedy_exact_match=match,
                                         max_draft_tokens=method.drafter.max_draft_tokens(),
                                         cost_profile=profiles.get(id(method.drafter)), **common))
+            # which linears the drafter's steps ran (TargetModel.serve): the fast path's kernels or its own
+            records[-1]["drafter_path"] = (fastpath.FAST_PATH if fastpath.kernel_choice(method.drafter) is not None
+                                           else fastpath.HF_PATH)
             if method.tree_budget is not None:
                 records[-1]["tree_budget"] = method.tree_budget
     return records

@@ -60,7 +60,7 @@ def load_methods(names: list[str], target: TargetModel, ks: list, tree_budgets: 
     methods = []
     for name in names:
         try:
-            drafter = load_drafter(name, info)
+            drafter = target.serve(load_drafter(name, info))
         except (ValueError, OSError) as err:
             raise ValueError(f"--drafter {name!r}: {err}") from None
         if drafter is None:
