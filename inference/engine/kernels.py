@@ -122,10 +122,10 @@ def time_shape(linears: list, repeats: int = 3, clock=time.perf_counter) -> dict
 
 
 def busy() -> bool:
-    """True when the machine's 1-minute load average reaches its core count: other work then competes for every
-    core and a timing ranks the kernels by who got scheduled, not by speed (seen: a 2-row pass timed 4x a 1-row
-    one at load 2 on 2 cores, and 1.1x when quiet)."""
-    return os.getloadavg()[0] >= (os.cpu_count() or 1)
+    """True when other work holds at least half the cores: the 1-minute load average, less this process's own
+    threads, reaches cores / 2. A timing taken then ranks the kernels by who got scheduled, not by speed (seen on 2
+    cores beside a training: a 2-row pass timed at 2-4x a 1-row one, 1.1x when quiet)."""
+    return os.getloadavg()[0] - torch.get_num_threads() >= (os.cpu_count() or 1) / 2
 
 
 def choose(linears_by_shape: dict[tuple[int, int, bool], list], cache_dir: str = CACHE_DIR) -> dict:
