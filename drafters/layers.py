@@ -25,9 +25,12 @@ class FrozenTargetTensors:
     to another device or dtype gets a fresh copy there).
     """
 
+    HEADS = ("lm_head_weight",)  # the tensors drafters multiply by (`linear`), which a server may run its own way
+
     def __init__(self, target_info: TargetInfo):
         self.target_info = target_info
         self._copies: dict[tuple, torch.Tensor] = {}
+        self._served: dict[str, nn.Module] = {}
 
     def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """TargetInfo field `name` (e.g. "embed_weight", [V, D]) on like's device and dtype."""
@@ -35,6 +38,23 @@ class FrozenTargetTensors:
         if key not in self._copies:
             self._copies[key] = getattr(self.target_info, name).detach().to(like.device, like.dtype)
         return self._copies[key]
+
+    def linear(self, name: str, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """x [..., D] times frozen tensor `name` [V, D] transposed -> [..., V]: by the module served for it (`serve`)
+        where no gradient flows through x and it holds x's device and dtype, else F.linear on `get(name, like)`."""
+        served = self._served.get(name)
+        if (served is not None and not (torch.is_grad_enabled() and x.requires_grad)
+                and (served.weight.device, served.weight.dtype) == (x.device, x.dtype)):
+            return served(x)
+        return F.linear(x, self.get(name, like))
+
+    def serve(self, name: str, module: nn.Module | None) -> None:
+        """Compute `linear(name, ...)` by `module` (x -> x W^T over this very tensor, e.g. the fast path's FastLinear
+        of the target's own head) at inference; None puts F.linear back."""
+        if module is None:
+            self._served.pop(name, None)
+        else:
+            self._served[name] = module
 
 
 def hf_layer_config(config: Any, target_info: TargetInfo, model_type: str,

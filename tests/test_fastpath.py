@@ -115,6 +115,46 @@ def test_a_served_drafter_runs_the_kernels_at_inference_and_its_own_linears_when
     assert fastpath.kernel_choice(other) is None and any(type(m) is nn.Linear for m in other.modules())
 
 
+@pytest.mark.parametrize("kind", ["dflash", "mtp", "medusa"])
+def test_a_served_drafter_multiplies_by_the_targets_head_through_the_targets_own_fast_linear(kind):
+    """The frozen head a drafter shares with its target runs by the target's FastLinear (the same module: no layout
+    held twice) at inference, and by F.linear, exactly, wherever a gradient flows through it."""
+    from drafters.dflash import DFlashConfig, DFlashDrafter
+    from drafters.medusa import MedusaConfig, MedusaDrafter
+    from drafters.mtp import MTPConfig, MTPDrafter
+
+    target = TargetModel(make_tiny_model("llama", dtype=torch.float32), fast_path=True)
+    info = target.target_info()
+    drafter = {"dflash": lambda: DFlashDrafter(DFlashConfig(layer_ids=(0, 1), block_size=4,
+                                                                  mask_token_id=info.vocab_size - 1), info),
+               "mtp": lambda: MTPDrafter(MTPConfig(num_modules=2), info),
+               "medusa": lambda: MedusaDrafter(MedusaConfig(num_heads=2), info)}[kind]()
+    frozen = drafter._frozen
+    like = next(drafter.parameters())
+    weight = frozen.get("lm_head_weight", like)
+    x = torch.randn(3, info.hidden_size)
+    plain = frozen.linear("lm_head_weight", x, like)
+    assert torch.equal(plain, F.linear(x, weight))  # unserved: F.linear
+    target.serve(drafter)
+    head = target.model.get_output_embeddings()
+    assert isinstance(head, fastpath.FastLinear) and frozen._served["lm_head_weight"] is head
+    assert fastpath.kernel_choice(drafter)["frozen"] == {"lm_head_weight": "shared"}
+    unit = torch.finfo(torch.float32).eps / 2
+    with torch.no_grad():
+        served = frozen.linear("lm_head_weight", x, like)
+    bound = info.hidden_size * unit * (x.abs() @ weight.abs().T)
+    assert bool(((served - plain).abs() <= bound).all())
+    trained = x.clone().requires_grad_(True)
+    assert torch.equal(frozen.linear("lm_head_weight", trained, like), plain)  # a gradient flows: F.linear
+    fastpath.disable(drafter)
+    assert "lm_head_weight" not in frozen._served
+    # a drafter served on its own (no target to share with) gets a FastLinear of its own over the same tensor
+    fastpath.enable(drafter)
+    own = frozen._served["lm_head_weight"]
+    assert own is not head and own.weight.data_ptr() == weight.data_ptr()
+    assert fastpath.kernel_choice(drafter)["frozen"] == {"lm_head_weight": "own"}
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("name", sorted(kernels.KERNELS))
 def test_every_kernel_equals_the_product_to_the_float32_bound(name, bias):

@@ -63,7 +63,7 @@ class DFlashDrafter(DraftHead, BlockBackbone):
         normed = self.norm(hidden)
         if self.lm_head is not None:
             return self.lm_head(normed)
-        return F.linear(normed, self._target_tensor("lm_head_weight"))
+        return self._frozen.linear("lm_head_weight", normed, self.fc.weight)
 
     # ---- training ------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Any]) -> DraftOutput:

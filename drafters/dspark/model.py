@@ -99,7 +99,7 @@ class DSparkDrafter(BlockBackbone):
     def teacher_forced_logits(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """U + B for a whole block at once: post-norm hidden [N, S, D], the token before each slot [N, S] (slot 0:
         the anchor) -> logits [N, S, V]. Equals `draw_block`'s slot-by-slot logits when its draws are `previous`."""
-        logits = F.linear(hidden, self._target_tensor("lm_head_weight"))
+        logits = self._frozen.linear("lm_head_weight", hidden, self.fc.weight)
         if self.markov_head is not None:
             logits = logits + self.markov_head.teacher_forced(previous, hidden)
         return logits
@@ -177,7 +177,7 @@ class DSparkDrafter(BlockBackbone):
         Slot k: logits = U_k + B_k(x_{k-1}), confidence logit from (h_k, x_{k-1}), then x_k = argmax (temperature 0)
         or a draw from q_k = softmax(logits / temperature) (returned as probs [B, K, V]).
         """
-        base = F.linear(hidden, self._target_tensor("lm_head_weight"))  # [B, K, V]
+        base = self._frozen.linear("lm_head_weight", hidden, self.fc.weight)  # [B, K, V]
         state = None if self.markov_head is None else self.markov_head.initial_state(hidden[:, 0])
         previous = anchor
         tokens, probs, confidences, slot_logits = [], [], [], []

@@ -5,6 +5,8 @@ Shapes: D hidden, V vocab.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,7 +36,8 @@ class MedusaHead(nn.Module):
         self.blocks = nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers)))
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False) if own_head else None
 
-    def logits(self, hidden: torch.Tensor, shared_head: torch.Tensor) -> torch.Tensor:
-        """hidden [..., D] -> logits [..., V]; `shared_head` [V, D] is used when the head has none of its own."""
+    def logits(self, hidden: torch.Tensor, shared_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """hidden [..., D] -> logits [..., V]; `shared_head` (x -> x W^T of the target's head [V, D]) is used when
+        the head has none of its own."""
         x = self.blocks(hidden)
-        return self.lm_head(x) if self.lm_head is not None else F.linear(x, shared_head)
+        return self.lm_head(x) if self.lm_head is not None else shared_head(x)

@@ -73,9 +73,10 @@ class MedusaDrafter(Drafter):
 
     def head_logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """hidden [..., D] -> logits [..., K, V] of heads 0..num_heads-1."""
-        shared = self._target_tensor("lm_head_weight")
+        like = next(self.parameters())
         heads = self.heads[: num_heads or self.config.num_heads]
-        return torch.stack([head.logits(hidden, shared) for head in heads], dim=-2)
+        return torch.stack([head.logits(hidden, lambda x: self._frozen.linear("lm_head_weight", x, like))
+                            for head in heads], dim=-2)
 
     # ---- training ---------------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Any]) -> DraftOutput:

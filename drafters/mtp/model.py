@@ -149,7 +149,7 @@ class MTPDrafter(Drafter):
         return (normed if self.convention.feed_back_normed else pre), normed
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
-        return F.linear(normed, self._target_tensor("lm_head_weight"))
+        return self._frozen.linear("lm_head_weight", normed, self.layers[0].eh_proj.weight)
 
     # ---- training ---------------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Any]) -> DraftOutput:

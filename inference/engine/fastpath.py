@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafters.layers import FrozenTargetTensors
 from inference.engine import kernels
 from inference.engine.machine import cpu_model
 
@@ -77,25 +78,58 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def enable(model) -> str:
-    """Swap every nn.Linear of `model` for a FastLinear (in place); returns FAST_PATH, or HF_PATH when the fast path
-    does not apply (the model is then left as it was)."""
+def enable(model, share=None) -> str:
+    """Swap every nn.Linear of `model` for a FastLinear (in place), and serve the frozen target tensors it multiplies
+    by (drafters/layers.FrozenTargetTensors.HEADS, e.g. a drafter's shared lm_head) by FastLinears too: the very
+    FastLinear of module `share` (the target) that holds the same tensor where there is one, so no layout is held
+    twice. Returns FAST_PATH, or HF_PATH when the fast path does not apply (the model is then left as it was)."""
     if unsupported_reason(model) is not None:
         return HF_PATH
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear]
+    like = next(model.parameters())
+    shared = {_storage(m.weight): m for m in share.modules() if isinstance(m, FastLinear)} if share is not None else {}
+    frozen = [(holder, name, holder.get(name, like)) for holder in _frozen_holders(model)
+              for name in FrozenTargetTensors.HEADS]
     by_shape: dict[tuple[int, int, bool], list[nn.Linear]] = {}
     for _, _, child in swaps:
         by_shape.setdefault(shape_of(child), []).append(child)
+    heads = {}
+    for _, _, weight in frozen:
+        if _storage(weight) not in shared and _storage(weight) not in heads:
+            heads[_storage(weight)] = _frozen_linear(weight)
+            by_shape.setdefault(shape_of(heads[_storage(weight)]), []).append(heads[_storage(weight)])
     started = time.perf_counter()
     choices = kernels.choose(by_shape)
     for parent, name, child in swaps:
         setattr(parent, name, FastLinear(child, choices[shape_of(child)]["plan"]))
+    heads = {key: FastLinear(linear, choices[shape_of(linear)]["plan"]) for key, linear in heads.items()}
+    for holder, name, weight in frozen:
+        holder.serve(name, shared.get(_storage(weight)) or heads[_storage(weight)])
     model._draftsmith_kernels = {"seconds": time.perf_counter() - started, "threads": torch.get_num_threads(),
                                  "cpu": cpu_model(),
                                  "shapes": {f"{o}x{i}{'+bias' if b else ''}": choice
-                                            for (o, i, b), choice in choices.items()}}
+                                            for (o, i, b), choice in choices.items()},
+                                 "frozen": {name: "shared" if _storage(weight) in shared else "own"
+                                            for _, name, weight in frozen}}
     return FAST_PATH
+
+
+def _frozen_holders(model) -> list[FrozenTargetTensors]:
+    return [value for module in model.modules() for value in vars(module).values()
+            if isinstance(value, FrozenTargetTensors)]
+
+
+def _storage(weight: torch.Tensor) -> tuple:
+    """What makes two tensors the same weight (a detached view of a parameter is a different object)."""
+    return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype
+
+
+def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free nn.Linear over frozen `weight` [out, in] itself (shared, not copied, no gradient)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
 
 
 def shape_of(linear: nn.Linear) -> tuple[int, int, bool]:
@@ -117,3 +151,6 @@ def disable(model) -> None:
                                    device="meta")
                 linear.weight, linear.bias = child.weight, child.bias
                 setattr(parent, name, linear)
+    for holder in _frozen_holders(model):
+        for name in FrozenTargetTensors.HEADS:
+            holder.serve(name, None)

@@ -130,7 +130,7 @@ class TargetModel:
         runs (None: its own linears)."""
         if (isinstance(drafter, torch.nn.Module) and self.path == fastpath.FAST_PATH
                 and fastpath.kernel_choice(drafter) is None and fastpath.unsupported_reason(drafter) is None):
-            fastpath.enable(drafter)
+            fastpath.enable(drafter, share=self.model)
         return drafter
 
     @property
