@@ -9,7 +9,8 @@ Each checkpoint (<run>/checkpoints/step_N) is read through its recipe and weight
 --run, in order; default the drafter's longest proposal, capped at 7): tau = 1 + accepted / rounds, with the
 accepted drafts per position. CPU-hours = the run's wall time at the checkpoint (trainer_state.json, across resumes)
 x the threads it trained with (--train-threads). Rows already in --out for the same checkpoint, prompts and k are
-kept, so a rerun after more steps evaluates only the new checkpoints.
+kept, so a rerun after more steps evaluates only the new checkpoints, and so are the rows of runs not named (same
+prompts), so runs trained in different sessions share one file (--train-threads applies to the runs named).
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(args.out):
         with open(args.out) as f:
             previous = json.load(f)["rows"]
-    rows = []
+    # the rows of runs not named this time stay (measured on the same prompts), so runs trained in different
+    # sessions, on machines that no longer hold the other runs' checkpoints, share one curve file
+    rows = [r for r in previous if r["run"] not in args.run and r["heldout_prompts"] == described]
     for i, run in enumerate(args.run):
         for step, directory, seconds in found[run]:
             drafter = load_trained_drafter(directory, target.target_info()).eval()
