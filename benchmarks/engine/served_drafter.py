@@ -9,7 +9,6 @@ SmolLM2-135M-Instruct on its fast path with the lean forward, first turns of hel
 medians over repeats after a warm-up pass. Per row: tokens/s, the draft's milliseconds per round, speedup over plain.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ from inference.engine.machine import cpu_model
 from inference.engine.policy import FixedWidth
 from inference.engine.rounds import ChainRounds
 from inference.engine.target import TargetModel
-from inference.evaluation.eval import render_prompt
+from inference.evaluation.eval import render_prompt, write_measurement
 from inference.evaluation.prompts import load_questions
 
 
@@ -82,8 +81,7 @@ def main() -> None:
         print(f"threads {args.threads} k {args.k} {name}: {row['tokens_per_s']:.2f} tok/s, {row['speedup']:.3f}x, "
               f"draft {row['draft_ms_per_round']:.1f} ms/round, greedy equal {row['greedy_equal_plain']}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        write_measurement(args.out, record)
 
 
 if __name__ == "__main__":

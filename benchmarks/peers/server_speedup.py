@@ -6,8 +6,9 @@ prompts, k and threads, interleaved.
 
 Run it with a Python that has vLLM and draftsmith (docs/distributed.md, "The vLLM environment"), e.g.
 `PYTHONPATH=$PWD /work/envs/vllm/bin/python benchmarks/peers/server_speedup.py ...`. DIR: the target's HF directory (or
-the embedded name smollm2-135m-instruct); EXPORT_DIR: an EAGLE-3 export vLLM serves (`eagle3` format) that our
-loader reads too; FILE: FastChat question jsonl or a builtin prompt set name (mt_bench, ...).
+the embedded name smollm2-135m-instruct); EXPORT_DIR: an EAGLE-3 or DFlash export vLLM serves (`eagle3` / `dflash`
+format) that our loader reads too, its method taken from its kind; FILE: FastChat question jsonl or a builtin
+prompt set name (mt_bench, ...). A DFlash export is measured at its block's k (block_size - 1: `--k 7` for block 8).
 
 Method. One vLLM engine per k (k = 0: plain decoding) lives in its own worker process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, enforce_eager, fp32, greedy, OMP threads = --threads, unbound), at most two at
@@ -36,12 +37,13 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash"}  # drafter kind -> vLLM's speculative method (measured here)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="server_speedup", description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)
-    parser.add_argument("--drafter", required=True, help="EAGLE-3 export directory (eagle3 format)")
+    parser.add_argument("--drafter", required=True, help="an export vLLM serves (eagle3 or dflash format)")
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-path", default="auto", choices=("auto", "hf"))
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # internal: a vLLM worker's k
     parser.add_argument("--target-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--method", default="eagle3", help=argparse.SUPPRESS)  # internal: vLLM's method name
     return parser
 
 
@@ -82,7 +85,7 @@ def vllm_worker(args) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    spec = None if args.worker == 0 else {"method": "eagle3", "model": args.drafter,
+    spec = None if args.worker == 0 else {"method": args.method, "model": args.drafter,
                                           "num_speculative_tokens": args.worker}
     llm = LLM(model=args.target_dir, speculative_config=spec, enforce_eager=True, disable_log_stats=False,
               dtype="float32", max_model_len=2048, seed=0, gpu_memory_utilization=0.1)
@@ -115,7 +118,8 @@ class VllmWorker:
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
         command = [sys.executable, os.path.abspath(__file__), "--worker", str(k), "--target-dir", target_dir,
                    "--target", args.target, "--drafter", args.drafter, "--prompts", args.prompts, "--out", args.out,
-                   "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
+                   "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads),
+                   "--method", args.method]
         self.log = open(f"{args.out}.vllm_k{k}.log", "w")
         self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True)
@@ -207,6 +211,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
         target = TargetModel.from_pretrained(args.target, fast_path=args.target_path == "auto")
         drafter = target.serve(load_drafter(args.drafter, target.target_info()).eval())
+        if drafter.kind not in VLLM_METHODS:
+            raise ValueError(f"--drafter {args.drafter!r}: a {drafter.kind} drafter; vLLM serves "
+                             f"{', '.join(sorted(VLLM_METHODS))} exports here")
+        args.method = VLLM_METHODS[drafter.kind]
         _, questions = load_questions(args.prompts, num_prompts=args.num_prompts)
     except (ValueError, OSError) as err:
         print(f"server_speedup: error: {err}", file=sys.stderr)
@@ -239,11 +247,15 @@ def main(argv=None) -> int:
     import transformers
     import vllm
 
+    from inference.engine.fastpath import kernel_choice
+
     result = summarise(passes, ks)
     result.update({"target": target.name_or_path, "drafter": args.drafter, "prompts": args.prompts,
                    "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "threads": args.threads,
                    "vllm_threads": plain.info.get("threads"), "repeats": args.repeats,
-                   "target_path": target.path, "load_1min": os.getloadavg()[0], "torch": torch.__version__,
+                   "target_path": target.path, "method": args.method,
+                   "drafter_path": "fast-cpu-linear" if kernel_choice(drafter) is not None else "hf",
+                   "load_1min": os.getloadavg()[0], "torch": torch.__version__,
                    "transformers": transformers.__version__, "vllm": vllm.__version__})
     from inference.evaluation.eval import write_measurement
 
