@@ -168,8 +168,8 @@ def long_table() -> str:
     """The long recipes' drafters that have an eval file (docs/results/long_KIND_eval.json, written by
     benchmarks/training/long_eval.sh): held-out tau per k, MT-Bench tau, the best k by measured speedup, speedup at
     it and under auto k, vLLM's and ours from server_speedup_long_KIND_tT.json, and CPU-hours from long_curves.json."""
-    rows = ["| drafter | held-out tau, k = 1/2/3/5/7 | MT-Bench, k = 1/3 | best k | auto | vLLM/ours k=1 "
-            "| vLLM/ours k=3 | CPU-h |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| drafter | held-out tau, k = 1/2/3/5/7 | MT-Bench, k = 1/3 | best k | auto | speedup vLLM/ours "
+            "(1 thread, 2 threads) | CPU-h |", "| --- | --- | --- | --- | --- | --- | --- |"]
     files = []
     for label, kind in LONG:
         name = f"long_{kind}_eval"
@@ -181,19 +181,19 @@ def long_table() -> str:
         bench = {k: record(name, drafter, k, dataset="mt_bench") for k in (1, 3)}
         best = max(held, key=lambda k: held[k]["speedup"])
         auto = record(name, drafter, "auto", dataset=HELDOUT)
-        served = {1: [], 3: []}  # "vLLM/ours" per k, at 1 thread then 2 where measured
+        served: dict = {}  # "vLLM/ours" per k measured (EAGLE-3: 1 and 3, DFlash: its block), 1 thread then 2
         for threads in (1, 2):
             server = f"server_speedup_long_{kind}_t{threads}"
             if exists(server):
                 for r in load(server)["rows"]:
-                    if r["k"] in served:
-                        served[r["k"]].append(f"{r['speedup_vllm']:.2f}/{r['speedup_ours']:.2f}")
+                    served.setdefault(r["k"], []).append(f"{r['speedup_vllm']:.2f}/{r['speedup_ours']:.2f}")
         curve = [r for r in load("long_curves")["rows"] if r["run"].endswith(f"smollm2_{kind}_long")] \
             if exists("long_curves") else []
         hours = f"{max(r['cpu_hours'] for r in curve):.2f}" if curve else "-"
         rows.append(f"| {label} | {'/'.join(f2(held[k]['tau']) for k in held)} | "
                     f"{'/'.join(f2(bench[k]['tau']) for k in bench)} | {best}: {x(held[best]['speedup'])} | "
-                    f"{x(auto['speedup'])} | {', '.join(served[1]) or '-'} | {', '.join(served[3]) or '-'} | "
+                    f"{x(auto['speedup'])} | "
+                    f"{'; '.join(f'k = {k}: ' + ', '.join(v) for k, v in sorted(served.items())) or '-'} | "
                     f"{hours} |")
     if not files:
         return "No long recipe evaluated yet (benchmarks/training/long_eval.sh)."
