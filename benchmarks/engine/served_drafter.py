@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from drafters import load_drafter
 from inference.engine import fastpath
 from inference.engine.generate import decode
-from inference.engine.machine import cpu_model
 from inference.engine.policy import FixedWidth
 from inference.engine.rounds import ChainRounds
 from inference.engine.target import TargetModel
@@ -73,7 +72,7 @@ def main() -> None:
                    "speedup": base / statistics.median(seconds[name]),
                    "draft_ms_per_round": statistics.median(draft_ms[name]),
                    "greedy_equal_plain": tokens[name] == tokens["plain"]} for name in names}
-    record = {"drafter": args.drafter, "k": args.k, "threads": args.threads, "cpu": cpu_model(),
+    record = {"drafter": args.drafter, "k": args.k, "threads": args.threads,
               "load_1min": os.getloadavg()[0], "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "kernels_frozen": (fastpath.kernel_choice(drafters["served"]) or {}).get(
                   "frozen"), "rows": rows}

@@ -6,8 +6,8 @@ prompts, k and threads, interleaved.
 
 Run it with a Python that has vLLM and draftsmith (docs/distributed.md, "The vLLM environment"), e.g.
 `PYTHONPATH=$PWD /work/envs/vllm/bin/python benchmarks/peers/server_speedup.py ...`. DIR: the target's HF directory (or
-the embedded name smollm2-135m-instruct); EXPORT_DIR: an EAGLE-3 or DFlash export vLLM serves (`eagle3` / `dflash`
-format) that our loader reads too, its method taken from its kind; FILE: FastChat question jsonl or a builtin
+the embedded name smollm2-135m-instruct); EXPORT_DIR: an export vLLM serves (EAGLE-3 and DFlash measured here)
+that our loader reads too, its method taken from its kind (train/serve_check.METHODS); FILE: FastChat question jsonl or a builtin
 prompt set name (mt_bench, ...). A DFlash export is measured at its block's k (block_size - 1: `--k 7` for block 8).
 
 Method. One vLLM engine per k (k = 0: plain decoding) lives in its own worker process
@@ -37,13 +37,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash"}  # drafter kind -> vLLM's speculative method (measured here)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="server_speedup", description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)
-    parser.add_argument("--drafter", required=True, help="an export vLLM serves (eagle3 or dflash format)")
+    parser.add_argument("--drafter", required=True, help="an export vLLM serves (e.g. eagle3 or dflash format)")
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -211,10 +210,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
         target = TargetModel.from_pretrained(args.target, fast_path=args.target_path == "auto")
         drafter = target.serve(load_drafter(args.drafter, target.target_info()).eval())
-        if drafter.kind not in VLLM_METHODS:
+        from train.serve_check import METHODS  # drafter kind -> vLLM's speculative method, as doctor --serve uses
+
+        if drafter.kind not in METHODS:
             raise ValueError(f"--drafter {args.drafter!r}: a {drafter.kind} drafter; vLLM serves "
-                             f"{', '.join(sorted(VLLM_METHODS))} exports here")
-        args.method = VLLM_METHODS[drafter.kind]
+                             f"{', '.join(sorted(METHODS))} exports")
+        args.method = METHODS[drafter.kind]
         _, questions = load_questions(args.prompts, num_prompts=args.num_prompts)
     except (ValueError, OSError) as err:
         print(f"server_speedup: error: {err}", file=sys.stderr)

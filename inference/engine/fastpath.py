@@ -89,29 +89,27 @@ def enable(model, share=None) -> str:
              if type(child) is nn.Linear]
     like = next(model.parameters())
     shared = {_storage(m.weight): m for m in share.modules() if isinstance(m, FastLinear)} if share is not None else {}
-    frozen = [(holder, name, holder.get(name, like)) for holder in _frozen_holders(model)
-              for name in FrozenTargetTensors.HEADS]
+    frozen = []  # (holder, tensor name, storage key, tensor)
+    for holder in _frozen_holders(model):
+        for name in FrozenTargetTensors.HEADS:
+            weight = holder.get(name, like)
+            frozen.append((holder, name, _storage(weight), weight))
+    own = {key: _frozen_linear(weight) for _, _, key, weight in frozen if key not in shared}
     by_shape: dict[tuple[int, int, bool], list[nn.Linear]] = {}
-    for _, _, child in swaps:
-        by_shape.setdefault(shape_of(child), []).append(child)
-    heads = {}
-    for _, _, weight in frozen:
-        if _storage(weight) not in shared and _storage(weight) not in heads:
-            heads[_storage(weight)] = _frozen_linear(weight)
-            by_shape.setdefault(shape_of(heads[_storage(weight)]), []).append(heads[_storage(weight)])
+    for linear in [child for _, _, child in swaps] + list(own.values()):
+        by_shape.setdefault(shape_of(linear), []).append(linear)
     started = time.perf_counter()
     choices = kernels.choose(by_shape)
     for parent, name, child in swaps:
         setattr(parent, name, FastLinear(child, choices[shape_of(child)]["plan"]))
-    heads = {key: FastLinear(linear, choices[shape_of(linear)]["plan"]) for key, linear in heads.items()}
-    for holder, name, weight in frozen:
-        holder.serve(name, shared.get(_storage(weight)) or heads[_storage(weight)])
+    serving = {**{key: FastLinear(linear, choices[shape_of(linear)]["plan"]) for key, linear in own.items()}, **shared}
+    for holder, name, key, _ in frozen:
+        holder.serve(name, serving[key])
     model._draftsmith_kernels = {"seconds": time.perf_counter() - started, "threads": torch.get_num_threads(),
                                  "cpu": cpu_model(),
                                  "shapes": {f"{o}x{i}{'+bias' if b else ''}": choice
                                             for (o, i, b), choice in choices.items()},
-                                 "frozen": {name: "shared" if _storage(weight) in shared else "own"
-                                            for _, name, weight in frozen}}
+                                 "frozen": {name: "shared" if key in shared else "own" for _, name, key, _ in frozen}}
     return FAST_PATH
 
 
