@@ -125,6 +125,9 @@ class RaggedLM:
         self.slot_mask = torch.cat([self.slot_mask, torch.ones_like(input_ids, device=self.device)], dim=1)
         self.family.begin_block(self.cache, None, parents=parents.to(self.device))  # per-node linear states
         try:
+            if self.lean is not None:  # full attention only: one mask tensor in the form SDPA reads
+                return self.lean.forward(input_ids.to(self.device), position_ids, self.slot_mask, self.cache,
+                                         mask=mask).float()
             out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask, position_ids=position_ids,
                              use_cache=True, **{self.cache_arg: self.cache})
         finally:

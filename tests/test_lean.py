@@ -10,6 +10,7 @@ from conftest import make_tiny_model, random_prompts
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from drafters.base import FeatureRequest
+from inference.engine import fastpath
 from inference.engine.lean import HF_DECODE, LEAN, block_mask
 from inference.engine.target import TargetModel
 
@@ -48,6 +49,26 @@ def test_lean_blocks_and_features_are_within_float32_rounding_of_float64(arch):
     final = torch.cat([f["final_hidden"] for f in served], dim=1).double()
     torch.testing.assert_close(final, out.hidden_states[-1][:, 30:], rtol=TOL,
                                atol=TOL * float(out.hidden_states[-1].abs().max()))
+
+
+def test_on_the_fast_path_each_layers_projections_run_stacked_over_one_copy_of_the_weights():
+    model = make_tiny_model("qwen3", dtype=torch.float32)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    target = TargetModel(model, fast_path=True)
+    assert target.decode == LEAN
+    assert set(target.model.state_dict()) == set(before)
+    for name, tensor in target.model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    for layer, weights in zip(target.model.model.layers, target.runner.lean.layers):
+        for members, stacked in (((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                                  weights.qkv), ((layer.mlp.gate_proj, layer.mlp.up_proj), weights.gate_up)):
+            assert stacked.out_features == sum(m.out_features for m in members)
+            start = stacked.weight.data_ptr()
+            for member in members:  # a view into the stacked weight, no layout of its own
+                assert member.weight.untyped_storage().data_ptr() == stacked.weight.untyped_storage().data_ptr()
+                assert member.weight.data_ptr() == start and member.copies == {"weight": None}
+                start += member.weight.numel() * member.weight.element_size()
+    assert "stacked" in fastpath.kernel_choice(target.model)
 
 
 def test_the_probe_refuses_a_model_that_computes_what_the_lean_forward_does_not():

@@ -127,3 +127,23 @@ def test_a_kernel_without_arbitrary_masks_is_refused():
     target.model.config._attn_implementation = "flash_attention_2"  # a kernel that cannot read a 4-D mask
     with pytest.raises(ValueError, match="attn_implementation"):
         tree_extend(target, small_tree(len(PROMPTS)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_tree_over_the_lean_forward_equals_each_path_fed_as_a_chain(arch):
+    """On the fast path the tree forward runs the lean forward too (its 4-D mask passed through): float32, and the
+    tree's 7 rows and each chain's 1-4 rows may run different kernels, so the float32 summation bound applies."""
+    target = TargetModel(make_tiny_model(arch, dtype=torch.float32), name_or_path=f"tiny-{arch}", fast_path=True)
+    assert target.decode == "lean"
+    tol = dict(rtol=2**7 * torch.finfo(torch.float32).eps, atol=2**7 * torch.finfo(torch.float32).eps)
+    request = FeatureRequest(layer_ids=(1, 2), final_hidden=True)
+    prefill(target, request)
+    logits, served = tree_extend(target, small_tree(len(PROMPTS)), request)
+    for node in range(len(PARENTS)):
+        path = path_to(node)
+        prefill(target, request)
+        chain_logits, chain_served = target.extend(torch.tensor([TOKENS[i] for i in path]).repeat(len(PROMPTS), 1),
+                                                   request)
+        scale = max(float(chain_logits.abs().max()), 1.0)
+        torch.testing.assert_close(logits[:, node], chain_logits[:, -1], rtol=tol["rtol"], atol=tol["atol"] * scale)
+        torch.testing.assert_close(served["final_hidden"][:, node], chain_served["final_hidden"][:, -1], **tol)

@@ -41,10 +41,14 @@ class FastLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        self.replan(plan)
+
+    def replan(self, plan: list[str]) -> None:
+        """Run each row count by the kernel `plan` names, holding the layouts it reads and no others."""
         self.plan = plan
         self.copies = {kernels.KERNELS[name].layout: None for name in plan}
         for layout in self.copies:
-            self.copies[layout] = kernels.make_layout(layout, linear.weight)
+            self.copies[layout] = kernels.make_layout(layout, self.weight)
         self._runs = [(kernels.KERNELS[name].run, self.copies[kernels.KERNELS[name].layout]) for name in plan]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +115,45 @@ def enable(model, share=None) -> str:
                                             for (o, i, b), choice in choices.items()},
                                  "frozen": {name: "shared" if key in shared else "own" for _, name, key, _ in frozen}}
     return FAST_PATH
+
+
+def stack(model, groups: list[list[FastLinear]]) -> list[FastLinear]:
+    """One FastLinear per group of `model`'s FastLinears that read the same input (a layer's q, k and v projections;
+    its gate and up): x times the members' weights stacked [sum of outs, in], so a decode step makes one call and
+    one pass over the weights where it made three (what vLLM's merged projections do). The members' parameters
+    become views into the stacked weight (one copy of the weights, state_dict unchanged) and keep only F.linear (no
+    layout): whoever calls the stacked module (the lean forward) no longer calls them, and the model's own forward
+    then runs them at a prefill's row counts. Each stacked shape's kernels are chosen as `enable` chooses them
+    (`kernel_choice(model)["stacked"]`); a missing bias in a group with biases is zeros. Returns the stacked
+    modules in the order of `groups`."""
+    stacked = []
+    with torch.no_grad():
+        for group in groups:
+            weight = torch.cat([member.weight for member in group])
+            biases = [member.bias for member in group]
+            bias = None if all(b is None for b in biases) else torch.cat(
+                [b if b is not None else member.weight.new_zeros(member.out_features)
+                 for b, member in zip(biases, group)])
+            start = 0
+            for member in group:
+                stop = start + member.out_features
+                member.weight.data = weight[start:stop]
+                if member.bias is not None:
+                    member.bias.data = bias[start:stop]
+                member.replan([kernels.DEFAULT] * (kernels.MAX_ROWS + 1))
+                start = stop
+            linear = _frozen_linear(weight)
+            linear.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+            stacked.append(linear)
+    by_shape: dict[tuple[int, int, bool], list[nn.Linear]] = {}
+    for linear in stacked:
+        by_shape.setdefault(shape_of(linear), []).append(linear)
+    choices = kernels.choose(by_shape)
+    record = kernel_choice(model)
+    if record is not None:
+        for (o, i, b), choice in choices.items():
+            record.setdefault("stacked", {})[f"{o}x{i}{'+bias' if b else ''}"] = choice
+    return [FastLinear(linear, choices[shape_of(linear)]["plan"]) for linear in stacked]
 
 
 def _frozen_holders(model) -> list[FrozenTargetTensors]:

@@ -2,12 +2,12 @@
 
 Each CPU ranks the candidates differently at 1-16 rows (AMD EPYC with AVX2, Intel Xeon and AMD EPYC with AVX-512
 each put another first), so nothing is chosen by hand: `choose` times every candidate for each row count on the
-model's own weights (all linears of one shape in turn, so the weights stream from memory as a forward streams
-them; the candidates interleaved inside every repeat, medians), and keeps the fastest per row count. The choice is
-cached per CPU model, torch version, thread count and weight shape (~/.cache/draftsmith/kernels/), so only the first
-run on a machine pays for it; a timing taken while other work held every core (`busy`) is used but not cached,
-and DRAFTSMITH_RETIME_KERNELS=1 times again whatever is cached. `plan_for` turns timings into the plan; it is a
-pure function (tests feed it fake timings).
+model's own weights (all linears of one shape in turn, and copies where a model has too few of a shape, so the
+weights stream from memory as a forward streams them; the candidates interleaved inside every repeat, medians), and
+keeps the fastest per row count. The choice is cached per CPU model, torch version, thread count, weight shape and
+timing method (~/.cache/draftsmith/kernels/), so only the first run on a machine pays for it; a timing taken while
+other work held every core (`busy`) is used but not cached, and DRAFTSMITH_RETIME_KERNELS=1 times again whatever is
+cached. `plan_for` turns timings into the plan; it is a pure function (tests feed it fake timings).
 
 Candidates (every one computes x W^T + b; they differ only in the order float32 products are summed):
 - `linear`: F.linear on the [out, in] weight (MKL sgemm), the model's own kernel; no extra copy;
@@ -35,7 +35,9 @@ from inference.engine.machine import cpu_flags, cpu_model
 MAX_ROWS = 16  # rows timed and chosen per count; above, F.linear (MKL's large-M GEMM is near the compute roof)
 PACK_HINT_ROWS = 8  # oneDNN's and MKL's reorder hint; oneDNN measured the same layout for hints 2..16
 TIMED_ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16)  # a count between two timed ones runs the next timed one's kernel
-MIN_BYTES_PER_PASS = 64 << 20  # time a shape over enough of its linears that they stream from memory, not cache
+MIN_BYTES_PER_PASS = 64 << 20  # time a shape over enough weight bytes that they stream from memory, not cache
+MAX_LINEARS_PER_PASS = 160  # ... but over at most this many linears (a tiny shape is cache-resident anyway)
+TIMING = "streamed: >= 64 MiB or 160 linears per pass, copies where the model has fewer"  # in the cache key
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "draftsmith", "kernels")
 DEFAULT = "linear"
 
@@ -96,25 +98,41 @@ def plan_for(timings: dict[int, dict[str, float]]) -> list[str]:
 def machine_key(shape: tuple[int, int, bool]) -> str:
     """What a cached choice is valid for: the CPU model, torch, threads, the weight shape and the candidates."""
     return json.dumps({"cpu": cpu_model(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "shape": list(shape), "kernels": sorted(KERNELS), "rows": list(TIMED_ROWS)})
+                       "threads": torch.get_num_threads(), "shape": list(shape), "kernels": sorted(KERNELS), "rows": list(TIMED_ROWS), "timing": TIMING})
+
+
+def timing_set(linears: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The (weight, bias) pairs one timed pass runs: the shape's own linears, and where they hold fewer than
+    MIN_BYTES_PER_PASS, copies of them in fresh memory up to it (at most MAX_LINEARS_PER_PASS in all). So every
+    shape is timed streaming from memory, as a forward over a whole model reads it, whatever number of linears of
+    the shape this model has: a drafter's one 1536 x 576 pair, timed from cache and cached under the shape, would
+    otherwise pick the kernels of the target's thirty, which stream (seen: a 0.5 ms cached pass chose the 1-row
+    kernel a 5 ms streamed pass ranks third)."""
+    nbytes = linears[0].weight.numel() * linears[0].weight.element_size()
+    count = max(1, min(MAX_LINEARS_PER_PASS, -(-MIN_BYTES_PER_PASS // nbytes)))
+    pairs = [(m.weight, m.bias) for m in linears[:count]]
+    with torch.no_grad():
+        for index in range(len(pairs), count):
+            weight, bias = pairs[index % len(linears)]
+            pairs.append((weight.detach().clone(), None if bias is None else bias.detach().clone()))
+    return pairs
 
 
 def time_shape(linears: list, repeats: int = 3, clock=time.perf_counter) -> dict[int, dict[str, float]]:
-    """Median seconds of one pass over `linears` (modules of one shape: their weights and biases) per timed row
-    count and kernel, the kernels interleaved inside every repeat; the first pass warms up."""
-    nbytes = linears[0].weight.numel() * 4
-    chosen = linears[:max(1, -(-MIN_BYTES_PER_PASS // nbytes))]
-    layouts = {name: [make_layout(k.layout, m.weight) for m in chosen] for name, k in KERNELS.items()}
+    """Median seconds of one pass over the `timing_set` of `linears` (modules of one shape: their weights and
+    biases) per timed row count and kernel, the kernels interleaved inside every repeat; the first pass warms up."""
+    pairs = timing_set(linears)
+    layouts = {name: [make_layout(k.layout, weight) for weight, _ in pairs] for name, k in KERNELS.items()}
     result = {}
     with torch.no_grad():
         for rows in TIMED_ROWS:
-            x = torch.randn(rows, chosen[0].weight.shape[1])
+            x = torch.randn(rows, pairs[0][0].shape[1])
             seconds = {name: [] for name in KERNELS}
             for attempt in range(repeats + 1):
                 for name, kernel in KERNELS.items():
                     start = clock()
-                    for module, copy in zip(chosen, layouts[name]):
-                        kernel.run(x, copy, module.weight, module.bias)
+                    for (weight, bias), copy in zip(pairs, layouts[name]):
+                        kernel.run(x, copy, weight, bias)
                     if attempt:
                         seconds[name].append(clock() - start)
             result[rows] = {name: statistics.median(s) for name, s in seconds.items()}

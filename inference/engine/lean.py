@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from drafters.ragged_lm import RaggedLM
 from drafters.ragged_state import layer_types
+from inference.engine import fastpath
 
 LEAN, HF_DECODE = "lean", "hf"
 PROBE_TOKENS = 6
@@ -54,19 +55,34 @@ class LeanDecoder:
             return None, reason
         lean = cls(model)
         reason = lean.probe()
+        if reason is None and lean.stack():  # the same probe over the stacked projections
+            reason = lean.probe()
         return (None, reason) if reason is not None else (lean, None)
+
+    def stack(self) -> bool:
+        """On the fast path, run each layer's q, k, v projections as one linear and its gate and up as one
+        (fastpath.stack: one pass over the weights instead of three, the members' weights views into the stacked
+        one). True when it did; the model's own forward is unchanged."""
+        if any(not isinstance(m, fastpath.FastLinear) for l in self.layers for m in (l.q, l.k, l.v, l.gate, l.up)):
+            return False
+        modules = fastpath.stack(self.model, [g for l in self.layers for g in ([l.q, l.k, l.v], [l.gate, l.up])])
+        for index, layer in enumerate(self.layers):
+            layer.qkv, layer.gate_up = modules[2 * index], modules[2 * index + 1]
+        return True
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, slot_mask: torch.Tensor, cache,
-                logits_to_keep: int = 0) -> torch.Tensor:
+                logits_to_keep: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, position_ids [B, S] appended after the cache's slots; slot_mask [B, L] (L includes the S new
-        slots, 1 = a token of the row's sequence). Returns logits [B, S, V] (or the last logits_to_keep)."""
+        slots, 1 = a token of the row's sequence). Returns logits [B, S, V] (or the last logits_to_keep). `mask`
+        [B, 1, S, L] (bool, or additive float as SDPA reads it): who sees whom where it is not the block's causal
+        order (a tree's nodes see their ancestors)."""
         num_new = input_ids.shape[1]
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, position_ids)  # [B, S, d], the model's own rotary (scaling types included)
         half = cos.shape[-1] // 2
         cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
-        mask = block_mask(slot_mask, num_new)
+        mask = block_mask(slot_mask, num_new) if mask is None else mask
         taps = self.taps
         for index, layer in enumerate(self.layers):
             if taps is not None and index in self.tap_ids:
@@ -115,6 +131,9 @@ class _LayerWeights:
         self.post_norm, self.post_eps = layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm)
         self.q, self.k, self.v, self.o = attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj
         self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.qkv_sizes = [self.q.out_features, self.k.out_features, self.v.out_features]
+        self.gate_up_sizes = [self.gate.out_features, self.up.out_features]
+        self.qkv = self.gate_up = None  # the stacked projections, where LeanDecoder.stack made them
         self.head_dim, self.scaling = attention.head_dim, attention.scaling
         self.grouped = attention.num_key_value_groups > 1
         q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
@@ -124,9 +143,10 @@ class _LayerWeights:
     def forward(self, hidden, cos, sin, half, cache_layer, mask):
         batch, num_new, width = hidden.shape
         x = F.rms_norm(hidden, (width,), self.input_norm, self.input_eps)
-        q = self.q(x).view(batch, num_new, -1, self.head_dim)
-        k = self.k(x).view(batch, num_new, -1, self.head_dim)
-        v = self.v(x).view(batch, num_new, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (self.q(x), self.k(x), self.v(x)) if self.qkv is None else self.qkv(x).split(self.qkv_sizes, -1)
+        q = q.view(batch, num_new, -1, self.head_dim)
+        k = k.view(batch, num_new, -1, self.head_dim)
+        v = v.view(batch, num_new, -1, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q = F.rms_norm(q, (self.head_dim,), *self.q_norm)
             k = F.rms_norm(k, (self.head_dim,), *self.k_norm)
@@ -138,7 +158,8 @@ class _LayerWeights:
                                                   enable_gqa=self.grouped)
         hidden = hidden + self.o(attended.transpose(1, 2).reshape(batch, num_new, -1))
         x = F.rms_norm(hidden, (width,), self.post_norm, self.post_eps)
-        return hidden + self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = (self.gate(x), self.up(x)) if self.gate_up is None else self.gate_up(x).split(self.gate_up_sizes, -1)
+        return hidden + self.down(F.silu(gate) * up)
 
 
 def block_mask(slot_mask: torch.Tensor, num_new: int) -> torch.Tensor | None:
