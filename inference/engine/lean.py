@@ -4,7 +4,7 @@ Mistral without windows), run straight over the model's own modules' weights ins
 A batch-1 decode step of a 135M model spends about half its time outside the linears, in HF's per-op work: module
 calls, keyword plumbing, the mask builder, rotary through slices and concatenation, RMSNorm as five ops. `LeanDecoder`
 runs the same arithmetic as about 20 tensor ops per layer: `F.rms_norm`, the model's own linear modules (so the fast
-path's kernels still run them), rotary as a roll and two products, the cache layer's own `update`, one
+path's kernels still run them; on the fast path q/k/v and gate/up each run stacked as one, `stack`), rotary as a roll and two products, the cache layer's own `update`, one
 `scaled_dot_product_attention` with grouped heads, and a boolean mask built once per forward. It writes the same
 cache layers the HF forward writes, so the ragged cache's rollback (crop, row selection, holes) is untouched, and it
 serves the features a drafter asks for (a layer's input hidden state, the normed final one) from inside its loop.
