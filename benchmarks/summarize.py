@@ -185,6 +185,7 @@ def long_table() -> str:
         for threads in (1, 2):
             server = f"server_speedup_long_{kind}_t{threads}"
             if exists(server):
+                files.append(server)
                 for r in load(server)["rows"]:
                     served.setdefault(r["k"], []).append(f"{r['speedup_vllm']:.2f}/{r['speedup_ours']:.2f}")
         curve = [r for r in load("long_curves")["rows"] if r["run"].endswith(f"smollm2_{kind}_long")] \
@@ -212,12 +213,16 @@ def numbered_links(text: str) -> tuple[str, list[tuple[int, str]]]:
 
 
 def measured_on(files: list[str]) -> str:
-    """Which machine the result files were measured on: their CPU model, threads and torch (from each call's
+    """Which machine the result files were measured on: their CPU model and flags, threads and torch (from each call's
     recorded environment), so a reader knows where a speedup holds."""
-    machines = sorted({(env.get("cpu", "?"), env.get("threads", "?"), env.get("torch", "?"))
-                       for env in (load(name).get("config", {}).get("environment", {}) for name in files)})
-    said = "; ".join(f"{cpu}, {threads} thread{'s' if threads != 1 else ''}, torch {torch}"
-                     for cpu, threads, torch in machines)
+    def environment(name: str) -> dict:  # eval reports keep it under "config", benchmark JSONs at the top
+        data = load(name)
+        return data.get("config", {}).get("environment") or data.get("environment") or {}
+
+    machines = sorted({(env.get("cpu", "?"), tuple(env.get("cpu_flags") or ()), env.get("threads", "?"),
+                        env.get("torch", "?")) for env in map(environment, files)})
+    said = "; ".join(f"{cpu} ({', '.join(flags) or 'flags not recorded'}), {threads} thread{'s' if threads != 1 else ''}, "
+                     f"torch {torch}" for cpu, flags, threads, torch in machines)
     return textwrap.fill(f"Measured on: {said} (the environment recorded in {', '.join(files)}).", width=118)
 
 
