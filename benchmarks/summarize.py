@@ -213,16 +213,17 @@ def numbered_links(text: str) -> tuple[str, list[tuple[int, str]]]:
 
 
 def measured_on(files: list[str]) -> str:
-    """Which machine the result files were measured on: their CPU model and flags, threads and torch (from each call's
-    recorded environment), so a reader knows where a speedup holds."""
+    """Which machine the result files were measured on: their CPU model and flags, threads and torch (from each
+    call's recorded environment), so a reader knows where a speedup holds."""
     def environment(name: str) -> dict:  # eval reports keep it under "config", benchmark JSONs at the top
         data = load(name)
         return data.get("config", {}).get("environment") or data.get("environment") or {}
 
     machines = sorted({(env.get("cpu", "?"), tuple(env.get("cpu_flags") or ()), env.get("threads", "?"),
                         env.get("torch", "?")) for env in map(environment, files)})
-    said = "; ".join(f"{cpu} ({', '.join(flags) or 'flags not recorded'}), {threads} thread{'s' if threads != 1 else ''}, "
-                     f"torch {torch}" for cpu, flags, threads, torch in machines)
+    said = "; ".join(f"{cpu} ({', '.join(flags) or 'flags not recorded'}), "
+                     f"{threads} thread{'s' if threads != 1 else ''}, torch {torch}"
+                     for cpu, flags, threads, torch in machines)
     return textwrap.fill(f"Measured on: {said} (the environment recorded in {', '.join(files)}).", width=118)
 
 
