@@ -162,14 +162,15 @@ def readme_table() -> str:
 
 LONG = [("EAGLE-3", "eagle3"), ("DFlash", "dflash"), ("DSpark", "dspark"), ("MTP-3", "mtp")]  # (label, kind)
 HELDOUT = "sharegpt_smollm2_10k.heldout"
+LONG_KS = (1, 2, 3, 5, 7)  # the held-out columns; a drafter proposing fewer (MTP-3: 3) shows "-" past its limit
 
 
 def long_table() -> str:
     """The long recipes' drafters that have an eval file (docs/results/long_KIND_eval.json, written by
     benchmarks/training/long_eval.sh): held-out tau per k, MT-Bench tau, the best k by measured speedup, speedup at
     it and under auto k, vLLM's and ours from server_speedup_long_KIND_tT.json, and CPU-hours from long_curves.json."""
-    rows = ["| drafter | held-out tau, k = 1/2/3/5/7 | MT-Bench, k = 1/3 | best k | auto | speedup vLLM/ours "
-            "(1 thread, 2 threads) | CPU-h |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [f"| drafter | held-out tau, k = {'/'.join(map(str, LONG_KS))} | MT-Bench, k = 1/3 | best k | auto | "
+            "speedup vLLM/ours (1 thread, 2 threads) | CPU-h |", "| --- | --- | --- | --- | --- | --- | --- |"]
     files = []
     for label, kind in LONG:
         name = f"long_{kind}_eval"
@@ -177,8 +178,8 @@ def long_table() -> str:
             continue
         files.append(name)
         drafter = next(r["drafter"] for r in load(name)["records"] if r["num_draft_tokens"] not in (0, "0"))
-        measured = {str(r["num_draft_tokens"]) for r in load(name)["records"]}  # MTP-3 proposes 3 at most
-        held = {k: record(name, drafter, k, dataset=HELDOUT) for k in (1, 2, 3, 5, 7) if str(k) in measured}
+        measured = {str(r["num_draft_tokens"]) for r in load(name)["records"]}
+        held = {k: record(name, drafter, k, dataset=HELDOUT) for k in LONG_KS if str(k) in measured}
         bench = {k: record(name, drafter, k, dataset="mt_bench") for k in (1, 3)}
         best = max(held, key=lambda k: held[k]["speedup"])
         auto = record(name, drafter, "auto", dataset=HELDOUT)
@@ -192,7 +193,7 @@ def long_table() -> str:
         curve = [r for r in load("long_curves")["rows"] if r["run"].endswith(f"smollm2_{kind}_long")] \
             if exists("long_curves") else []
         hours = f"{max(r['cpu_hours'] for r in curve):.2f}" if curve else "-"
-        rows.append(f"| {label} | {'/'.join(f2(held[k]['tau']) if k in held else '-' for k in (1, 2, 3, 5, 7))} | "
+        rows.append(f"| {label} | {'/'.join(f2(held[k]['tau']) if k in held else '-' for k in LONG_KS)} | "
                     f"{'/'.join(f2(bench[k]['tau']) for k in bench)} | {best}: {x(held[best]['speedup'])} | "
                     f"{x(auto['speedup'])} | "
                     f"{'; '.join(f'k = {k}: ' + ', '.join(v) for k, v in sorted(served.items())) or '-'} | "
