@@ -1,0 +1,47 @@
+"""benchmarks/gpu_check.sh: its CPU dry run passes every section, so the GPU check cannot rot between GPU runs, and a
+run always leaves its three files (summary.md, summary.json, logs.tgz), whatever the deadline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = list("ABCDEFG")
+RESULTS = ["logs.tgz", "summary.json", "summary.md"]
+
+
+def gpu_check(tmp_path: Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--cpu", "--work", str(tmp_path / "work"),
+                           *args, str(out)], capture_output=True, text=True, timeout=timeout)
+    assert sorted(os.listdir(out)) == RESULTS, proc.stderr[-2000:]
+    return proc, json.loads((out / "summary.json").read_text())
+
+
+def test_a_run_without_time_skips_every_section_and_still_leaves_its_three_files(tmp_path):
+    proc, summary = gpu_check(tmp_path, "--deadline", "0", timeout=60)
+    assert summary["finished"] and summary["mode"] == "cpu"
+    assert [summary["sections"][s]["status"] for s in SECTIONS] == ["skipped"] * len(SECTIONS)
+    assert proc.returncode == len(SECTIONS)  # the exit status counts the sections that did not pass
+    assert "| A. environment" in (tmp_path / "out" / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_cpu_dry_run_passes_every_section(tmp_path):
+    proc, summary = gpu_check(tmp_path, timeout=300)
+    failed = {s: summary["sections"][s]["cause"] for s in SECTIONS if summary["sections"][s]["status"] != "ok"}
+    assert failed == {} and proc.returncode == 0, (failed, proc.stdout[-3000:])
+    assert summary["finished"] and summary["machine"]["device"] == "cpu"
+    sections = summary["sections"]
+    assert set(sections["B"]["numbers"]) == {"eagle3", "dflash", "dspark", "mtp", "medusa", "assistant"}
+    assert all(kind["resume_max_abs_weight_change"] == 0.0 for kind in sections["B"]["numbers"].values())
+    assert sections["D"]["numbers"]["eval_float32"]["eagle3:final"]["greedy_exact_match"] == 1.0
+    with tarfile.open(tmp_path / "out" / "logs.tgz") as archive:
+        names = archive.getnames()
+    assert "logs/worker-1.log" in names and "logs/d_eval_float32.log" in names
