@@ -4,6 +4,7 @@ collate, and token counting for the draft vocabulary."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
@@ -17,7 +18,8 @@ from tokenizers import processors
 from inference.evaluation.chat_template import render_text as render
 from train.data.chat import tokenize_conversation
 from train.data.conversations import iter_conversations, iter_json_array, normalise_record
-from train.data.dataset import DataConfig, build_dataset, collate
+from train.config import recipe_from_argv
+from train.data.dataset import DataConfig, build_dataset, check_sources, collate
 from train.data.vocab import count_tokens, coverage, report_coverage
 
 
@@ -278,3 +280,58 @@ def test_regenerated_merge_replaces_by_id(tmp_path):
     one = DataConfig(path=str(original), regenerated_path=str(regenerated), regenerated_mode="merge",
                      num_samples=1, num_eval_samples=0, cache_dir=str(tmp_path / "cache"))
     assert "new answer 2" in tokenizer.decode(build_dataset(tokenizer, one).train[0]["input_ids"])
+
+
+def _chats_file(path, ids):
+    path.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": f"q {i}"},
+                                                              {"role": "assistant", "content": f"a {i}"}]}) + "\n"
+                            for i in ids))
+    return str(path)
+
+
+def _refusal(config):
+    with pytest.raises(ValueError) as err:
+        check_sources(config)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("data.path: ")
+    return message
+
+
+def test_a_data_path_that_replace_mode_would_not_read_is_refused(tmp_path):
+    """With regenerated_mode replace, training reads only the regenerated file: a data.path it was not answered from
+    (missing, or another file) is refused naming the way out, while its own source passes."""
+    source = _chats_file(tmp_path / "source.jsonl", ["s0", "s1", "s2"])
+    regenerated = _chats_file(tmp_path / "regen.jsonl", ["s1", "s2"])
+    check_sources(DataConfig(path=source, regenerated_path=regenerated))
+    mine = _chats_file(tmp_path / "mine.jsonl", ["m0", "m1"])
+    message = _refusal(DataConfig(path=mine, regenerated_path=regenerated))
+    assert "first id 's1'" in message and "data.regenerated_path=null" in message
+    assert "does not exist" in _refusal(DataConfig(path=str(tmp_path / "nonexistent.jsonl"),
+                                                   regenerated_path=regenerated))
+    # not yet regenerated: prepare will answer data.path into it, so nothing to compare
+    check_sources(DataConfig(path=mine, regenerated_path=str(tmp_path / "later.jsonl")))
+
+
+def test_a_manifest_names_the_source_and_other_modes_need_data_path_to_exist(tmp_path):
+    source = _chats_file(tmp_path / "source.jsonl", ["s0", "s1"])
+    packed = tmp_path / "regen.jsonl.gz"
+    with gzip.open(packed, "wt") as f:
+        f.write(json.dumps({"id": "s0", "messages": []}) + "\n")
+    (tmp_path / "regen.manifest.json").write_text(json.dumps({"source": {"path": source}}))
+    check_sources(DataConfig(path=source, regenerated_path=str(packed)))
+    mine = _chats_file(tmp_path / "mine.jsonl", ["s0"])  # same ids, but the manifest says where they came from
+    assert f"its manifest names {source!r}" in _refusal(DataConfig(path=mine, regenerated_path=str(packed)))
+    missing = str(tmp_path / "nonexistent.jsonl")
+    for config in (DataConfig(path=missing), DataConfig(path=missing, regenerated_path=str(packed),
+                                                        regenerated_mode="merge")):
+        assert "does not exist" in _refusal(config)
+
+
+def test_the_main_job_refuses_a_data_path_it_would_not_read_before_loading_anything():
+    """`draftsmith train recipes/smollm2/eagle3.yaml data.path=/nonexistent.jsonl` used to train on the shipped answers;
+    the commands' recipe loader (train and prepare) now stops on it, and takes the recipe as written."""
+    recipe = os.path.join(os.path.dirname(__file__), "..", "recipes", "smollm2", "eagle3.yaml")
+    recipe_from_argv("draftsmith train", "", [recipe])
+    with pytest.raises(ValueError, match=r"^data\.path: '/nonexistent\.jsonl' is not the source of "
+                                         r"data\.regenerated_path .*data\.regenerated_path=null"):
+        recipe_from_argv("draftsmith train", "", [recipe, "data.path=/nonexistent.jsonl"])

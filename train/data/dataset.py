@@ -17,9 +17,12 @@ reads Arrow files instead of re-tokenising):
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import datasets
@@ -27,9 +30,9 @@ import torch
 
 from inference.evaluation.chat_template import check_template_kwargs, require_chat_template
 from train.data.chat import Truncation, tokenize_conversation, tokenizer_fingerprint
-from train.data.conversations import Format, iter_conversations, resolve_source
+from train.data.conversations import SHAREGPT_PACKAGE, Format, iter_conversations, iter_raw_records, resolve_source
 from train.data.shipped import check as check_shipped
-from train.data.shipped import heldout_ids
+from train.data.shipped import heldout_ids, sidecar, working_path
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +64,10 @@ class DataConfig:
     system_prompt: system message put before conversations that have none (None = whatever the template does).
     max_skip_fraction: the run stops when more than this fraction of records is malformed.
     regenerated_path: a jsonl written by `draftsmith prepare` (train/data/regenerate.py).
-    regenerated_mode: "replace" trains on the regenerated conversations only; "merge" trains on `path` with every
-        conversation that was regenerated replaced by its regenerated version (matched by id), the regenerated ones
-        first: they are always inside `num_samples` (after the eval holdout).
+    regenerated_mode: "replace" trains on the regenerated conversations only (`path` is then the source `draftsmith
+        prepare` answers, and a `path` the regenerated file was not answered from is refused: check_sources); "merge"
+        trains on `path` with every conversation that was regenerated replaced by its regenerated version (matched
+        by id), the regenerated ones first: they are always inside `num_samples` (after the eval holdout).
     num_proc: processes for tokenisation.
     cache_dir: where `datasets` keeps its Arrow cache (None = its default, ~/.cache/huggingface/datasets).
     """
@@ -147,6 +151,57 @@ def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
     if counts["train"] == 0:
         raise ValueError(f"no training conversation left after filtering: {counts}")
     return PreparedData(train=splits["train"], eval=splits["eval"], counts=counts, skip_reasons=skip_reasons)
+
+
+def check_sources(config: DataConfig) -> None:
+    """ValueError, one line naming data.path and what to do, when the recipe would not read the data.path it names.
+
+    With data.regenerated_mode "replace" training reads data.regenerated_path alone and data.path only tells
+    `draftsmith prepare` which prompts to answer, so a data.path that is not the regenerated file's source would be
+    ignored: a recipe pointed at a user's own file would train on the shipped answers without a word. The source is
+    the file's manifest's (train/data/shipped.py), else a data.path holding the file's first record id. Every other
+    setting reads data.path itself, which must then exist. Cheap, so the commands run it before loading any model.
+    """
+    regenerated = config.regenerated_path
+    if regenerated is None or config.regenerated_mode == "merge":
+        try:
+            resolve_source(config.path)
+        except ValueError as err:
+            raise ValueError(f"data.path: {err}; point it at a .json / .jsonl of conversations, or 'sharegpt' for the "
+                             "bundled ShareGPT package") from None
+        return
+    written = next((p for p in dict.fromkeys([regenerated, working_path(regenerated)]) if os.path.exists(p)), None)
+    if written is None:
+        return  # nothing answered yet: `draftsmith prepare` answers data.path's prompts into it
+    why = _not_the_source(config.path, written)
+    if why:
+        raise ValueError(f"data.path: {config.path!r} is not the source of data.regenerated_path {regenerated!r} "
+                         f"({why}), and with data.regenerated_mode replace training reads only that file; to train "
+                         f"on {config.path!r} as it is add data.regenerated_path=null, or to train on the target's "
+                         "answers to it set data.regenerated_path to a new file and run draftsmith prepare first")
+
+
+def _not_the_source(path: str, regenerated: str) -> str:
+    """Why `path` is not the conversations `regenerated` answered ("" when it is)."""
+    manifest = sidecar(regenerated, "manifest.json")
+    if os.path.exists(manifest):
+        with open(manifest) as f:
+            recorded = json.load(f)["source"]["path"]
+        same = recorded == path or (os.path.isfile(recorded) and os.path.isfile(path)
+                                    and os.path.samefile(recorded, path))
+        return "" if same else f"its manifest names {recorded!r}"
+    first = next((r for r in iter_raw_records(Path(regenerated)) if isinstance(r, dict) and "id" in r), None)
+    if first is None:
+        return ""  # an empty file: nothing would be trained from it either way
+    try:
+        records = iter_raw_records(resolve_source(path))
+    except ValueError as err:
+        # Without the ShareGPT package its ids cannot be read, and training never needs them: trust the name.
+        return "" if path == SHAREGPT_PACKAGE else str(err)
+    wanted = str(first["id"])  # ids as iter_conversations gives them: the record's own, else its index
+    if any(str(r.get("id", i) if isinstance(r, dict) else i) == wanted for i, r in enumerate(records)):
+        return ""
+    return f"it holds no conversation with the regenerated file's first id {wanted!r}"
 
 
 def _is_usable(skip_reason: str) -> bool:
