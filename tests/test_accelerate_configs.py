@@ -44,7 +44,10 @@ def test_sharded_configs_use_fsdp2_and_keep_the_target_out_of_zero_init(path):
     if config.distributed_type == "DEEPSPEED":
         assert config.deepspeed_config["zero_stage"] in (2, 3)
         assert not config.deepspeed_config.get("zero3_init_flag", False)  # would partition the frozen target too
-        assert "gradient_accumulation_steps" not in config.deepspeed_config  # accelerate passes the derived value
+        # the recipe fills these before prepare (train/fit/launch.py fill_deepspeed_config); a value here that
+        # disagreed with the recipe would stop the run
+        for key in ("gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu"):
+            assert key not in config.deepspeed_config, key
 
 
 def test_slurm_script_is_valid_bash_launching_an_existing_config_and_resuming():

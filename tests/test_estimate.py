@@ -36,9 +36,13 @@ def test_memory_plan_by_part():
     ddp = memory_plan(SIZES, "ddp", 4)
     assert ddp == {"target weights": 2000, "drafter weights + grads + AdamW": 1600,
                    "drafter frozen tensors (fp32)": 60, "served features + logit chunk": 214,
-                   "drafter activations (measured)": 1000, "total": 4874}
+                   "drafter activations (measured, fp32)": 1000, "total": 4874}
     assert memory_plan(SIZES, "fsdp", 4)["drafter weights + grads + AdamW"] == 400
     assert memory_plan(SIZES, "zero2", 4)["drafter weights + grads + AdamW"] == 200 + 350
+    # without mixed precision ZeRO-2's replicated working weights are fp32: 4 bytes, and 12 of the 16 sharded
+    fp32_run = RecipeSizes(**{**SIZES.__dict__, "mixed_precision": "no", "measured_precision": "bf16"})
+    assert memory_plan(fp32_run, "zero2", 4)["drafter weights + grads + AdamW"] == 400 + 300
+    assert memory_plan(fp32_run, "ddp", 4)["drafter activations (measured, bf16)"] == 1000
     assert memory_plan(SIZES, "zero3", 4)["total"] == 4874 - 1600 + 400
     fp32_target = RecipeSizes(**{**SIZES.__dict__, "target_bytes_per_param": 4, "activation_bytes": None})
     plan = memory_plan(fp32_target, "ddp", 4)
@@ -83,8 +87,27 @@ def test_estimate_command_prints_memory_and_steps_per_hour(tmp_path, capsys):
     GradientState._reset_state()
     assert main([RECIPE, *overrides, "--world-size", "4", "--probe-steps", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "memory per GPU at world size 4" in printed and "drafter activations (measured)" in printed
+    assert "memory per GPU at world size 4" in printed and "drafter activations (measured, fp32)" in printed
+    # the CPU probe trains in fp32 (auto); the GPU plan is bf16 (auto on an accelerator)
+    assert "trained parameters in mixed precision bf16" in printed and "per optimizer step in fp32" in printed
     assert "steps/hour; the recipe's 10 steps" in printed
     assert main([RECIPE, *overrides, "--no-probe"]) == 0
     printed = capsys.readouterr().out
     assert "activations not measured" in printed and "steps/hour" not in printed
+
+
+@pytest.mark.parametrize("kind", ["assistant", "dflash", "dspark", "eagle3", "medusa", "mtp"])
+def test_estimate_prints_a_step_peak_for_every_trained_kind(kind, tmp_path, capsys):
+    """Every debug recipe's drafter has a step-memory model (drafters/step_memory.py), MTP, Medusa and the assistant
+    included."""
+    from inference.assets.debug_target import resolve_debug_target
+
+    _chats(tmp_path / "chats.jsonl")
+    recipe = str(Path(RECIPE).with_name(f"tiny_{kind}.yaml"))
+    overrides = [f"target.name_or_path={resolve_debug_target('debug:tiny-llama')}",
+                 f"data.path={tmp_path / 'chats.jsonl'}", "data.num_samples=null", "data.num_eval_samples=2",
+                 f"data.cache_dir={tmp_path / 'datasets'}", "data.max_length=64", "train.batch_size=2",
+                 "eval.num_prompts=0"]
+    assert main([recipe, *overrides, "--no-probe"]) == 0
+    assert "one training step of the drafter (model, fp32, micro-batch 2 x 64 tokens" in capsys.readouterr().out
+

@@ -1,18 +1,27 @@
 """Long sequences in bounded memory (drafters/chunked.py): the chunked attention and losses equal the one-shot ones,
 activation checkpointing leaves the gradients unchanged, and the chunked paths never build a [T, T] (or [N, V]-for-
-all-rows) tensor, checked on the shapes of every tensor the forward and backward create."""
+all-rows) tensor, checked on the shapes of every tensor the forward and backward create. The full-vocabulary losses of
+MTP, Medusa and the assistant (losses.full_vocab_cross_entropy) run through the same chunks: their one-shot path is
+bitwise the whole-tensor computation, and chunked they equal it to fp32 rounding and hold no logits of all rows."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from drafters import chunked
+from drafters.assistant import AssistantConfig, AssistantDrafter
 from drafters.base import TargetInfo
 from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.losses import full_vocab_cross_entropy, soft_cross_entropy
+from drafters.medusa import MedusaConfig, MedusaDrafter
+from drafters.mtp import MTPConfig, MTPDrafter
 
 HIDDEN, VOCAB, LENGTH = 16, 96, 160  # every width but the vocabulary below LENGTH / 2 (the shape check)
 
@@ -43,6 +52,13 @@ FACTORIES = {
                                                           markov_head_type="rnn"), info),
 }
 
+# the kinds whose loss runs through the target's full vocabulary (losses.full_vocab_cross_entropy)
+FULL_VOCAB = {
+    "mtp": lambda info: MTPDrafter(MTPConfig(num_modules=3), info),
+    "medusa": lambda info: MedusaDrafter(MedusaConfig(num_heads=3, num_layers=2, lm_head="copy"), info),
+    "assistant": lambda info: AssistantDrafter(AssistantConfig(num_layers=2, hidden_size=12, num_steps=3), info),
+}
+
 
 def make_batch(drafter, lengths=(LENGTH, LENGTH - 37)) -> dict:
     """Right-padded rows of random features (what a feature cache serves), loss on all but the first 5 tokens."""
@@ -56,6 +72,9 @@ def make_batch(drafter, lengths=(LENGTH, LENGTH - 37)) -> dict:
             "target_hidden": {i: torch.randn(batch_size, width, HIDDEN, generator=generator)
                               for i in drafter.feature_request().layer_ids},
             "target_last_hidden": torch.randn(batch_size, width, HIDDEN, generator=generator),
+            "target_kv": {i: (torch.randn(batch_size, 2, width, 4, generator=generator),
+                              torch.randn(batch_size, 2, width, 4, generator=generator))
+                          for i in drafter.feature_request().kv_layers},
             "sample_index": torch.arange(batch_size), "epoch": 0, "seed": 0}
 
 
@@ -76,7 +95,7 @@ def assert_same(reference, other):
         torch.testing.assert_close(grads_b[name], grad, rtol=1e-4, atol=1e-4 * float(grad.abs().max()), msg=name)
     assert metrics_a.keys() == metrics_b.keys()
     for key in metrics_a:  # accuracies from chunked argmaxes: identical unless two logits tie within rounding
-        assert metrics_b[key] == pytest.approx(metrics_a[key], rel=1e-4, abs=1e-5), key
+        assert float(metrics_b[key]) == pytest.approx(float(metrics_a[key]), rel=1e-4, abs=1e-5), key
 
 
 def small_budgets(monkeypatch):
@@ -156,13 +175,67 @@ def test_one_shot_paths_do_build_them():
     assert any(sum(d >= LENGTH // 2 for d in shape) >= 2 for _, shape in recorded.shapes)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash_vocab", "dspark"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash_vocab", "dspark", *sorted(FULL_VOCAB)])
 def test_head_keeps_the_forwards_autocast(kind):
     """The loss runs the head after the forward (a chunk at a time); it computes in the dtype the forward's mixed
     precision would have given it, as when the head ran inside the forward."""
-    drafter = FACTORIES[kind](target_info())
+    drafter = {**FACTORIES, **FULL_VOCAB}[kind](target_info())
     batch = make_batch(drafter)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mixed = drafter(batch)
     assert mixed.logits_of(slice(0, 2)).dtype == torch.bfloat16
     assert drafter(batch).logits_of(slice(0, 2)).dtype == torch.float32
+
+
+def full_vocab_drafter(kind: str, loss: str):
+    torch.manual_seed(0)
+    drafter = FULL_VOCAB[kind](target_info())
+    drafter.config = dataclasses.replace(drafter.config, loss=loss)
+    with torch.no_grad():  # fresh Medusa blocks are zero and MTP's eh_proj half the identity: make every part count
+        for parameter in drafter.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return drafter
+
+
+@pytest.mark.parametrize("loss", ["soft", "hard"])
+@pytest.mark.parametrize("kind", sorted(FULL_VOCAB))
+def test_full_vocab_loss_chunked_equals_one_shot(kind, loss, monkeypatch):
+    drafter = full_vocab_drafter(kind, loss)
+    batch = make_batch(drafter)
+    reference = loss_and_grads(drafter, batch)
+    small_budgets(monkeypatch)
+    assert_same(reference, loss_and_grads(drafter, batch))
+
+
+@pytest.mark.parametrize("kind", sorted(FULL_VOCAB))
+def test_full_vocab_one_shot_loss_is_the_whole_tensor_loss(kind):
+    """Within the one-shot limit the chunked seam adds nothing: the cell losses are bitwise the soft cross-entropy of
+    the whole [N, K, V] logits against the teacher rows gathered per cell, and the argmax is theirs."""
+    drafter = full_vocab_drafter(kind, "soft")
+    batch = make_batch(drafter)
+    output = drafter(batch)
+    head = drafter._target_tensor("lm_head_weight")
+    cell_loss, predicted = full_vocab_cross_entropy(output, batch, head, soft=True)
+    rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
+    cells, cell_of = torch.unique(rows * LENGTH + output.label_position - 1, return_inverse=True)
+    teacher = torch.softmax(F.linear(batch["target_last_hidden"][cells // LENGTH, cells % LENGTH], head), dim=-1)
+    assert torch.equal(cell_loss, soft_cross_entropy(output.logits, teacher[cell_of]))
+    assert torch.equal(predicted, output.logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("kind", sorted(FULL_VOCAB))
+def test_full_vocab_chunked_loss_holds_no_logits_of_all_rows(kind, monkeypatch):
+    """With small budgets no tensor of the loss's forward or backward holds N x V values (logits, teacher or their
+    gradient of every row); the chain drafters' own attention keeps its [T, T] mask (they are not chunked there)."""
+    small_budgets(monkeypatch)
+    drafter = full_vocab_drafter(kind, "soft")
+    batch = make_batch(drafter)
+    output = drafter(batch)
+    with Shapes() as recorded:
+        loss, _ = drafter.loss(output, batch)
+        loss.backward()
+    all_logits = [(op, shape) for op, shape in recorded.shapes
+                  if shape and shape[-1] == VOCAB and torch.Size(shape).numel() >= output.num_rows * VOCAB]
+    assert not all_logits, all_logits[:5]
+    assert any(shape and shape[-1] == VOCAB for _, shape in recorded.shapes)  # the check saw the chunks' logits
+

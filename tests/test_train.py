@@ -271,6 +271,62 @@ def test_prepare_regenerates_answers_that_training_then_reads(workdir, tmp_path)
     trainer.accelerator.end_training()
 
 
+def counted_reads(call, monkeypatch, folders: tuple[str, ...]):
+    """(call(), [(read, file)]) of each host read of a tensor's value (item, float, int, bool, tolist) made directly
+    from a file under one of `folders` while call() runs."""
+    reads = []
+    with monkeypatch.context() as patch:
+        for name in ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "nonzero", "cpu"):
+            original = getattr(torch.Tensor, name)
+
+            def wrapped(self, *args, _original=original, _name=name, **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                if any(os.path.join(ROOT, folder) in caller for folder in folders):
+                    reads.append((_name, os.path.relpath(caller, ROOT)))
+                return _original(self, *args, **kwargs)
+
+            patch.setattr(torch.Tensor, name, wrapped)
+        return call(), reads
+
+
+def test_train_metrics_are_read_once_per_log_line_not_per_micro_batch(workdir, tmp_path, monkeypatch):
+    """The loop and the shared losses leave every metric on the device: two micro-batches read nothing, the step's
+    stop flags (with the agreed clock) are one read, and a log line reads its whole interval in one transfer."""
+    from train.build import build_trainer
+    from train.fit.loop import LogInterval
+
+    reset_accelerate()
+    trainer = build_trainer(load_recipe(DEBUG_RECIPE, tiny_overrides(workdir, str(tmp_path), "train.grad_accum=2")))
+    ours = ("train/fit", "drafters/losses.py")
+    interval = LogInterval()
+    for step in range(2):
+        meter, reads = counted_reads(lambda: trainer.train_step(trainer.micro_batches(step)), monkeypatch, ours)
+        assert reads == []
+        flags, reads = counted_reads(lambda: trainer.stop_flags(meter, preempted=False), monkeypatch, ours)
+        assert reads == [("tolist", "train/fit/metrics.py")] and not flags.nonfinite_loss
+        interval.add(meter, 1.0)
+    (means, steps, _), reads = counted_reads(interval.pop, monkeypatch, ours)
+    assert reads == [("tolist", "train/fit/metrics.py")] and steps == 2
+    assert {"loss", "acc_0", "sim_accept_length", "data_acc", "grad_norm", "tokens"} <= set(means)
+    assert all(isinstance(value, float) and value == value for value in means.values())
+    trainer.accelerator.end_training()
+
+
+def test_recipe_mixed_precision_reaches_the_accelerator_unless_the_launcher_set_one(workdir, tmp_path, monkeypatch):
+    from train.build import build_trainer
+    from train.fit.launch import PRECISION_ENV
+
+    monkeypatch.delenv(PRECISION_ENV, raising=False)
+    trainer, _ = run(workdir, str(tmp_path / "bf16"), "train.mixed_precision=bf16", "train.max_steps=2")
+    assert trainer.accelerator.mixed_precision == "bf16"  # CPU autocast in bf16, as a GPU run's default
+    train_lines = [line for line in map(json.loads, open(tmp_path / "bf16" / "metrics.jsonl")) if "train/loss" in line]
+    assert train_lines[-1]["step"] == 2 and 0.0 < train_lines[-1]["train/loss"] < 100.0
+    monkeypatch.setenv(PRECISION_ENV, "no")  # what `accelerate launch --mixed_precision no` sets
+    reset_accelerate()
+    recipe = load_recipe(DEBUG_RECIPE, tiny_overrides(workdir, str(tmp_path / "no"), "train.mixed_precision=bf16"))
+    assert build_trainer(recipe).accelerator.mixed_precision == "no"
+
+
 def test_estimate_prints_disk_and_time(workdir, tmp_path, capsys):
     from train import estimate
 

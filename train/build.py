@@ -15,9 +15,10 @@ from accelerate.utils import set_seed
 from drafters import DRAFTERS
 from inference.engine.target import TargetModel, resolve_dtype
 from train.fit.checkpoint import load_checkpoint, resolve_resume
-from train.config import Derived, Recipe, derive, recipe_to_dict, save_recipe
+from train.config import Derived, Recipe, TrainConfig, derive, recipe_to_dict, save_recipe
 from train.data.dataset import build_dataset
 from train.features.cache import FeatureCache, FeatureProvider, cache_meta, training_request
+from train.fit.launch import PRECISION_ENV, fill_deepspeed_config, process_group_kwargs, resolve_mixed_precision
 from train.fit.loop import RunClock, Trainer
 from train.fit.metrics import flat_config, load_eval_prompts
 from train.fit.optim import build_optimizer, build_scheduler, schedule_position
@@ -30,20 +31,53 @@ def use_cpu() -> bool:
     return not torch.accelerator.is_available()
 
 
-def process_state() -> PartialState:
-    """This process's place in the launch (rank, world size, device), before the Accelerator exists."""
-    return PartialState(cpu=use_cpu())
+def process_state(recipe: Recipe | None = None) -> PartialState:
+    """This process's place in the launch (rank, world size, device), before the Accelerator exists. It creates the
+    process group, so the collective timeout (train.dist_timeout_minutes; without a recipe its default) is set here."""
+    minutes = (recipe.train if recipe is not None else TrainConfig()).dist_timeout_minutes
+    return PartialState(cpu=use_cpu(), **process_group_kwargs(minutes))
 
 
-def load_target(recipe: Recipe, device, *, whole: bool = False) -> TargetModel:
+def build_accelerator(recipe: Recipe, derived: Derived, mixed_precision: str) -> Accelerator:
+    """The run's Accelerator, after `process_state`: `mixed_precision` (`resolve_mixed_precision`), the derived
+    gradient accumulation, and under DeepSpeed the batch sizes and clipping in its config (`fill_deepspeed_config`:
+    `prepare` gets no dataloader to read them from)."""
+    trackers = list(recipe.logging.trackers)
+    accelerator = Accelerator(cpu=use_cpu(), mixed_precision=mixed_precision,
+                              gradient_accumulation_steps=derived.grad_accum, log_with=trackers or None,
+                              project_dir=recipe.output.dir)
+    if accelerator.gradient_accumulation_steps != derived.grad_accum:
+        raise ValueError(f"the launcher asks for gradient accumulation {accelerator.gradient_accumulation_steps}, "
+                         f"the recipe derives {derived.grad_accum}; drop --gradient_accumulation_steps from accelerate "
+                         "launch and set train.global_batch_size or train.grad_accum")
+    if accelerator.state.deepspeed_plugin is not None:
+        fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, batch_size=recipe.train.batch_size,
+                              grad_accum=derived.grad_accum, global_batch_size=derived.global_batch_size,
+                              grad_clip=recipe.optim.grad_clip)
+    return accelerator
+
+
+def shards_target(recipe: Recipe, num_processes: int) -> bool:
+    """True when training shards the target across its processes (target.placement: sharded, more than one)."""
+    return recipe.target.placement == "sharded" and num_processes > 1
+
+
+def load_target(recipe: Recipe, device, *, whole: bool = False, num_processes: int = 1) -> TargetModel:
     """The frozen target on `device` in target.dtype (a debug:NAME target is built on first use); with
-    target.placement: served only its head, unless `whole` (what computes features or answers needs all of it)."""
+    target.placement: served only its head, unless `whole` (what computes features or answers needs all of it).
+    A target to shard across `num_processes` is loaded on the CPU in the device's dtype: `place_target` moves it
+    to `device` a shard at a time, so the whole of it never sits on the device."""
     dtype = resolve_dtype(recipe.target.dtype, device)
     if recipe.target.placement == "served" and not whole:  # features come from the cache: only the head is needed here
         from inference.assets.store import resolve_target
         from train.features.vllm_features import head_target
 
         return head_target(resolve_target(recipe.target.name_or_path), dtype, device)
+    if shards_target(recipe, num_processes) and not whole:
+        from train.features.placement import check_sharding_supported
+
+        check_sharding_supported()
+        device = "cpu"
     return TargetModel.from_pretrained(recipe.target.name_or_path, dtype=dtype, device=device)
 
 
@@ -65,6 +99,20 @@ def build_drafter(recipe: Recipe, target: TargetModel) -> torch.nn.Module:
         target.check_request(drafter.feature_request())
     except ValueError as err:
         raise ValueError(f"drafter: {err}") from None
+    return drafter.to(target.device)
+
+
+def place_target(recipe: Recipe, target: TargetModel, drafter: torch.nn.Module,
+                 state: PartialState) -> torch.nn.Module:
+    """Shard the target (loaded on the CPU by `load_target`) onto this process's device and the drafter after it;
+    returns the drafter. The drafter is built first, on the whole target, because warm starts read every weight
+    (TargetInfo.weights); `shard_target` then points it at the sharded target's TargetInfo, whose head (embeddings,
+    lm_head, final norm) stays whole for the drafter to compute with. A no-op unless the target is sharded."""
+    if not shards_target(recipe, state.num_processes):
+        return drafter
+    from train.features.placement import shard_target
+
+    shard_target(target, state.num_processes, state.device, drafter)
     return drafter.to(target.device)
 
 
@@ -105,20 +153,16 @@ def build_trainer(recipe: Recipe) -> Trainer:
     """Everything `fit` needs, in order: seed, target, data, derived values, accelerator, drafter (initialised from
     the data or restored from a checkpoint), optimizer, schedule, feature providers, trackers."""
     set_seed(recipe.train.seed)
-    state = process_state()
-    target = load_target(recipe, state.device)
+    precision = resolve_mixed_precision(recipe.train.mixed_precision, accelerator=not use_cpu(),
+                                        launcher=os.environ.get(PRECISION_ENV))
+    state = process_state(recipe)
+    target = load_target(recipe, state.device, num_processes=state.num_processes)
     data = load_data(recipe, target, state)
     derived = derive(recipe, world_size=state.num_processes, num_train_samples=len(data.train))
     trackers = list(recipe.logging.trackers)
-    accelerator = Accelerator(cpu=use_cpu(), gradient_accumulation_steps=derived.grad_accum,
-                              log_with=trackers or None, project_dir=recipe.output.dir)
-    accelerator.print(f"derived: {derived}; data: {data.counts}")
-    drafter = build_drafter(recipe, target)
-    if recipe.target.placement == "sharded" and state.num_processes > 1:
-        from train.features.placement import shard_target
-
-        shard_target(target, state.num_processes)
-        drafter.target_info = target.target_info()  # without the weight map: warm starts are done
+    accelerator = build_accelerator(recipe, derived, precision)
+    accelerator.print(f"derived: {derived}; data: {data.counts}; mixed precision: {accelerator.mixed_precision}")
+    drafter = place_target(recipe, target, build_drafter(recipe, target), state)
     resume = resolve_resume(recipe.output.dir, recipe.train.resume_from)
     if resume is None:
         drafter.init_from_data(count_tokens(data.train, target.target_info().vocab_size))

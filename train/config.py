@@ -24,8 +24,8 @@ import yaml
 
 from drafters import DRAFTERS
 from drafters.configs import coerce, from_dict, to_dict
-from train.data.dataset import DataConfig
-from train.recipe_checks import check_placement, check_settings, check_stream
+from train.data.dataset import DataConfig, check_sources
+from train.recipe_checks import check_launch, check_placement, check_settings, check_stream
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -150,7 +150,11 @@ class TrainConfig:
     max_time_minutes is a wall-clock budget: the run stops there and exports (schedule.anneal_on says whether the
     schedule follows it). activation_checkpointing: recompute each draft layer (and TTT step) in the backward pass
     instead of keeping its activations: less memory at long sequences for about one more forward of the layers
-    (eagle3, dflash, dspark; docs/distributed.md, "Long sequences")."""
+    (eagle3, dflash, dspark; docs/distributed.md, "Long sequences"). mixed_precision: the autocast precision when the
+    launcher sets none (ACCELERATE_MIXED_PRECISION, from `accelerate launch --mixed_precision` or its config file,
+    wins); auto = bf16 on an accelerator, "no" (fp32) on a CPU. dist_timeout_minutes: how long a collective waits for
+    the slowest process before the run is killed (tokenising, feature writing and the probe run on some processes
+    while the others wait; NCCL's own default is 10 minutes)."""
 
     batch_size: int = 1
     global_batch_size: int | None = None
@@ -166,6 +170,8 @@ class TrainConfig:
     resume_from: str | None = None
     phases: list[Phase] = field(default_factory=list)
     activation_checkpointing: bool = False
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    dist_timeout_minutes: float = 60.0
 
 
 @dataclass(kw_only=True)
@@ -258,12 +264,16 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     if kind not in DRAFTERS:
         raise ValueError(f"drafter.kind: {kind!r} is not a registered drafter; choose one of {sorted(DRAFTERS)}")
     drafter_config = from_dict(DRAFTERS[kind].Config, section, "drafter")
+    train = raw.get("train")
+    if isinstance(train, dict) and train.get("mixed_precision") is False:  # YAML reads an unquoted `no` as false
+        raw["train"] = {**train, "mixed_precision": "no"}
     recipe = from_dict(Recipe, {**raw, "drafter_kind": kind, "drafter": drafter_config})
     check_phases(recipe)
     check_literal_paths(recipe)
     check_settings(recipe.features.vllm)  # the vLLM engine fields (vLLM itself is not imported)
     check_stream(recipe.features)
     check_placement(recipe)
+    check_launch(recipe)
     return recipe
 
 
@@ -360,9 +370,12 @@ def derive(recipe: Recipe, *, world_size: int, num_train_samples: int) -> Derive
 
 
 def recipe_from_argv(prog: str, description: str, argv: list[str] | None) -> "Recipe":
-    """The command line every recipe subcommand takes, `RECIPE [key.path=value ...]`, parsed and loaded."""
+    """The command line every recipe subcommand takes, `RECIPE [key.path=value ...]`, parsed and loaded; its data
+    source is checked here (check_sources), before any command loads a model."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("recipe", help="recipe YAML (recipes/...)")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides, e.g. optim.lr=3e-4")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    return load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides)
+    check_sources(recipe.data)
+    return recipe

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import tempfile
 import time
@@ -76,23 +77,31 @@ class RecipeSizes:
     activation_bytes: int | None  # measured for one micro-batch (None = not measured)
     largest_layer_params: int = 0  # the target's largest decoder layer (what FSDP2 gathers at once)
     head_params: int = 0  # the target's embeddings, final norm and lm_head (tied ones once)
+    mixed_precision: str = "bf16"  # the run's on a GPU (launch.resolve_mixed_precision)
+    measured_precision: str = "no"  # the probe's, which activation_bytes were measured under
 
 
 def memory_plan(sizes: RecipeSizes, strategy: str, world_size: int) -> dict[str, int]:
     """Bytes per GPU, by part. The frozen target is on every GPU in its dtype whatever the strategy (it is never
-    wrapped for training, so its forward needs no all-gather); the drafter trains in fp32 with bf16 autocast, so
-    the target tensors it computes with (embedding, lm_head) are fp32 copies unless the target is fp32 too."""
+    wrapped for training, so its forward needs no all-gather); the drafter keeps fp32 weights under autocast, so
+    the target tensors it computes with (embedding, lm_head) are fp32 copies unless the target is fp32 too. ZeRO-2's
+    replicated working weights are in the mixed precision's 16 bits, or fp32 without mixed precision."""
     copies = sizes.target_copy_values if sizes.target_bytes_per_param != 4 else 0
+    working_bytes = 2 if sizes.mixed_precision in ("bf16", "fp16") else 4
     plan = {"target weights": sizes.target_params * sizes.target_bytes_per_param,
             "drafter weights + grads + AdamW": drafter_state_bytes(
-                sizes.drafter_trainable, strategy, world_size, sizes.target_bytes_per_param),
+                sizes.drafter_trainable, strategy, world_size, working_bytes),
             "drafter frozen tensors (fp32)": 4 * (sizes.drafter_frozen_values + copies),
             "served features + logit chunk": 4 * sizes.feature_values
             + sizes.target_bytes_per_param * sizes.logit_chunk_values}
-    if sizes.activation_bytes is not None:
-        plan["drafter activations (measured)"] = sizes.activation_bytes
+    if sizes.activation_bytes is not None:  # autocast keeps 16-bit inputs for its matmuls, fp32 keeps 32-bit ones
+        plan[f"drafter activations (measured, {precision_name(sizes.measured_precision)})"] = sizes.activation_bytes
     plan["total"] = sum(plan.values())
     return plan
+
+
+def precision_name(mixed_precision: str) -> str:  # accelerate's "no" is fp32
+    return "fp32" if mixed_precision == "no" else mixed_precision
 
 
 def steps_per_hour(seconds_per_step: float) -> float:
@@ -162,6 +171,7 @@ class Probe:
     tokens_per_step: float
     activation_bytes: int
     num_steps: int
+    precision: str  # the Accelerator's mixed precision the steps ran in
 
 
 def probe(recipe_path: str, overrides: list[str], num_steps: int, output_dir: str):
@@ -187,11 +197,12 @@ def probe(recipe_path: str, overrides: list[str], num_steps: int, output_dir: st
         micro_batches = trainer.micro_batches(step)
         synchronize(trainer.target.device)
         started = time.perf_counter()
-        metrics = trainer.train_step(micro_batches)
+        metrics = trainer.train_step(micro_batches).pop()  # reads the step's metrics: it has run to its end
         synchronize(trainer.target.device)
         seconds += time.perf_counter() - started
         tokens += metrics["tokens"] * len(micro_batches)
-    return Probe(seconds / num_steps, tokens / num_steps, activations, num_steps), trainer
+    return Probe(seconds / num_steps, tokens / num_steps, activations, num_steps,
+                 trainer.accelerator.mixed_precision), trainer
 
 
 def human_seconds(seconds: float) -> str:
@@ -243,8 +254,12 @@ def print_cache_estimate(recipe: Recipe, target, data, request, num_processes: i
           f"{num_processes} process(es)")
 
 
-def recipe_sizes(recipe: Recipe, target, drafter: torch.nn.Module, activation_bytes: int | None) -> RecipeSizes:
-    """The sizes memory_plan needs, read off the loaded target and drafter (the target's dtype as on a GPU)."""
+def recipe_sizes(recipe: Recipe, target, drafter: torch.nn.Module, activation_bytes: int | None,
+                 measured_precision: str) -> RecipeSizes:
+    """The sizes memory_plan needs, read off the loaded target and drafter (the target's dtype and the mixed
+    precision as on a GPU; activation_bytes were measured under `measured_precision`)."""
+    from train.fit.launch import PRECISION_ENV, resolve_mixed_precision
+
     info = target.target_info()
     request = drafter.feature_request()
     gpu_dtype = torch.bfloat16 if recipe.target.dtype == "auto" else getattr(torch, recipe.target.dtype)
@@ -261,15 +276,18 @@ def recipe_sizes(recipe: Recipe, target, drafter: torch.nn.Module, activation_by
                        largest_layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in target.layers),
                        head_params=sum({id(p): p.numel() for module in (
                            target.model.get_input_embeddings(), target.final_norm,
-                           target.model.get_output_embeddings()) for p in module.parameters()}.values()))
+                           target.model.get_output_embeddings()) for p in module.parameters()}.values()),
+                       mixed_precision=resolve_mixed_precision(recipe.train.mixed_precision, accelerator=True,
+                                                               launcher=os.environ.get(PRECISION_ENV)),
+                       measured_precision=measured_precision)
 
 
 def print_memory(sizes: RecipeSizes, world_size: int, recipe: Recipe) -> None:
     plans = {strategy: memory_plan(sizes, strategy, world_size) for strategy in STRATEGIES}
     target_dtype = {2: "bf16", 4: "fp32"}.get(sizes.target_bytes_per_param, f"{sizes.target_bytes_per_param} B")
     print(f"memory per GPU at world size {world_size} (target in {target_dtype} on every GPU; drafter "
-          f"{sizes.drafter_trainable:,} trained parameters; micro-batch {recipe.train.batch_size} x "
-          f"{recipe.data.max_length} tokens):")
+          f"{sizes.drafter_trainable:,} trained parameters in mixed precision {precision_name(sizes.mixed_precision)}; "
+          f"micro-batch {recipe.train.batch_size} x {recipe.data.max_length} tokens):")
     print(f"  {'':34}" + "".join(f"{strategy:>12}" for strategy in STRATEGIES))
     for part in plans["ddp"]:
         print(f"  {part:34}" + "".join(f"{human_bytes(plans[s][part]):>12}" for s in STRATEGIES))
@@ -307,7 +325,7 @@ def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_by
     totals = {p: target[p] + rest for p in PLACEMENTS}
     print(f"target placement per GPU at world size {world_size} (target.placement; totals with DDP drafter state):")
     for placement, note in (("replicated", "every process holds all of it"),
-                            ("sharded", "FSDP2, 1/W + the root and two layers gathered; online features"),
+                            ("sharded", "FSDP2, the head whole + 1/W of the layers + two gathered; online features"),
                             ("served", "head only; vLLM holds the decoder, offline features")):
         print(f"  {placement:11} target {human_bytes(target[placement]):>11}  total "
               f"{human_bytes(totals[placement]):>11}  ({note})")
@@ -330,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = gpu_memory(args.gpu_memory_gib)
     from train.build import build_drafter, load_data, load_target, process_state
 
-    state = process_state()
+    state = process_state(recipe)
     world_size = state.num_processes if args.world_size is None else args.world_size
     drafter_state_bytes(0, "ddp", world_size)  # checks --world-size before anything is loaded
     with tempfile.TemporaryDirectory(prefix="draftsmith-estimate-") as scratch:
@@ -344,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             target, data, drafter = trainer.target, trainer.data, trainer.model
         request = drafter.feature_request()
         print_cache_estimate(recipe, target, data, request, state.num_processes, state.device)
-        sizes = recipe_sizes(recipe, target, drafter, None if result is None else result.activation_bytes)
+        sizes = recipe_sizes(recipe, target, drafter, *((None, "no") if result is None else
+                                                        (result.activation_bytes, result.precision)))
         print_memory(sizes, world_size, recipe)
         print_step_peak(recipe, drafter)
         print_placements(sizes, world_size, recipe, *gpu)
@@ -361,13 +380,17 @@ def gpu_memory(gib: float | None) -> tuple[int, str]:
         return int(gib * (1 << 30)), "--gpu-memory-gib"
     if torch.accelerator.is_available():
         index = torch.accelerator.current_device_index()
-        return torch.accelerator.get_memory_info(index)[1], "this machine's accelerator"
+        # get_memory_info is newer than some torch >= 2.7 builds (ROCm's); the device module's is (free, total) too
+        memory_info = getattr(torch.accelerator, "get_memory_info", None) or getattr(
+            torch, torch.accelerator.current_accelerator().type).mem_get_info
+        return memory_info(index)[1], "this machine's accelerator"
     return 192 << 30, "no accelerator here: an MI300X's 192 GiB"
 
 
 def print_probe(result: Probe, recipe: Recipe, derived, device) -> None:
     rate = steps_per_hour(result.seconds_per_step)
-    print(f"probe: {result.seconds_per_step:.2f} s per optimizer step ({recipe.train.batch_size} x "
+    print(f"probe: {result.seconds_per_step:.2f} s per optimizer step in {precision_name(result.precision)} "
+          f"({recipe.train.batch_size} x "
           f"{derived.grad_accum} micro-batches, {result.tokens_per_step / result.seconds_per_step:,.0f} tokens/s) "
           f"over {result.num_steps} steps on {device}, online features -> {rate:,.0f} steps/hour; the recipe's "
           f"{derived.max_steps:,} steps -> {human_seconds(derived.max_steps * result.seconds_per_step)} at this rate")

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = recipe_from_argv("draftsmith prepare", __doc__.split("\n\n")[0], argv)
     from train.build import process_state
 
-    state = process_state()
+    state = process_state(recipe)  # the recipe's collective timeout (train.dist_timeout_minutes)
     if recipe.features.extractor == "vllm" and recipe.features.mode != "online":
         from train.features.vllm_features import require_vllm
 

@@ -1,5 +1,6 @@
 """The recipe's cross-field checks that `train.config.load_recipe` runs on every recipe: the vLLM engine fields, the
-stream settings and the target's placement. Pure functions of the recipe: nothing is built or imported to check it.
+stream settings, the target's placement and the collective timeout. Pure functions of the recipe: nothing is built or
+imported to check it.
 """
 
 from __future__ import annotations
@@ -48,3 +49,16 @@ def check_placement(recipe) -> None:
         raise ValueError(f"target.placement: sharded needs features.mode: online (mode {recipe.features.mode} runs "
                          "the target on some processes only, and a sharded forward is collective); use a replicated "
                          "target to fill a cache, or features.extractor: vllm")
+
+
+def check_launch(recipe) -> None:
+    """ValueError naming train.dist_timeout_minutes when collectives could not wait long enough: it must be positive,
+    and a streamed run's shard wait (features.stream.timeout_s) must end first, or the collective timeout kills the
+    waiting processes before the trainer can say which shard is missing."""
+    minutes = recipe.train.dist_timeout_minutes
+    if not minutes > 0:
+        raise ValueError(f"train.dist_timeout_minutes must be > 0, got {minutes}")
+    wait = recipe.features.stream.timeout_s
+    if recipe.features.mode == "streamed" and wait >= 60.0 * minutes:
+        raise ValueError(f"train.dist_timeout_minutes: {minutes} min is not longer than features.stream.timeout_s "
+                         f"({wait:g} s); raise it above {wait / 60.0:g} min or lower the stream timeout")

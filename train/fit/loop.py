@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-from accelerate import Accelerator, DistributedType
+from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from drafters.files import disk_full_reported, replace_directory
@@ -39,7 +39,9 @@ from train.fit.checkpoint import list_checkpoints, save_checkpoint
 from train.config import Derived, Recipe, save_recipe
 from train.data.dataset import epoch_order, step_indices
 from train.features.cache import FeatureProvider, make_batch
-from train.fit.metrics import MeanMeter, RunLog, reduce_mean, speculative_probe
+from train.fit.launch import drafter_is_sharded
+from train.fit.metrics import (MeanMeter, RunLog, agree_on_step, any_nonfinite, full_norm, mean_of_meters, reduce_mean,
+                              speculative_probe)
 from train.fit.optim import schedule_position
 
 
@@ -68,8 +70,9 @@ class StepFlags:
 @dataclass
 class RunClock:
     """The run's wall time across resumes: `before` seconds spent by earlier processes (the checkpoint's) plus this
-    process's since `start`. `now` is the reading of the last `tick`: the wall budget, the time-annealed schedule
-    and the checkpoint all go by it, so one step boundary sees one time."""
+    process's since `start`. `now` is the step boundary's reading, the main process's on every process
+    (Trainer.stop_flags): the wall budget, the time-annealed schedule and the checkpoint all go by it, so one step
+    boundary sees one time everywhere."""
 
     before: float = 0.0
     started: float = 0.0
@@ -85,22 +88,30 @@ class RunClock:
 
 @dataclass
 class LogInterval:
-    """What one train log line averages: the step metrics since the last line, and how many steps took how long
-    (train steps only: features, forward, backward, optimizer; not evaluation or checkpoints)."""
+    """What one train log line averages: the steps' metrics since the last line (each step's meter of its
+    micro-batches, still on the device), and how many steps took how long (train steps only: features, forward,
+    backward, optimizer; not evaluation or checkpoints)."""
 
-    metrics: MeanMeter = field(default_factory=MeanMeter)
-    steps: int = 0
+    meters: list[MeanMeter] = field(default_factory=list)
     seconds: float = 0.0
 
-    def add(self, metrics: dict[str, float], seconds: float) -> None:
-        self.metrics.add(metrics)
-        self.steps, self.seconds = self.steps + 1, self.seconds + seconds
+    @property
+    def steps(self) -> int:
+        return len(self.meters)
+
+    def add(self, step: MeanMeter, seconds: float) -> None:
+        self.meters.append(step)
+        self.seconds += seconds
 
     def pop(self) -> tuple[dict[str, float], int, float]:
-        """(mean metrics, steps, seconds) since the last pop; starts the next interval."""
-        steps, seconds = self.steps, self.seconds
-        self.steps, self.seconds = 0, 0.0
-        return self.metrics.pop(), steps, seconds
+        """(mean over steps of each step's mean metrics, steps, seconds) since the last pop, read from the device in
+        one transfer; starts the next interval."""
+        meters, seconds = self.meters, self.seconds
+        self.meters, self.seconds = [], 0.0
+        interval = MeanMeter()
+        for means in mean_of_meters(meters):
+            interval.add(means)
+        return interval.pop(), len(meters), seconds
 
 
 @contextlib.contextmanager
@@ -190,8 +201,9 @@ class Trainer:
             setattr(self.model.config, key, value)
 
     # ---- one optimizer step ------------------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, float]:
-        """Forward/backward over the micro-batches, clip, AdamW step, schedule step. Returns mean metrics."""
+    def train_step(self, micro_batches: list[dict[str, Any]]) -> MeanMeter:
+        """Forward/backward over the micro-batches, clip, AdamW step. Returns the micro-batches' metrics unread: their
+        tensors stay on the device until a log line reads them all at once (a GPU never waits on them per step)."""
         self.drafter.train()
         meter = MeanMeter()
         grad_clip = self.recipe.optim.grad_clip
@@ -205,14 +217,12 @@ class Trainer:
                     # its update; without clipping, max_norm=inf scales the gradients by exactly 1.0
                     grad_norm = self.accelerator.clip_grad_norm_(
                         self.drafter.parameters(), grad_clip if grad_clip is not None else math.inf)
-                    if grad_norm is not None:  # DeepSpeed clips inside its engine and returns no norm
-                        metrics = {**metrics, "grad_norm": float(grad_norm)}
+                    if grad_norm is not None:  # DeepSpeed clips inside its engine and may return no norm
+                        metrics = {**metrics, "grad_norm": full_norm(grad_norm)}
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-            meter.add({"loss": loss.item(), **metrics, "tokens": float(batch["attention_mask"].sum())})
-        self.clock.tick()  # the scheduler's position (schedule.anneal_on: time) reads it
-        self.scheduler.step()
-        return meter.pop()
+            meter.add({"loss": loss.detach(), **metrics, "tokens": batch["attention_mask"].sum()})
+        return meter
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -233,7 +243,7 @@ class Trainer:
                 batch = self.to_device(make_batch(self.data.eval, list(range(start, start + size)), self.pad_token_id))
                 batch.update(self.eval_features(batch))
                 loss, metrics = self.model.loss(self.drafter(batch), batch)
-                meter.add({"loss": loss.item(), **metrics})
+                meter.add({"loss": loss.detach(), **metrics})
             self.eval_features.flush()
             results = reduce_mean(self.accelerator, meter.pop())
             if self.eval_prompts and self.accelerator.is_main_process and self.can_probe():
@@ -246,9 +256,11 @@ class Trainer:
         return results
 
     def can_probe(self) -> bool:
-        """FSDP shards the drafter's weights across processes, so one process cannot decode with it alone; nor with a
-        target that is sharded or served elsewhere (target.placement)."""
-        return self.accelerator.distributed_type != DistributedType.FSDP and self.target.whole
+        """FSDP and ZeRO-3 shard the drafter's weights across processes, so one process cannot decode with it alone
+        (under ZeRO-3 it would wait in an all-gather the others never join); nor with a target that is sharded or
+        served elsewhere (target.placement)."""
+        sharded = drafter_is_sharded(self.accelerator.distributed_type, self.accelerator.state.deepspeed_plugin)
+        return not sharded and self.target.whole
 
     # ---- checkpoints and export ----------------------------------------------------------------------------------
     def save(self) -> str:
@@ -288,18 +300,19 @@ class Trainer:
         return final_dir
 
     # ---- the run ---------------------------------------------------------------------------------------------------
-    def stop_flags(self, metrics: dict[str, float], preempted: bool) -> StepFlags:
-        """This step's stop reasons, the same answer on every process (one all-reduce): a process that saw a
+    def stop_flags(self, step: MeanMeter, preempted: bool) -> StepFlags:
+        """This step's stop reasons, the same answer on every process (`agree_on_step`): a process that saw a
         non-finite value, or received SIGTERM, stops all of them at the same step, so none waits forever in a
-        collective the others never reach."""
+        collective the others never reach. The run clock takes the main process's reading, so the wall budget and
+        the time-annealed schedule and phases (schedule.anneal_on: time) switch at the same step everywhere."""
+        device = self.accelerator.device
+        local = torch.cat([any_nonfinite(step.values.get("loss", []), device),
+                           any_nonfinite(step.values.get("grad_norm", []), device)])
+        counts, self.clock.now = agree_on_step(self.accelerator, local, preempted, self.clock.tick())
         budget = self.recipe.train.max_time_minutes
-        out_of_time = budget is not None and self.clock.tick() >= 60.0 * budget
-        values = (not math.isfinite(metrics["loss"]), not math.isfinite(metrics.get("grad_norm", 0.0)), out_of_time,
-                  preempted)
-        flags = torch.tensor([float(value) for value in values], device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            flags = self.accelerator.reduce(flags, reduction="sum")
-        return StepFlags(*(bool(flag > 0) for flag in flags))
+        nonfinite_loss, nonfinite_grad, preempted_anywhere = (count > 0 for count in counts)
+        return StepFlags(nonfinite_loss, nonfinite_grad, budget is not None and self.clock.now >= 60.0 * budget,
+                         preempted_anywhere)
 
     def diverged(self, flags: StepFlags) -> FloatingPointError:
         """The error a non-finite loss or gradient norm stops the run with: the step and the last good checkpoint."""
@@ -311,7 +324,7 @@ class Trainer:
         return FloatingPointError(f"non-finite {what} at step {self.step}; stopping. The last good checkpoint is "
                                   f"{last or 'none'}: {remedy}")
 
-    def log_interval(self, interval: LogInterval) -> None:
+    def log_interval(self, interval: LogInterval) -> dict[str, float]:
         """Mean train metrics since the last log line, the learning rate, and tokens/s over all processes (time spent
         in train steps only)."""
         metrics, steps, seconds = interval.pop()
@@ -320,16 +333,17 @@ class Trainer:
         means.update(lr=self.scheduler.get_last_lr()[0], tokens_per_s=tokens / max(seconds, 1e-9),
                      epoch=self.step / self.derived.steps_per_epoch)
         self.log.log(self.step, means, "train")
+        return means
 
-    def after_step(self, interval: LogInterval, last_step: bool) -> None:
+    def after_step(self, interval: LogInterval, last_step: bool) -> dict[str, float] | None:
         """Logging, epoch-end cache refresh, checkpoints and evaluation after optimizer step self.step. On the run's
         last step (max_steps, or the wall budget) the log line, the checkpoint (when train.save_every is set) and the
         evaluation come whatever their periods. A run resumed at its last step trained nothing (empty interval):
-        only what its checkpoint lacks, the evaluation."""
+        only what its checkpoint lacks, the evaluation. Returns the train means when a log line was written."""
         train = self.recipe.train
-        trained = interval.steps > 0
+        trained, logged = interval.steps > 0, None
         if trained and (self.step % train.log_every == 0 or self.step == self.derived.max_steps or last_step):
-            self.log_interval(interval)
+            logged = self.log_interval(interval)
         if trained and self.step % self.derived.steps_per_epoch == 0:  # hybrid: every rank's shards become readable
             self.train_features.flush()
             self.accelerator.wait_for_everyone()
@@ -341,6 +355,7 @@ class Trainer:
         if train.eval_every and self.step % train.eval_every == 0 or last_step and self.last_eval_step != self.step:
             self.log.log(self.step, self.evaluate(), "eval")
             self.last_eval_step = self.step
+        return logged
 
     def last_checkpoint(self) -> str | None:
         checkpoints = list_checkpoints(self.recipe.output.dir)
@@ -358,19 +373,20 @@ class Trainer:
             if last_step:
                 self.after_step(interval, last_step=True)
             while not last_step:
-                self.clock.tick()
-                self.set_drafter_config(self.phase_overrides(self.step))
+                self.set_drafter_config(self.phase_overrides(self.step))  # by the clock all processes agreed on
                 step_started = time.perf_counter()
-                metrics = self.train_step(self.micro_batches(self.step))
-                interval.add(metrics, time.perf_counter() - step_started)
+                step = self.train_step(self.micro_batches(self.step))
                 self.step += 1
-                flags = self.stop_flags(metrics, sigterm.is_set())
+                flags = self.stop_flags(step, sigterm.is_set())  # waits for the device, so the step's time is all in
+                interval.add(step, time.perf_counter() - step_started)
+                self.scheduler.step()  # after the clock is agreed: a time-annealed schedule reads it
                 if flags.nonfinite_loss or flags.nonfinite_grad:
                     raise self.diverged(flags)
                 last_step = self.step == max_steps or flags.out_of_time
-                self.after_step(interval, last_step and not flags.preempted)
+                logged = self.after_step(interval, last_step and not flags.preempted)
                 bar.update(1)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+                if logged:
+                    bar.set_postfix(loss=f"{logged['loss']:.3f}")
                 if flags.preempted:
                     raise Preempted(self.step, self.last_checkpoint() if self.saved_step == self.step else self.save())
                 if flags.out_of_time:

@@ -1,4 +1,5 @@
-"""Training metrics: averaging over micro-batches and processes, the run log, and the speculative-decoding probe.
+"""Training metrics: averaging over micro-batches and processes (read from the device once per log line), the run
+log, and the speculative-decoding probe.
 
 Every logged line goes to three places: the trackers accelerate was given (tensorboard, wandb), stdout on the main
 process, and <output.dir>/metrics.jsonl (one JSON object per log call, always written, so a run without trackers
@@ -12,6 +13,7 @@ import os
 from typing import Any
 
 import torch
+from accelerate.utils import reduce
 
 from inference.engine.generate import speculative_generate
 from inference.evaluation.chat_template import render_text
@@ -19,22 +21,85 @@ from inference.evaluation.metrics import accept_length_mean, acceptance_counts
 from inference.evaluation.prompts import load_questions
 
 
+def read_floats(values: list) -> list[float]:
+    """float(value) of each of `values` (numbers or 0-dim tensors), the tensors of each device read in one transfer.
+
+    A metric kept as a tensor costs the device no wait when it is recorded; reading a whole log interval's metrics
+    then waits once instead of once per value. Each tensor goes through float64 first, which holds every fp32, bf16
+    and fp16 value and every count below 2**53 exactly, so the floats equal float(value) one by one."""
+    floats = [value if not isinstance(value, torch.Tensor) else None for value in values]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append(i)
+    for indices in by_device.values():
+        read = torch.stack([values[i].detach().reshape(()).to(torch.float64) for i in indices]).tolist()
+        for i, value in zip(indices, read):
+            floats[i] = value
+    return [float(value) for value in floats]
+
+
 class MeanMeter:
-    """Running means of named scalars (loss, per-depth accuracy...) over the calls since the last `pop`."""
+    """Running means of named scalars (loss, per-depth accuracy...) over the calls since the last `pop`. Values may be
+    numbers or 0-dim tensors; tensors stay on their device until `pop` reads them all (`read_floats`)."""
 
     def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
+        self.values: dict[str, list] = {}
 
-    def add(self, metrics: dict[str, float]) -> None:
+    def add(self, metrics: dict[str, Any]) -> None:
         for key, value in metrics.items():
-            self.sums[key] = self.sums.get(key, 0.0) + float(value)
-            self.counts[key] = self.counts.get(key, 0) + 1
+            self.values.setdefault(key, []).append(value)
 
     def pop(self) -> dict[str, float]:
-        means = {key: self.sums[key] / self.counts[key] for key in self.sums}
-        self.sums, self.counts = {}, {}
-        return means
+        return mean_of_meters([self])[0]
+
+
+def mean_of_meters(meters: list[MeanMeter]) -> list[dict[str, float]]:
+    """Each meter's means (popping it), with every tensor of all of them read at once. A key's values are summed in
+    the order they were added, so the means do not depend on when they are read."""
+    keys = [list(meter.values) for meter in meters]
+    floats = iter(read_floats([value for meter in meters for values in meter.values.values() for value in values]))
+    means = []
+    for meter, names in zip(meters, keys):
+        sums = {key: sum((next(floats) for _ in meter.values[key]), 0.0) for key in names}
+        means.append({key: sums[key] / len(meter.values[key]) for key in names})
+        meter.values = {}
+    return means
+
+
+def any_nonfinite(values: list, device) -> torch.Tensor:
+    """[1] float64 on `device`: 1.0 when any of `values` (numbers or tensors) is inf or nan, else 0.0 (nothing read)."""
+    if not values:
+        return torch.zeros(1, dtype=torch.float64, device=device)
+    stacked = torch.stack([torch.as_tensor(value, device=device).detach().reshape(()).to(torch.float64)
+                           for value in values])
+    return (~torch.isfinite(stacked)).any().to(torch.float64).reshape(1)
+
+
+def full_norm(norm):
+    """The whole drafter's gradient norm from clip_grad_norm_. Under FSDP2 that is a DTensor whose local value covers
+    this process's shard only (read as it is, the norm comes out too small, and different on each process);
+    full_tensor() reduces it over the shards, a collective that every process reaches at the same point."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def agree_on_step(state, local: torch.Tensor, preempted: bool, now: float) -> tuple[list[float], float]:
+    """What every process must answer alike after a step, in one all-reduce and one read: the sums over processes of
+    the flags `local` [n] (on state.device) and `preempted`, and the main process's clock reading `now` (the others
+    add 0.0, so the float64 sum is exactly the main process's value, whatever the others' clocks say).
+
+    Args:
+        state: the Accelerator or accelerate's PartialState (num_processes, is_main_process, device).
+    Returns:
+        ([n + 1] summed flags, local's then preempted's, the agreed clock in seconds).
+    """
+    mine = torch.tensor([float(preempted), now if state.is_main_process else 0.0], dtype=torch.float64,
+                        device=state.device)
+    values = torch.cat([local.to(torch.float64), mine])
+    if state.num_processes > 1:
+        values = reduce(values, reduction="sum")
+    *counts, agreed = values.tolist()
+    return counts, agreed
 
 
 def reduce_mean(accelerator, metrics: dict[str, float]) -> dict[str, float]:
