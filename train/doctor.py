@@ -154,7 +154,7 @@ def run(settings: EvalSettings, serve: str | None = None) -> int:
     rows = [tuple(row) for row in module.export_checks(directory, info)] if module and module.export_checks else [
         ("format", "info", f"drafter kind {kind!r} provides no format checks")]
     try:
-        drafter = load_drafter(directory, info).eval()
+        drafter = target.serve(load_drafter(directory, info))  # on the target's device, in its dtype
     except ValueError as err:
         rows.append(("engine", "fail", f"our engine cannot load it: {err}"))
     else:

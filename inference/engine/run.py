@@ -116,6 +116,18 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return input_ids, mask
 
 
+def check_drafter_device(drafter, device: torch.device) -> None:
+    """One line, before the prefill, for a drafter whose weights sit on another device than the target (a drafter
+    read from disk and never served: it would stop in its first forward with a device mismatch). A drafter without
+    parameters (n-gram lookup) runs wherever its inputs are."""
+    parameters = drafter.parameters() if isinstance(drafter, torch.nn.Module) else ()
+    elsewhere = sorted({str(parameter.device) for parameter in parameters if parameter.device != device})
+    if elsewhere:
+        raise ValueError(f"drafter {getattr(drafter, 'kind', type(drafter).__name__)!r}: its parameters are on "
+                         f"{', '.join(elsewhere)} but the target is on {device}; place it with "
+                         "TargetModel.serve(drafter) (the target's device and dtype)")
+
+
 class Run:
     """One generation: `start` prefills, samples every row's first token and begins the drafter; the loop then
     calls `drop_finished`, `record` and `emit` once per round and `finish` at the end."""
@@ -143,6 +155,8 @@ class Run:
     def start(self, prompts: list[list[int]], rounds) -> None:
         """Left-pad the prompts (with an EOS id), prefill, sample and emit every row's first token, begin the
         drafter, the policy and the round strategy."""
+        if self.drafting:
+            check_drafter_device(self.drafter, self.device)
         input_ids, attention_mask = left_pad(prompts, min(self.eos) if self.eos else 0)
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         logits, served = self.clock.run("prefill", self.target.prefill, input_ids, attention_mask, self.request)

@@ -102,8 +102,10 @@ class TargetModel:
         # the lean decode / verify forward (inference/engine/lean.py; by default with the fast path) where the
         # model's structure and a probe allow; `lean_refused` says why not (`decode` names what runs)
         self.lean_refused = "the lean forward is off"
-        if fast_path if lean is None else lean:
+        if (fast_path if lean is None else lean) and self.device.type == "cpu":
             self.runner.lean, self.lean_refused = LeanDecoder.build(self.model)
+        elif fast_path if lean is None else lean:  # CPU-tuned code, its probe bound float32's: not built, not probed
+            self.lean_refused = f"the lean forward is CPU code; the target is on {self.device.type}"
         decoder = model.get_decoder()
         self.layers = decoder.layers
         self.final_norm = decoder.norm
@@ -123,15 +125,33 @@ class TargetModel:
         return cls(model, tokenizer, name_or_path=path, fast_path=fast_path)
 
     def serve(self, drafter):
-        """`drafter` as this target serves it: where the target runs the fast path, the drafter's own nn.Linear
+        """`drafter` as this target serves it at inference (eval, doctor, calibrate; None passes through): in eval
+        mode, on the target's device, its floating parameters in the target's dtype (a drafter read from disk is
+        built on the CPU in float32: `place_like`), and where the target runs the fast path, its own nn.Linear
         layers run by this machine's chosen kernels too (fastpath.enable: a draft step is a few small-row linears,
-        the same sizes as a decode step). Its training forward and its weights are unchanged (FastLinear runs
-        F.linear where gradients are asked for). Returns the drafter; fastpath.kernel_choice(drafter) says what
-        runs (None: its own linears)."""
-        if (isinstance(drafter, torch.nn.Module) and self.path == fastpath.FAST_PATH
-                and fastpath.kernel_choice(drafter) is None and fastpath.unsupported_reason(drafter) is None):
+        the same sizes as a decode step; FastLinear still runs F.linear where gradients are asked for). Training
+        never calls this: it keeps float32 master weights (train/build.py). Returns the drafter;
+        fastpath.kernel_choice(drafter) says what runs (None: its own linears)."""
+        if not isinstance(drafter, torch.nn.Module):
+            return drafter
+        embed = self.target_info().embed_weight
+        self.place_like(drafter, embed.device, embed.dtype).eval()
+        if (self.path == fastpath.FAST_PATH and fastpath.kernel_choice(drafter) is None
+                and fastpath.unsupported_reason(drafter) is None):
             fastpath.enable(drafter, share=self.model)
         return drafter
+
+    @staticmethod
+    def place_like(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+        """`module`, in place, on `device` with its floating parameters in `dtype`. Buffers move but keep their
+        dtype, as transformers keeps them when it loads a model in bf16: integer and bool ones (a draft vocabulary's
+        d2t, t2d) must stay what they are, and a float one (a rotary inv_freq) would lose precision in bf16. A no-op
+        where the module already sits there."""
+        module.to(device)
+        for parameter in module.parameters():
+            if parameter.is_floating_point() and parameter.dtype != dtype:
+                parameter.data = parameter.data.to(dtype)  # the same Parameter object: tied weights stay tied
+        return module
 
     @property
     def decode(self) -> str:
@@ -144,9 +164,10 @@ class TargetModel:
         return self.placement == "replicated"
 
     def declare_sharded(self) -> None:
-        """The decoder's modules are now sharded across processes (train/placement.shard_target): no process runs
-        the forward alone, and the TargetInfo drops its map of every weight (used by warm starts at drafter init
-        only), which would keep the unsharded tensors alive."""
+        """The decoder's modules are about to be sharded across processes (train/features/placement.shard_target
+        calls this first): no process runs the forward alone, and the TargetInfo drops its map of every weight
+        (used by warm starts at drafter init only), which would keep the unsharded tensors alive. The head's
+        tensors (embed_weight, lm_head_weight, final_norm_weight) stay: sharding leaves them whole."""
         self.placement = "sharded"
         self._info = dataclasses.replace(self.target_info(), weights={})
 

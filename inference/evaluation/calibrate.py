@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if store is None or drafter.max_draft_tokens() is None:
         raise ValueError(f"--drafter {name!r}: not a drafter with a confidence head (DSpark) that stores "
                          "calibration temperatures")
-    drafter = drafter.eval()
+    drafter = target.serve(drafter)  # on the target's device, in its dtype, in eval mode
     prompts = [render_prompt(target.tokenizer, q.turns[:1], [], not settings.no_chat_template,
                              settings.chat_template_kwargs)
                for _, questions in prompt_sets for q in questions]

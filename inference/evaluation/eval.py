@@ -38,6 +38,7 @@ from inference.evaluation.chat_template import (check_chat_template, parse_templ
                                                 trained_mode_mismatch)
 from inference.engine.generate import GenerateOutput
 from inference.evaluation.methods import Method, generate, load_methods
+from inference.evaluation.lossless import divergence_gaps, summarize
 from inference.evaluation.metrics import annotate_recommendations, build_record, merge_outputs
 from inference.evaluation.prompts import load_questions, select_spread
 from inference.evaluation.report import format_table, read_appendable, write_report
@@ -155,10 +156,12 @@ def write_measurement(path: str, result: dict, device="cpu") -> None:
 
 @dataclass
 class RunResult:
-    """One method over one prompt set: GenerateOutputs per category, token ids per (question index, turn)."""
+    """One method over one prompt set: GenerateOutputs per category, token ids and the prompt they answer per
+    (question index, turn)."""
 
     by_category: dict[str, list[GenerateOutput]] = field(default_factory=dict)
     tokens: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    prompts: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
 
 def run_methods(target, methods: list[Method], questions: list, settings: EvalSettings, temperature: float,
@@ -186,10 +189,10 @@ def run_methods(target, methods: list[Method], questions: list, settings: EvalSe
                                    temperature=temperature, top_p=settings.top_p, top_k=settings.top_k,
                                    seed=settings.seed + calls, eos_token_ids=eos)
                     result.by_category.setdefault(category, []).append(out)
-                    for index, tokens in zip(batch, out.tokens):
+                    for index, prompt, tokens in zip(batch, prompts, out.tokens):
                         text = target.tokenizer.decode(tokens, skip_special_tokens=True)
                         history[index].append(text)
-                        result.tokens[(index, turn)] = tokens
+                        result.tokens[(index, turn)], result.prompts[(index, turn)] = tokens, prompt
                         sink(questions[index].question_id, turn, tokens, text)
                     progress.update(len(batch))
                 calls += 1
@@ -201,11 +204,13 @@ def exact_match(run: RunResult, reference: RunResult, keys: list[tuple[int, int]
     return sum(run.tokens[key] == reference.tokens[key] for key in keys) / len(keys)
 
 
-def dataset_records(dataset: str, questions: list, runs: list[tuple[Method, RunResult]], ar: RunResult,
+def dataset_records(target, dataset: str, questions: list, runs: list[tuple[Method, RunResult]], ar: RunResult,
                     temperature: float, batch_size: int, env: dict, profiles: dict,
                     roofline: dict | None = None) -> list[dict]:
-    """Records for one dataset and temperature: category "all" first, then each category; baseline first."""
+    """Records for one dataset and temperature: category "all" first, then each category; baseline first. At
+    T = 0 each output that parts from the baseline's is checked for a near-tie of the target's logits (lossless.py)."""
     categories = list(ar.by_category)
+    gaps = {id(run): divergence_gaps(target, run, ar) for _, run in runs} if temperature == 0 else {}
     records = []
     for category in ["all"] + categories:
         chosen = categories if category == "all" else [category]
@@ -218,9 +223,11 @@ def dataset_records(dataset: str, questions: list, runs: list[tuple[Method, RunR
         for method, run in runs:
             out = merge_outputs([o for name in chosen for o in run.by_category[name]])
             match = exact_match(run, ar, keys) if temperature == 0 else None
+            divergence = summarize([g for k, g in gaps[id(run)].items() if k in keys]) if temperature == 0 else None
             records.append(build_record(out, ar=ar_out, drafter_name=method.name, greedy_exact_match=match,
-                                        max_draft_tokens=method.drafter.max_draft_tokens(),
-                                        cost_profile=profiles.get(id(method.drafter)), **common))
+                                        max_draft_tokens=method.drafter.max_draft_tokens(), drafter=method.drafter,
+                                        divergence=divergence, cost_profile=profiles.get(id(method.drafter)),
+                                        **common))
             # which linears the drafter's steps ran (TargetModel.serve): the fast path's kernels or its own
             records[-1]["drafter_path"] = (fastpath.FAST_PATH if fastpath.kernel_choice(method.drafter) is not None
                                            else fastpath.HF_PATH)
@@ -298,8 +305,8 @@ def evaluate(settings: EvalSettings, target, methods: list[Method], prompt_sets:
                     results = run_methods(target, every, questions, settings, temperature, batch_size, progress,
                                           [partial(sink, dataset, method, temperature) for method in every])
                     runs = list(zip(methods, results[1:]))
-                    records += dataset_records(dataset, questions, runs, results[0], temperature, batch_size, env,
-                                               profiles, roofline)
+                    records += dataset_records(target, dataset, questions, runs, results[0], temperature,
+                                               batch_size, env, profiles, roofline)
     annotate_recommendations(records)
     return records
 

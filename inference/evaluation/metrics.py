@@ -19,8 +19,13 @@ part of `time_s.other`.
 
 from __future__ import annotations
 
+import torch
+
 from inference.engine.generate import GenerateOutput
 from inference.engine.roofline import achieved_gb_per_s
+from inference.evaluation.lossless import summarize
+
+NO_DIVERGENCE_CHECK = dict.fromkeys(summarize([]))  # the baseline's fields, and every record's when T > 0
 
 
 def merge_outputs(outputs: list[GenerateOutput]) -> GenerateOutput:
@@ -128,10 +133,19 @@ def accept_length_mean(rounds: int, accepted: int) -> float | None:
     return None if rounds == 0 else 1.0 + accepted / rounds
 
 
+def drafter_placement(drafter) -> dict:
+    """drafter_device and drafter_dtype: where the drafter's weights sit and their floating dtype, to read beside
+    the target's (the record's env.device, env.dtype); None for no drafter or one without weights (n-gram)."""
+    parameters = list(drafter.parameters()) if isinstance(drafter, torch.nn.Module) else []
+    devices = sorted({str(p.device) for p in parameters})
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in parameters if p.is_floating_point()})
+    return {"drafter_device": ",".join(devices) or None, "drafter_dtype": ",".join(dtypes) or None}
+
+
 def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str, category: str, drafter_name: str,
                  temperature: float, batch_size: int, num_prompts: int, greedy_exact_match: float | None,
                  env: dict, max_draft_tokens: int | None = None, roofline: dict | None = None,
-                 cost_profile: dict | None = None) -> dict:
+                 cost_profile: dict | None = None, drafter=None, divergence: dict | None = None) -> dict:
     """One report record (a JSON-ready dict) for one dataset x category x drafter x k x temperature.
 
     Args:
@@ -139,6 +153,11 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
         ar: the k = 0 run of the same engine over the same prompts, batch size and temperature; None leaves
             tokens_per_s_ar, speedup, c, v(k) and the theoretical speedup as None.
         greedy_exact_match: share of prompts whose output equals the plain greedy output (None when T > 0).
+        drafter: the drafter that ran (None: the baseline), for drafter_device / drafter_dtype.
+        divergence: at T = 0, inference/evaluation/lossless.summarize over the outputs that parted from plain
+            greedy's: divergences, divergences_all_near_ties, divergence_max_gap_ulps, near_tie_ulps (in bf16 the
+            outputs may part at near-ties of the target's logits; every other divergence is a bug). None: not
+            checked (the baseline, T > 0), every field None.
         max_draft_tokens: the drafter's longest proposal (Drafter.max_draft_tokens), None when unbounded; the
             recommended k never exceeds it.
         roofline: {"target_path", "weight_bytes", "stream_gb_per_s"} of the target (see `roofline_keys`).
@@ -178,7 +197,7 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
         "verify_cost_ratio": v, "theoretical_speedup": theoretical, "predicted_speedup": None,
         "cost_profile": cost_profile, "max_draft_tokens": max_draft_tokens,
         **roofline_keys(roofline, ar_step_time(ar), ar_step_time(out), cost_profile),
-        "greedy_exact_match": greedy_exact_match,
+        "greedy_exact_match": greedy_exact_match, **(divergence or NO_DIVERGENCE_CHECK), **drafter_placement(drafter),
         "recommended_num_draft_tokens": None, "recommendation_basis": None,
         "env": env,
     }

@@ -38,6 +38,7 @@ TABLE_COLUMNS = (
     ("d(k)", "draft_cost_per_round", "{:.3f}"),
     ("v(k)", "verify_cost_ratio", "{:.2f}"),
     ("exact-match", "greedy_exact_match", "{:.2f}"),
+    ("diverged at near-ties only", "divergences_all_near_ties", "{}"),  # what lossless means in bf16 (lossless.py)
     ("best k", "recommended_num_draft_tokens", "{}"),
     ("k chosen (rounds)", "num_draft_tokens_histogram", None),
 )
