@@ -19,7 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from drafters.layers import attention, attention_with_diagonal
 
-ATTENTION_CHUNK_VALUES = 1 << 24  # score (or mask) values of one attention chunk: 64 MiB in fp32
+# Score values of one attention chunk (64 MiB in fp32), or mask values where SDPA runs it: its fused kernels
+# (drafters/layers.attention, K/V repeated to every head off the CPU) hold the mask and a float copy, never scores.
+ATTENTION_CHUNK_VALUES = 1 << 24
 LOSS_CHUNK_VALUES = 1 << 24  # logits values of one loss chunk
 # Up to this many logits values a loss runs in one shot: recomputing chunks in the backward costs about half the
 # head's time again, which short-sequence CPU training (e.g. 2 x 384 tokens, TTT 7: 44M values) should not pay.

@@ -1,6 +1,7 @@
-"""Building blocks shared by drafters: the target's frozen tensors on the drafter's device, the draft layers' HF config,
-RMSNorm, rotary embeddings, SwiGLU MLP, the argmax-or-sample draft choice, attention over an explicit mask, attention
-with per-query extra keys (EAGLE-3 training-time test), and a per-row KV cache with holes.
+"""Building blocks shared by drafters: the target's frozen tensors on the drafter's device (in the target's dtype), the
+draft layers' HF config, RMSNorm, rotary embeddings, SwiGLU MLP, the argmax-or-sample draft choice, attention over an
+explicit mask (on a fused kernel on every device), attention with per-query extra keys (EAGLE-3 training-time test),
+and a per-row KV cache with holes.
 
 Shapes: B batch, H query heads, H_kv key/value heads, n query positions, C cache columns, d head dim, D hidden.
 Boolean masks use True = may attend, as `torch.nn.functional.scaled_dot_product_attention` does.
@@ -20,33 +21,54 @@ from drafters.base import TargetInfo
 class FrozenTargetTensors:
     """The target's frozen tensors (TargetInfo.embed_weight, lm_head_weight, ...) as a drafter computes with them.
 
-    Copied once per (name, device, dtype) of the drafter weight they are asked `like`, and never a parameter or a
-    buffer: they are not trained, not saved (native checkpoints stay small) and not moved by `.to()` (a drafter moved
-    to another device or dtype gets a fresh copy there).
+    They stay in the target's dtype (`on_device`), so an fp32 drafter of a bf16 target holds no fp32 copy of them on
+    every rank (about 4 GiB for an 8B target). Embedding rows convert after the lookup (exact: the same as looking
+    them up in a converted copy). A product with the head uses the target's tensor where the dtypes agree or autocast
+    casts anyway (its cast of an fp32 copy would give that tensor back), and a copy in x's dtype only where neither
+    holds (an fp32 drafter without autocast, which then computes in fp32). A copy is made once per (name, device,
+    dtype) and is no parameter or buffer: not trained, not saved (native checkpoints stay small), not moved by `.to()`.
     """
 
     HEADS = ("lm_head_weight",)  # the tensors drafters multiply by (`linear`), which a server may run its own way
 
     def __init__(self, target_info: TargetInfo):
         self.target_info = target_info
-        self._copies: dict[tuple, torch.Tensor] = {}
+        self._copies: dict[tuple, torch.Tensor] = {}  # only tensors that are not the target's own storage
         self._served: dict[str, nn.Module] = {}
 
     def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """TargetInfo field `name` (e.g. "embed_weight", [V, D]) on like's device and dtype."""
-        key = (name, like.device, like.dtype)
+        """TargetInfo field `name` (e.g. "embed_weight", [V, D]) on like's device and in like's dtype."""
+        return self._on(name, like.device, like.dtype)
+
+    def on_device(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """TargetInfo field `name` on like's device in the target's own dtype (the target's tensor itself there)."""
+        return self._on(name, like.device, getattr(self.target_info, name).dtype)
+
+    def _on(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        tensor = getattr(self.target_info, name).detach()
+        if (tensor.device, tensor.dtype) == (device, dtype):
+            return tensor
+        key = (name, device, dtype)
         if key not in self._copies:
-            self._copies[key] = getattr(self.target_info, name).detach().to(like.device, like.dtype)
+            self._copies[key] = tensor.to(device, dtype)
         return self._copies[key]
+
+    def embedding(self, name: str, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [...] of frozen tensor `name` [V, D] -> [..., D] in like's dtype (looked up in the target's)."""
+        return F.embedding(ids, self.on_device(name, like)).to(like.dtype)
 
     def linear(self, name: str, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """x [..., D] times frozen tensor `name` [V, D] transposed -> [..., V]: by the module served for it (`serve`)
-        where no gradient flows through x and it holds x's device and dtype, else F.linear on `get(name, like)`."""
+        where no gradient flows through x and it holds x's device and dtype, else F.linear on the target's tensor (a
+        copy in x's dtype where the dtypes differ and autocast is off)."""
         served = self._served.get(name)
         if (served is not None and not (torch.is_grad_enabled() and x.requires_grad)
                 and (served.weight.device, served.weight.dtype) == (x.device, x.dtype)):
             return served(x)
-        return F.linear(x, self.get(name, like))
+        weight = self.on_device(name, like)
+        if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            weight = self._on(name, like.device, x.dtype)
+        return F.linear(x, weight)
 
     def serve(self, name: str, module: nn.Module | None) -> None:
         """Compute `linear(name, ...)` by `module` (x -> x W^T over this very tensor, e.g. the fast path's FastLinear
@@ -220,16 +242,33 @@ def draw_drafts(logits: torch.Tensor, sample: bool,
     return drafts, q
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Scaled dot-product attention with grouped KV heads over an explicit boolean mask.
+def expands_kv_heads(device: torch.device) -> bool:
+    """Whether masked attention with grouped KV heads repeats K/V to every query head on `device` before SDPA.
+
+    CUDA's and ROCm's fused kernels that take an explicit mask (memory-efficient, cuDNN) take no grouped heads, so
+    SDPA with a mask and `enable_gqa` falls back to the math kernel there: fp32 scores [B, H, n, C] and their softmax
+    per call. Repeated K/V (H / H_kv times their bytes) keep a fused kernel. CPU's fused kernel takes both a mask and
+    grouped heads, so K/V stay grouped there: repeating them would only cost memory and sum the K/V gradients of a
+    group in another order (training on CPU stays bitwise what it was)."""
+    return device.type != "cpu"
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float | None = None) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads over an explicit boolean mask, on a fused kernel on every
+    device (`expands_kv_heads`).
 
     Args:
         q: [B, H, n, d]; k, v: [B, H_kv, C, d] with H a multiple of H_kv.
-        mask: [B, 1, n, C] bool, True = may attend. Every query row must allow at least one key.
+        mask: [B, 1, n, C] bool, True = may attend (every query row must allow at least one key), or None (all).
+        scale: the score scale (None = 1 / sqrt(d)).
     Returns:
         [B, H, n, d]
     """
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and mask is not None and expands_kv_heads(q.device):
+        k, v, groups = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
 
 
 def attention_with_diagonal(

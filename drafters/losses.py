@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from drafters.chunked import chunked_rows, with_autocast_of_now
 from drafters.output import DraftOutput
 
 
@@ -82,8 +83,8 @@ def simulated_accept_length(per_depth_acc: Sequence[float]) -> float:
     acceptance at depth k given that all earlier drafts were accepted."""
     total, running = 1.0, 1.0
     for acc in per_depth_acc:
-        running *= float(acc)
-        total += running
+        running = running * (acc if isinstance(acc, torch.Tensor) else float(acc))  # a tensor is not read
+        total = total + running
     return total
 
 
@@ -115,7 +116,7 @@ def output_metrics(output, batch: Mapping[str, Any], cell_loss: torch.Tensor,
         predicted = output.target_ids(predicted)
         accuracy, _ = masked_depth_means((predicted == agreed).float(), valid)
         data_right = (predicted == batch["input_ids"][rows, output.label_position]) & valid
-        data_accuracy = float(data_right.sum()) / max(int(valid.sum()), 1)
+        data_accuracy = data_right.sum().double() / valid.sum().clamp(min=1).double()  # on the device, unread
     per_depth, counts = masked_depth_means(cell_loss, valid)
     return per_depth, {**depth_metrics(per_depth.detach(), accuracy, counts), "data_acc": data_accuracy}
 
@@ -150,7 +151,8 @@ def chained_depths(batch: Mapping[str, Any], num_depths: int,
     Args:
         batch: input_ids, attention_mask, loss_mask [B, T], target_last_hidden [B, T, D].
         step: (depth, tokens [B, T], hidden [B, T, D]) -> (hidden for the next depth, normed output [B, T, D]).
-        head: normed rows [N, K, D] -> logits [N, K, V]; only the rows with a loss (position_cells) reach it.
+        head: normed rows [n, K, D] -> logits [n, K, V]; only the rows with a loss (position_cells) reach it, a chunk
+            of rows at a time when the loss reads them (`full_vocab_cross_entropy`), under the forward's autocast.
     """
     seq_len = batch["input_ids"].shape[1]
     batch_index, position, label_position, depth_valid = position_cells(batch, num_depths)
@@ -159,43 +161,63 @@ def chained_depths(batch: Mapping[str, Any], num_depths: int,
     for depth in range(num_depths):
         hidden, normed = step(depth, tokens[:, depth + 1 : depth + 1 + seq_len], hidden)
         rows.append(normed[batch_index, position])
-    return DraftOutput(logits=head(torch.stack(rows, dim=1)), batch_index=batch_index, label_position=label_position,
-                       depth_valid=depth_valid)
+    head_input = torch.stack(rows, dim=1)  # [N, K, D]
+    return DraftOutput(batch_index=batch_index, label_position=label_position, depth_valid=depth_valid,
+                       head=with_autocast_of_now(lambda chunk: head(head_input[chunk]), head_input.device))
 
 
 def full_vocab_cross_entropy(output, batch: Mapping[str, Any], lm_head_weight: torch.Tensor,
-                             soft: bool) -> torch.Tensor:
+                             soft: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-cell cross-entropy of target-vocabulary draft logits: "soft" against the target's distribution at the
     position before each label (softmax of its lm_head over target_last_hidden there), else against the data token.
 
+    A chunk of rows at a time (drafters/chunked.chunked_rows, each chunk recomputed in the backward pass), so the
+    [N, K, V] logits and teacher exist whole only while they fit its one-shot limit, which runs unchunked.
+
     Args:
-        output: a DraftOutput with logits [N, K, V], batch_index [N], label_position [N, K].
-        batch: input_ids [B, T] and target_last_hidden [B, T, D]. lm_head_weight: [V, D] the target's frozen head.
+        output: a DraftOutput with logits (or a head) [N, K, V], batch_index [N], label_position [N, K].
+        batch: input_ids [B, T] and target_last_hidden [B, T, D]. lm_head_weight: [V, D] the target's frozen head,
+            in the target's dtype: the teacher's product runs in it, its softmax in at least float32.
     Returns:
-        [N, K] in at least float32.
+        cell loss [N, K] in at least float32 and the draft argmax [N, K].
     """
-    logits = output.logits.to(torch.promote_types(output.logits.dtype, torch.float32))
     rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
-    if soft:
-        with torch.no_grad():  # cells (i, k) and (i + 1, k - 1) read one teacher position: its head runs once
-            seq_len = batch["target_last_hidden"].shape[1]
-            cells, cell_of = torch.unique(rows * seq_len + output.label_position - 1, return_inverse=True)
-            teacher_hidden = batch["target_last_hidden"][cells // seq_len, cells % seq_len].to(logits.dtype)
-            teacher = torch.softmax(F.linear(teacher_hidden, lm_head_weight.to(logits.dtype)), dim=-1)[cell_of]
-        return soft_cross_entropy(logits, teacher)
-    labels = batch["input_ids"][rows, output.label_position]
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+
+    def cells(chunk):  # one chunk of rows: its logits [n, K, V] and teacher exist only here
+        logits = output.logits_of(chunk)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if soft:
+            teacher = _teacher_cells(batch, rows[chunk], output.label_position[chunk], lm_head_weight, logits.dtype)
+            return soft_cross_entropy(logits, teacher), logits.detach().argmax(dim=-1)
+        labels = batch["input_ids"][rows[chunk], output.label_position[chunk]]
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+        return loss, logits.detach().argmax(dim=-1)
+
+    depths, vocab = output.label_position.shape[1], lm_head_weight.shape[0]
+    return chunked_rows(cells, output.num_rows, depths * vocab)
 
 
-def weighted_depth_loss(output, batch: Mapping[str, Any], cell_loss: torch.Tensor,
-                        weights: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+@torch.no_grad()
+def _teacher_cells(batch: Mapping[str, Any], rows: torch.Tensor, label_position: torch.Tensor,
+                   lm_head_weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n, K, V] in dtype: the target's distribution at the position before each cell's label (rows, label_position
+    [n, K]). Cells (i, k) and (i + 1, k - 1) read one teacher position: its head runs once."""
+    seq_len = batch["target_last_hidden"].shape[1]
+    cells, cell_of = torch.unique(rows * seq_len + label_position - 1, return_inverse=True)
+    hidden = batch["target_last_hidden"][cells // seq_len, cells % seq_len].to(lm_head_weight.dtype)
+    return torch.softmax(F.linear(hidden, lm_head_weight).to(dtype), dim=-1)[cell_of]
+
+
+def weighted_depth_loss(output, batch: Mapping[str, Any], cell_loss: torch.Tensor, weights: torch.Tensor,
+                        predicted: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """sum_k weights[k] * mean of cell_loss over depth k's valid cells of all processes (global_mean), and the
     metrics of `output_metrics`.
 
     Args:
         output: a DraftOutput (depth_valid [N, K]); cell_loss: [N, K]; weights: [K] in cell_loss's dtype and device.
+        predicted: [N, K] the draft argmax when the loss has it (None = output.logits' argmax).
     """
-    _, metrics = output_metrics(output, batch, cell_loss)
+    _, metrics = output_metrics(output, batch, cell_loss, predicted)
     valid = output.depth_valid.to(cell_loss.dtype)
     per_depth = global_mean((cell_loss * valid).sum(dim=0), valid.sum(dim=0), batch)
     return (weights * per_depth).sum(), metrics
@@ -216,17 +238,16 @@ def global_mean(total: torch.Tensor, weight: torch.Tensor, batch: Mapping[str, A
 
 
 def depth_metrics(losses: torch.Tensor, accuracies: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
-    """The metrics every drafter reports: loss_k, acc_k, positions_k per depth and sim_accept_length.
+    """The metrics every drafter reports: loss_k, acc_k, positions_k per depth and sim_accept_length, as 0-dim
+    tensors on the device (the training loop reads them once per log line; float() reads one anywhere else).
 
     Args:
         losses, accuracies, counts: [K] per-depth mean loss, top-1 agreement with the teacher, positions used.
     """
     metrics: dict[str, float] = {}
     for k in range(losses.numel()):
-        metrics[f"loss_{k}"] = float(losses[k])
-        metrics[f"acc_{k}"] = float(accuracies[k])
-        metrics[f"positions_{k}"] = float(counts[k])
-    metrics["sim_accept_length"] = simulated_accept_length(accuracies.tolist())
+        metrics[f"loss_{k}"], metrics[f"acc_{k}"], metrics[f"positions_{k}"] = losses[k], accuracies[k], counts[k]
+    metrics["sim_accept_length"] = simulated_accept_length(accuracies.double().unbind())  # float64, as floats were
     return metrics
 
 
@@ -283,6 +304,6 @@ def target_distilled_loss(output, batch: Mapping[str, Any], lm_head_weight: torc
                           weights: Sequence[float]) -> tuple[torch.Tensor, dict[str, float]]:
     """sum_k weights[k] * mean cross-entropy at depth k over its valid cells of all processes: against the target's
     distribution (loss "soft") or the data token ("hard"), for drafters whose cells read the target's vocabulary."""
-    cell_loss = full_vocab_cross_entropy(output, batch, lm_head_weight, soft=loss == "soft")
-    return weighted_depth_loss(output, batch, cell_loss, torch.tensor(list(weights), dtype=cell_loss.dtype,
-                                                                      device=cell_loss.device))
+    cell_loss, predicted = full_vocab_cross_entropy(output, batch, lm_head_weight, soft=loss == "soft")
+    weights = torch.tensor(list(weights), dtype=cell_loss.dtype, device=cell_loss.device)
+    return weighted_depth_loss(output, batch, cell_loss, weights, predicted)

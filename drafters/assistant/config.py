@@ -40,3 +40,10 @@ class AssistantConfig:
     embed_scale: float | None = None
     sample_drafts: bool = False
     gemma4_config: dict[str, Any] | None = None
+
+    def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
+        """One training step's shape for drafters/step_memory.StepShape: num_steps steps of its layers over every
+        position, at its own width, reading the K/V of its target layers (one by default: the last), the loss
+        through its own full-vocabulary head."""
+        return {"step": "chain", "depths": self.num_steps, "head_vocab": vocab, "default_features": 0,
+                "width": int(self.hidden_size or hidden), "kv_features": len(set(self.kv_layers)) or 1}

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from drafters.assistant import export as assistant_export
@@ -57,6 +56,7 @@ class AssistantDrafter(Drafter):
                 raise ValueError(f"drafter.gemma4_config has (num_hidden_layers, hidden_size, intermediate_size) "
                                  f"{theirs}, but drafter sets {ours}")
             width, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+            self._widths = (hf_config.num_attention_heads, hf_config.intermediate_size)
             self.layers = nn.ModuleList(Gemma4Layer(hf_config, i) for i in range(config.num_layers))
             rotary = Gemma4TextRotaryEmbedding(hf_config)
             self._rope = lambda x, positions, kind: rotary(x, positions, kind)  # cos, sin [B, n, d]
@@ -67,6 +67,7 @@ class AssistantDrafter(Drafter):
             intermediate = int(config.intermediate_size or target.get("intermediate_size") or 4 * width)
             self.layers = nn.ModuleList(AssistantLayer(width, intermediate, self.shape, eps)
                                         for _ in range(config.num_layers))
+            self._widths = (self.shape.num_heads, intermediate)
             rope_config = {**target, "hidden_size": target_info.hidden_size, "head_dim": self.shape.head_dim,
                            "num_attention_heads": self.shape.num_heads, "rope_parameters": rope_parameters(target)}
             rotary = RotaryEmbedding(*rope_inverse_frequencies(rope_config))
@@ -86,6 +87,15 @@ class AssistantDrafter(Drafter):
         return FeatureRequest(layer_ids=tuple(self.target_layer_ids()), final_hidden=True,
                               kv_layers=tuple(sorted(set(self.kv_layers))))
 
+    @property
+    def layer_config(self) -> dict[str, int]:
+        """The widths of the assistant's layers (drafters/step_memory.step_shape): its own width and MLP, the
+        target's query heads, and the KV heads and head dim of the target layer its first layer reads."""
+        kv_heads, head_dim = self.layers[0].kv_shape
+        heads, intermediate = self._widths
+        return {"hidden_size": self.norm.weight.shape[0], "num_attention_heads": int(heads),
+                "num_key_value_heads": int(kv_heads), "head_dim": int(head_dim), "intermediate_size": int(intermediate)}
+
     # ---- initialisation -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def _init_weights(self) -> None:
@@ -98,8 +108,8 @@ class AssistantDrafter(Drafter):
                 nn.init.normal_(module.weight, std=std)
 
     def _target_tensor(self, name: str) -> torch.Tensor:
-        """A frozen TargetInfo tensor on this drafter's device/dtype (drafters/layers.FrozenTargetTensors)."""
-        return self._frozen.get(name, self.lm_head.weight)
+        """A frozen TargetInfo tensor on this drafter's device, in the target's dtype (layers.FrozenTargetTensors)."""
+        return self._frozen.on_device(name, self.lm_head.weight)
 
     # ---- one draft step over a block of query positions --------------------------------------------------------
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, query_positions: torch.Tensor,
@@ -117,7 +127,7 @@ class AssistantDrafter(Drafter):
             normed output d [B, n, W] (the lm_head's input) and h_next = post_projection(d) [B, n, D].
         """
         weight = self.lm_head.weight
-        embeds = F.embedding(tokens, self._target_tensor("embed_weight")) * self.embed_scale
+        embeds = self._frozen.embedding("embed_weight", tokens, weight) * self.embed_scale
         x = self.pre_projection(torch.cat([embeds, hidden.to(weight.dtype)], dim=-1))
         rope = {kind: self._rope(x, query_positions, kind) for kind in {layer.layer_type for layer in self.layers}}
         for layer, target_layer in zip(self.layers, self.kv_layers):

@@ -60,13 +60,13 @@ class BlockBackbone(Drafter):
         return self.layer_ids
 
     def _target_tensor(self, name: str) -> torch.Tensor:
-        """A frozen TargetInfo tensor on this drafter's device/dtype (drafters/layers.FrozenTargetTensors)."""
-        return self._frozen.get(name, self.fc.weight)
+        """A frozen TargetInfo tensor on this drafter's device, in the target's dtype (layers.FrozenTargetTensors)."""
+        return self._frozen.on_device(name, self.fc.weight)
 
     def _block_embeds(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """anchor_tokens [...] -> embeddings [..., S, D] of the blocks [x_a, MASK x (S-1)]."""
         return block_embeddings(anchor_tokens, self.config.block_size, self.mask_token_id,
-                                self._target_tensor("embed_weight"))
+                                self._target_tensor("embed_weight")).to(self.fc.weight.dtype)  # exact
 
     # ---- training ----------------------------------------------------------------------------------------------
     def block_states(self, batch: Mapping[str, Any], anchors: torch.Tensor, anchor_valid: torch.Tensor | None):

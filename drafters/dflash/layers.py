@@ -228,7 +228,9 @@ def block_attention(q, k, v, context_k, context_v, blocks: Blocks) -> torch.Tens
         return attention(q, keys, values, blocks.mask)
     batch, _, _, _ = q.shape
     size, seq_len = blocks.block_size, context_k.shape[2]
-    # c anchors hold a mask of B * cS * (T + cS) values: the largest c within the budget (at least one)
+    # c anchors hold a mask of B * cS * (T + cS) values: the largest c within the budget (at least one). SDPA's fused
+    # kernel keeps no scores (layers.attention); off the CPU a chunk also holds its T + cS keys and values repeated
+    # to every head, which no choice of c shrinks (drafters/step_memory.py counts them)
     slots = (math.sqrt(seq_len**2 + 4 * chunked.ATTENTION_CHUNK_VALUES / batch) - seq_len) / 2
     step = max(1, int(slots) // size)
     parts = []

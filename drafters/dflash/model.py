@@ -103,12 +103,13 @@ class DFlashDrafter(DraftHead, BlockBackbone):
 
     @torch.no_grad()
     def _teacher(self, batch: Mapping[str, Any], rows: torch.Tensor, positions: torch.Tensor, dtype) -> torch.Tensor:
-        """[n, S-1, V_d] the target's distribution at the position before each cell's label, on the draft vocab."""
+        """[n, S-1, V_d] the target's distribution at the position before each cell's label, on the draft vocab: its
+        head's product in the target's dtype (as the target computes it, on tensor cores for bf16), softmax in dtype."""
         head = self._target_tensor("lm_head_weight")
         if self.draft_ids() is not None:
             head = head.index_select(0, self.draft_ids())
-        hidden = batch["target_last_hidden"][rows, (positions - 1).clamp(min=0)].to(dtype)
-        return torch.softmax(F.linear(hidden, head.to(dtype)), dim=-1)
+        hidden = batch["target_last_hidden"][rows, (positions - 1).clamp(min=0)].to(head.dtype)
+        return torch.softmax(F.linear(hidden, head).to(dtype), dim=-1)
 
     def depth_weights(self, num_depths: int, device=None, dtype=torch.float32) -> torch.Tensor:
         """[K] loss weights exp(-d / gamma) for depth d = slot - 1 (paper Eq. 4)."""

@@ -141,8 +141,8 @@ class Eagle3Drafter(DraftHead, Drafter):
             target.copy_(source)
 
     def _target_tensor(self, name: str) -> torch.Tensor:
-        """A frozen TargetInfo tensor on this drafter's device/dtype (drafters/layers.FrozenTargetTensors)."""
-        return self._frozen.get(name, self.fc.weight)
+        """A frozen TargetInfo tensor on this drafter's device, in the target's dtype (layers.FrozenTargetTensors)."""
+        return self._frozen.on_device(name, self.fc.weight)
 
     # ---- training: the training-time test (reference A.4) ---------------------------------------------------
     def forward(self, batch: Mapping[str, Any]) -> DraftOutput:
@@ -170,7 +170,7 @@ class Eagle3Drafter(DraftHead, Drafter):
         batch_index, target_position = self._loss_positions(batch)
 
         tokens = F.pad(input_ids[:, 1:], (0, steps - 1))  # step k at t reads tokens[t + k] = x_{t+1+k}
-        embeds = F.embedding(tokens, self._target_tensor("embed_weight"))  # [B, L + K - 1, D]
+        embeds = self._frozen.embedding("embed_weight", tokens, self.fc.weight)  # [B, L + K - 1, D]
         features = torch.cat([batch["target_hidden"][i][:, :length] for i in self.layer_ids], dim=-1)
         hidden = self.fc(features.to(self.fc.weight.dtype))  # [B, L, D]
         positions = torch.arange(length, device=input_ids.device).expand(batch_size, length)
@@ -286,7 +286,7 @@ class Eagle3Drafter(DraftHead, Drafter):
 
     def _absorb(self, context: DraftContext, tokens: torch.Tensor, last: torch.Tensor, active: torch.Tensor) -> None:
         """Run verified positions through the layers into the caches; keep row b's output at index last[b]."""
-        embeds = F.embedding(tokens, self._target_tensor("embed_weight"))
+        embeds = self._frozen.embedding("embed_weight", tokens, self.fc.weight)
         features = torch.cat([context.hidden[i] for i in self.layer_ids], dim=-1).to(self.fc.weight.dtype)
         out = self._cached_layers(embeds, self.fc(features), context.position_ids, context.valid)
         for cache in self._caches:
@@ -332,7 +332,7 @@ class Eagle3Drafter(DraftHead, Drafter):
         parent_hidden = tree.parent_hidden(parents)
         ancestors, depth = tree.add(parents)
         mask = tree.cache_mask(ancestors, self._caches[0].valid)
-        embeds = F.embedding(tokens, self._target_tensor("embed_weight"))
+        embeds = self._frozen.embedding("embed_weight", tokens, self.fc.weight)
         positions = self._state["position"][:, None] + depth
         valid = torch.ones_like(tokens, dtype=torch.bool)
         hidden = self._cached_layers(embeds, parent_hidden, positions, valid, mask)
@@ -358,7 +358,7 @@ class Eagle3Drafter(DraftHead, Drafter):
             depth_logits.append(logits)
             if j + 1 == num_tokens:
                 break
-            embeds = F.embedding(tokens[-1].view(-1, 1), self._target_tensor("embed_weight"))
+            embeds = self._frozen.embedding("embed_weight", tokens[-1].view(-1, 1), self.fc.weight)
             positions = (self._state["position"] + j + 1).view(-1, 1)
             valid = torch.ones(batch, 1, dtype=torch.bool, device=hidden.device)
             hidden = self._cached_layers(embeds, hidden.unsqueeze(1), positions, valid)[:, 0]

@@ -29,3 +29,10 @@ class MedusaConfig:
     lm_head: Literal["target", "copy", "new"] = "target"
     loss: Literal["soft", "hard"] = "soft"
     sample_drafts: bool = False
+
+    def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
+        """One training step's shape for drafters/step_memory.StepShape: num_heads heads on every position's hidden
+        state, the loss through the full vocabulary; each head's own lm_head (copy / new) is trained."""
+        own_heads = self.num_heads * vocab * hidden if self.lm_head != "target" else 0
+        return {"step": "heads", "depths": self.num_heads, "head_vocab": vocab, "default_features": 0,
+                "extra_params": own_heads}

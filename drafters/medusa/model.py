@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from drafters.base import DraftContext, Drafter, FeatureRequest, Proposal, TargetInfo, full_vocab_log_probs
+from drafters.chunked import with_autocast_of_now
 from drafters.output import DraftOutput
 from drafters.layers import FrozenTargetTensors, draw_drafts
 from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss
@@ -68,8 +69,8 @@ class MedusaDrafter(Drafter):
         return self.config.num_heads
 
     def _target_tensor(self, name: str) -> torch.Tensor:
-        """A frozen TargetInfo tensor on this drafter's device/dtype (drafters/layers.FrozenTargetTensors)."""
-        return self._frozen.get(name, next(self.parameters()))
+        """A frozen TargetInfo tensor on this drafter's device, in the target's dtype (layers.FrozenTargetTensors)."""
+        return self._frozen.on_device(name, next(self.parameters()))
 
     def head_logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """hidden [..., D] -> logits [..., K, V] of heads 0..num_heads-1."""
@@ -88,16 +89,16 @@ class MedusaDrafter(Drafter):
         """
         batch_index, position, label_position, depth_valid = position_cells(batch, self.config.num_heads)
         hidden = batch["target_last_hidden"][batch_index, position].to(next(self.parameters()).dtype)
-        return DraftOutput(logits=self.head_logits(hidden), batch_index=batch_index, label_position=label_position,
-                           depth_valid=depth_valid)
+        head = with_autocast_of_now(lambda rows: self.head_logits(hidden[rows]), hidden.device)  # chunks of N
+        return DraftOutput(batch_index=batch_index, label_position=label_position, depth_valid=depth_valid, head=head)
 
     def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """sum_k step_decay**k * mean CE of head k over its valid cells of all processes (see MedusaConfig.loss)."""
-        cell_loss = full_vocab_cross_entropy(output, batch, self._target_tensor("lm_head_weight"),
-                                             soft=self.config.loss == "soft")
+        cell_loss, predicted = full_vocab_cross_entropy(output, batch, self._target_tensor("lm_head_weight"),
+                                                        soft=self.config.loss == "soft")
         weights = self.config.step_decay ** torch.arange(cell_loss.shape[1], dtype=cell_loss.dtype,
                                                          device=cell_loss.device)
-        return weighted_depth_loss(output, batch, cell_loss, weights)
+        return weighted_depth_loss(output, batch, cell_loss, weights, predicted)
 
     # ---- inference --------------------------------------------------------------------------------------------------
     @torch.no_grad()

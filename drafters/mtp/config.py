@@ -36,3 +36,11 @@ class MTPConfig:
     layout: Literal["deepseek_v3", "qwen3_next", "qwen3_5", "mimo", "speculators"] = "deepseek_v3"
     init_from_native: bool = False
     sample_drafts: bool = False
+
+    def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
+        """One training step's shape for drafters/step_memory.StepShape: num_steps depths of one decoder layer over
+        every position, the loss through the target's full vocabulary. The HF layers repeat K/V for their mask on
+        every device (transformers' sdpa_attention_forward)."""
+        steps = self.num_modules if self.num_steps is None else int(self.num_steps)
+        return {"step": "chain", "depths": steps, "num_layers": 1, "modules": self.num_modules,
+                "head_vocab": vocab, "default_features": 0, "kv_expanded": True}

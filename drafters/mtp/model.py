@@ -80,6 +80,20 @@ class MTPDrafter(Drafter):
     def num_steps(self) -> int:
         return resolve_num_steps(self.config)
 
+    @property
+    def layer_config(self) -> dict[str, int]:
+        """The widths of the MTP block's decoder layer (drafters/step_memory.step_shape); an MoE block's MLP width
+        is the one a token passes through (its routed experts and any shared expert)."""
+        config = self.block_config
+        heads = config.num_attention_heads
+        experts = getattr(config, "num_experts_per_tok", None) or 0
+        routed = (getattr(config, "moe_intermediate_size", None) or 0) * experts
+        shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+        return {"hidden_size": config.hidden_size, "num_attention_heads": heads,
+                "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+                "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+                "intermediate_size": routed + shared if routed else int(config.intermediate_size)}
+
     def feature_request(self) -> FeatureRequest:
         return FeatureRequest(layer_ids=tuple(self.target_layer_ids()), final_hidden=True)
 
@@ -131,15 +145,15 @@ class MTPDrafter(Drafter):
         return drafter.to(target_info.embed_weight.device, target_info.embed_weight.dtype).eval()
 
     def _target_tensor(self, name: str) -> torch.Tensor:
-        """A frozen TargetInfo tensor on this drafter's device/dtype (drafters/layers.FrozenTargetTensors)."""
-        return self._frozen.get(name, self.layers[0].eh_proj.weight)
+        """A frozen TargetInfo tensor on this drafter's device, in the target's dtype (layers.FrozenTargetTensors)."""
+        return self._frozen.on_device(name, self.layers[0].eh_proj.weight)
 
     # ---- one depth over a block of positions --------------------------------------------------------------------
     def _step(self, depth: int, tokens, hidden, position_ids, mask, cache=None, position_embeddings=None):
         """tokens [B, n], hidden [B, n, D] (depth - 1's fed-back output, or the target's), position_ids [B, n]
         -> (fed-back output, normed output) [B, n, D]."""
         module = self.layers[self._module_index(depth)]
-        embeds = F.embedding(tokens, self._target_tensor("embed_weight"))
+        embeds = self._frozen.embedding("embed_weight", tokens, self.layers[0].eh_proj.weight)
         if self.convention.mask_first_position:
             embeds = embeds.masked_fill((position_ids == 0).unsqueeze(-1), 0.0)
         if position_embeddings is None:
