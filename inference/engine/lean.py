@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from drafters.layers import attention as grouped_attention
 from drafters.ragged_lm import RaggedLM
 from drafters.ragged_state import layer_types
 from inference.engine import fastpath
@@ -135,7 +136,6 @@ class _LayerWeights:
         self.gate_up_sizes = [self.gate.out_features, self.up.out_features]
         self.qkv = self.gate_up = None  # the stacked projections, where LeanDecoder.stack made them
         self.head_dim, self.scaling = attention.head_dim, attention.scaling
-        self.grouped = attention.num_key_value_groups > 1
         q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
         self.q_norm = None if q_norm is None else (q_norm.weight, _eps(q_norm))
         self.k_norm = None if k_norm is None else (k_norm.weight, _eps(k_norm))
@@ -154,8 +154,7 @@ class _LayerWeights:
         q = q * cos + q.roll(half, -1) * sin  # rotate_half(x) * sin, with sin's first half negated
         k = k * cos + k.roll(half, -1) * sin
         keys, values = cache_layer.update(k, v)
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
-                                                  enable_gqa=self.grouped)
+        attended = grouped_attention(q, keys, values, mask, scale=self.scaling)  # K/V repeated where a mask needs it
         hidden = hidden + self.o(attended.transpose(1, 2).reshape(batch, num_new, -1))
         x = F.rms_norm(hidden, (width,), self.post_norm, self.post_eps)
         gate, up = (self.gate(x), self.up(x)) if self.gate_up is None else self.gate_up(x).split(self.gate_up_sizes, -1)
