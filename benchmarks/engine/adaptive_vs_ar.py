@@ -50,7 +50,8 @@ def main() -> None:
     target = TargetModel.from_pretrained(args.target)
     _, questions = load_questions("mt_bench")
     prompt = render_prompt(target.tokenizer, questions[args.question].turns[:1], [], True)
-    drafters = {path: load_drafter(path, target.target_info()) for path in args.drafter}
+    # served as eval serves it: on the target's device in its dtype (a drafter read from disk is on the CPU in fp32)
+    drafters = {path: target.serve(load_drafter(path, target.target_info())) for path in args.drafter}
     limits = {path: d.max_draft_tokens() or AUTO_MAX_DRAFT_TOKENS for path, d in drafters.items()}
     costs = {path: profile_costs(target, d, [prompt], limits[path]) for path, d in drafters.items()}
     adaptive = {path: AdaptiveK(curves) for path, curves in costs.items()}  # one per drafter, as draftsmith eval

@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = TargetModel.from_pretrained(args.target)
-    drafter = load_drafter(args.drafter, target.target_info())
+    drafter = target.serve(load_drafter(args.drafter, target.target_info()))  # on the target's device, in its dtype
     limit = drafter.max_draft_tokens()
     auto_width = limit if limit is not None else AUTO_MAX_DRAFT_TOKENS
     ks = [int(k) for k in args.ks.split(",")]
@@ -99,8 +99,8 @@ def main() -> None:
     for name, policy in policies.items():
         result = Replay()
         for index, prompt in enumerate(prompts):
-            replay(policy, load_drafter(args.drafter, target.target_info()), prompt, continuations[index], costs,
-                   result)
+            replay(policy, target.serve(load_drafter(args.drafter, target.target_info())), prompt,
+                   continuations[index], costs, result)
         replayed[name] = {"speedup": result.speedup, "tau": 1 + sum(result.accepted) / len(result.accepted),
                           "chosen": dict(sorted(collections.Counter(result.chosen).items()))}
     rows = []

@@ -49,7 +49,7 @@ def configurations(args, target) -> list[tuple[str, str, int, object]]:
     for name in args.drafters.split(","):
         if name not in DRAFTERS:
             raise SystemExit(f"--drafters: unknown drafter {name!r}; known: {', '.join(DRAFTERS)}")
-        drafter = load_drafter(f"{args.checkpoint_root}/{DRAFTERS[name]}", target.target_info()).eval()
+        drafter = target.serve(load_drafter(f"{args.checkpoint_root}/{DRAFTERS[name]}", target.target_info()))
         for budget in (int(b) for b in args.budgets.split(",")):
             runs += [(name, "chain", budget, drafter), (name, "tree", budget, drafter)]
     return runs

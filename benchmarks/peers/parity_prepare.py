@@ -149,7 +149,7 @@ def evaluate(args, work: str, trainers: list[str]) -> list[dict]:
             with open(done) as f:
                 heldout = json.load(f)
         else:
-            heldout = {**decode(target, drafter, prompts, k, args.max_new_tokens), "heldout_step": step,
+            heldout = {**decode(target, target.serve(drafter), prompts, k, args.max_new_tokens), "heldout_step": step,
                        "heldout_prompts": f"{args.prompts} x {len(prompts)}, {args.max_new_tokens} new tokens"}
             write_json(done, heldout)
         row.update(heldout, read_as=_format_of(weights))

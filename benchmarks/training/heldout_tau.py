@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             drafter = load_trained_drafter(directory, target.target_info())
             if drafter is None:
                 raise ValueError(f"--drafter {directory}: not a trained drafter")
-            drafter.eval()
+            drafter = target.serve(drafter)  # eval mode, on the target's device in its dtype, as eval serves it
             k = args.k or drafter.max_draft_tokens()
             if not k:
                 raise ValueError(f"--drafter {directory}: the drafter has no longest proposal; pass --k")

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             row = next((r for r in previous if all(r.get(name) == value for name, value in key.items())), None)
             if row is None:
                 row = {**key, "cpu_hours": round(seconds * args.train_threads / 3600, 4),
-                       **decode(target, drafter, prompts, k, args.max_new_tokens)}
+                       **decode(target, target.serve(drafter), prompts, k, args.max_new_tokens)}
             rows.append(row)
             print(json.dumps(row), flush=True)
             write_measurement(args.out, {"rows": rows, "threads": args.threads})
