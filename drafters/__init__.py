@@ -6,7 +6,7 @@ import json
 import os
 
 from drafters.assistant import AssistantDrafter
-from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, Proposal, TargetInfo
+from drafters.base import NATIVE_KIND_KEY, DraftContext, Drafter, Proposal, TargetInfo, text_config_of
 from drafters.output import DraftOutput
 from drafters.dflash import DFlashDrafter
 from drafters.draft_model import DraftModelDrafter, is_draft_model_dir
@@ -33,11 +33,60 @@ DRAFTERS: dict[str, type[Drafter]] = {
 NAMED_DRAFTERS = {"native-mtp": MTPDrafter.from_target}
 
 
+def training_run_hint(directory: str) -> str:
+    """"; what to pass instead" for a directory that holds no drafter but is a training run or one of its training
+    checkpoints (resume state), else "": the drafter a run trains is its final/."""
+    final = os.path.join(directory, "final")
+    parent = os.path.dirname(os.path.abspath(directory))
+    if os.path.isfile(os.path.join(final, "config.json")):
+        return f"; it is a training run: pass its {final}"
+    if os.path.isdir(os.path.join(directory, "checkpoints")):
+        return (f"; it is a training run without final/ yet: turn a step into a drafter with `draftsmith export "
+                f"{os.path.join(directory, 'checkpoints', 'step_N')} --format native --out DIR`")
+    if os.path.basename(parent) == "checkpoints" or os.path.isfile(os.path.join(directory, "trainer_state.json")):
+        return (f"; it is a training checkpoint (resume state): pass the run's "
+                f"{os.path.join(os.path.dirname(parent), 'final')}, or turn this step into a drafter with "
+                f"`draftsmith export {directory} --format native --out DIR`")
+    return ""
+
+
+def check_trained_for(source: str, trained: dict, target_config: dict, target_name: str) -> None:
+    """A ValueError naming the target `source` was trained for (`trained`: its recorded name_or_path or name,
+    hidden_size and vocab_size) when `target_config`, the HF config of `target_name`, has other sizes; run by the
+    commands before they load the target, so the mistake costs no model load."""
+    text = text_config_of(target_config)
+    sizes = ("hidden_size", "vocab_size")
+    theirs, ours = [trained.get(key) for key in sizes], [text.get(key) for key in sizes]
+    if None in theirs or None in ours or theirs == ours:
+        return
+    name = trained.get("name_or_path") or trained.get("name")
+    raise ValueError(f"{source}: trained for target {name} (hidden_size {theirs[0]}, vocab_size {theirs[1]}), not "
+                     f"{target_name} (hidden_size {ours[0]}, vocab_size {ours[1]}); use it with that target, or "
+                     f"train a drafter for {target_name}")
+
+
+def check_drafter_spec(spec: str, target_config: dict, target_name: str) -> None:
+    """What load_drafter would refuse, checked without the target's weights: a spec that is no drafter name or
+    checkpoint directory (a training run points at its final/), and a native checkpoint trained for a target of
+    other sizes. Exports that do not record their target are checked when they load."""
+    if spec in ("", "none", "ngram") or spec in NAMED_DRAFTERS:
+        return
+    if not os.path.isdir(spec):
+        raise ValueError(f"drafter {spec!r} is neither 'none', 'ngram', one of {sorted(NAMED_DRAFTERS)} nor an "
+                         "existing directory")
+    checkpoint_kind(spec)
+    with open(os.path.join(spec, "config.json")) as f:
+        header = json.load(f)
+    if NATIVE_KIND_KEY in header:
+        check_trained_for(spec, header.get("target") or {}, target_config, target_name)
+
+
 def checkpoint_kind(directory: str) -> str:
     """Which registered drafter reads `directory`: the native header names it, else each class's `detect_format`."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f"{directory}: not a drafter or model directory (no config.json)")
+        raise ValueError(f"{directory}: not a drafter or model directory (no config.json)"
+                         f"{training_run_hint(directory)}")
     with open(path) as f:
         config = json.load(f)
     if NATIVE_KIND_KEY in config:

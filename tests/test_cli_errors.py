@@ -1,17 +1,23 @@
 """Every command answers bad input with one line naming the field or file and what to do, exit status 2, no
 traceback; `--debug` (anywhere on the command line) or DRAFTSMITH_DEBUG=1 shows the traceback instead.
 
-docs/reliability.md lists the same inputs with the line each gets.
+docs/reliability.md lists the same inputs with the line each gets. The mistakes a new user makes (issue 39: a typo'd
+command, a recipe value out of range, a tracker that is not installed, a training run or step given where a drafter
+is wanted, a drafter for another target) must each be refused before the target loads: those tests put a tripwire on
+`TargetModel.from_pretrained`.
 """
 
 from __future__ import annotations
 
 import errno
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from train.cli import describe, main as cli, run_reporting_errors
 
@@ -53,11 +59,12 @@ def bad_inputs(tmp_path) -> list[tuple[list[str], str]]:
          f"draftsmith export: error: {tmp_path / 'empty'}: not a drafter checkpoint (no config.json)"),
         (["export", str(step), "--format", "native", "--out", str(tmp_path / "out")],
          f"draftsmith export: error: {step}: not a drafter checkpoint (no config.json); it is a training checkpoint "
-         f"(resume state): export the run's {tmp_path / 'run' / 'final'} instead"),
+         f"(resume state): pass the run's {tmp_path / 'run' / 'final'}, or turn this step into a drafter with "
+         f"`draftsmith export {step} --format native --out DIR`"),
         (["doctor", missing, "--target", "debug:tiny-llama"],
          f"draftsmith doctor: error: {missing}: not a drafter or model directory (no config.json)"),
         (["calibrate", missing, "--target", "debug:tiny-llama", "--prompts", "mt_bench", "--out", str(tmp_path / "c")],
-         f"draftsmith calibrate: error: drafter '{missing}' is neither"),
+         f"draftsmith calibrate: error: DRAFTER '{missing}': drafter '{missing}' is neither"),
     ]
 
 
@@ -68,6 +75,178 @@ def test_each_command_answers_bad_input_in_one_line_with_status_2(tmp_path, caps
         assert "Traceback" not in stderr, argv
         errors = [line for line in stderr.splitlines() if ": error: " in line]
         assert len(errors) == 1 and errors[0].startswith(expected), (argv, errors)
+
+
+def assert_one_line(argv: list[str], expected: str, capsys) -> None:
+    assert cli(argv) == 2, argv
+    stderr = capsys.readouterr().err.replace("\r", "\n")
+    assert "Traceback" not in stderr and "usage:" not in stderr, (argv, stderr)
+    errors = [line for line in stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and errors[0].startswith(expected), (argv, errors, expected)
+
+
+@pytest.fixture
+def no_target_load(monkeypatch):
+    """A tripwire: loading any target fails the test, so a refusal that passes came before the expensive work."""
+    from inference.engine.target import TargetModel
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the target was loaded before the bad input was refused")
+
+    monkeypatch.setattr(TargetModel, "from_pretrained", loaded)
+
+
+def missing_tracker() -> str | None:
+    """A tracker accelerate knows that is not installed here (None when every one is)."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    available = {str(LoggerType(tracker)) for tracker in get_available_trackers()}
+    return next((name for name in ("wandb", "aim", "mlflow") if name not in available), None)
+
+
+def test_recipe_and_command_line_mistakes_answer_before_the_target_loads(tmp_path, capsys, no_target_load):
+    train = ["train", RECIPE, f"output.dir={tmp_path / 'run'}"]
+    cases = [
+        (["trian"], "draftsmith: error: unknown command 'trian'; did you mean 'train'?"),
+        (["train"], "draftsmith train: error: the following arguments are required: recipe (draftsmith train --help"),
+        (["prepare"], "draftsmith prepare: error: the following arguments are required: recipe ("),
+        ([*train, "train.batch_size=-1"], "draftsmith train: error: train.batch_size must be >= 1, got -1"),
+        ([*train, "train.epochs=0"], "draftsmith train: error: train.epochs must be > 0, got 0"),
+        ([*train, "train.grad_accum=0"], "draftsmith train: error: train.grad_accum must be >= 1, got 0"),
+        ([*train, "train.log_every=0"], "draftsmith train: error: train.log_every must be >= 1, got 0"),
+        ([*train, "train.keep_last=0"], "draftsmith train: error: train.keep_last must be >= 1 (null keeps every"),
+        ([*train, "optim.grad_clip=0"], "draftsmith train: error: optim.grad_clip must be > 0 (null: no clipping)"),
+        ([*train, "optim.lr=-1"], "draftsmith train: error: optim.lr must be >= 0, got -1"),
+        ([*train, "schedule.min_lr_ratio=2"], "draftsmith train: error: schedule.min_lr_ratio must be in [0, 1]"),
+        ([*train, "eval.max_new_tokens=0"], "draftsmith train: error: eval.max_new_tokens must be >= 1, got 0"),
+        ([*train, "regenerate.top_p=0"], "draftsmith train: error: regenerate.top_p must be in (0, 1], got 0"),
+        ([*train, "logging.trackers=[nosuch]"], "draftsmith train: error: logging.trackers: 'nosuch' is not a tracker"),
+        ([*train, f"train.resume_from={tmp_path / 'nosuch'}"],
+         f"draftsmith train: error: train.resume_from: '{tmp_path / 'nosuch'}' is not a checkpoint directory"),
+        ([*train, "eval.prompts=nosuch"], "draftsmith train: error: prompt set 'nosuch' is neither a builtin"),
+        (["estimate", RECIPE, "train.batch_size=0", "--no-probe"],
+         "draftsmith estimate: error: train.batch_size must be >= 1, got 0"),
+        (["eval", "--target", "debug:tiny-llama", "--dtype", "fp16"],
+         "draftsmith eval: error: argument --dtype: invalid choice: 'fp16' (choose from"),
+        (["eval", "--target", "debug:tiny-llama", "--out", "/dev/null/report.json"],
+         "draftsmith eval: error: --out: cannot create the folder of /dev/null/report.json"),
+        (["assets", "--cache-dir", os.devnull], f"draftsmith assets: error: --cache-dir: {os.devnull} is a file"),
+        (["assets", "--draft-model-layers", "0"], "draftsmith assets: error: --draft-model-layers must be >= 1, got 0"),
+        (["assets", "--bogus"], "draftsmith assets: error: unrecognized arguments: --bogus"),
+    ]
+    tracker = missing_tracker()
+    if tracker is not None:  # accelerate would drop it without a word
+        cases.append(([*train, f"logging.trackers=[{tracker}]"],
+                      f"draftsmith train: error: logging.trackers: {tracker} is not installed here; pip install "))
+    if importlib.util.find_spec("vllm") is None:
+        cases.append((["prepare", RECIPE, "regenerate.use_vllm=true", f"data.regenerated_path={tmp_path / 'r.jsonl'}"],
+                      "draftsmith prepare: error: regenerate.use_vllm is true but vllm is not importable here"))
+    for argv, expected in cases:
+        assert_one_line(argv, expected, capsys)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A native EAGLE-3 checkpoint in a run directory's final/, trained for the debug target as found in a Hub cache
+    snapshot (models--org--tiny/snapshots/rev), a step directory beside it, and a real HF target of other sizes."""
+    from drafters import DRAFTERS
+    from inference.assets.store import resolve_target
+    from inference.engine.target import TargetModel
+    from tests.conftest import make_tiny_model
+
+    root = tmp_path_factory.mktemp("cli")
+    snapshot = root / "hub" / "models--org--tiny" / "snapshots" / "rev"
+    snapshot.parent.mkdir(parents=True)
+    snapshot.symlink_to(resolve_target("debug:tiny-llama"), target_is_directory=True)
+    info = TargetModel.from_pretrained(str(snapshot)).target_info()
+    drafter = DRAFTERS["eagle3"](DRAFTERS["eagle3"].Config(draft_vocab_size=128), info)
+    drafter.save(str(root / "run" / "final"), "native")
+    (root / "run" / "checkpoints" / "step_2").mkdir(parents=True)
+    other = make_tiny_model(dtype=torch.float32)  # vocabulary 256, not the debug target's 260
+    other.save_pretrained(root / "other")
+    return root
+
+
+def test_a_run_or_a_drafter_for_another_target_is_refused_before_the_target_loads(trained, capsys, no_target_load):
+    run, final, step = trained / "run", trained / "run" / "final", trained / "run" / "checkpoints" / "step_2"
+    other, out = str(trained / "other"), str(trained / "out")
+    eval_ = ["eval", "--target", "debug:tiny-llama", "--out", str(trained / "eval" / "r.json"), "--drafter"]
+    with open(final / "config.json") as f:
+        trained_for = json.load(f)["target"]["name_or_path"]
+    another = (f"trained for target {trained_for} (hidden_size 64, vocab_size 260), not {other} (hidden_size 64, "
+               f"vocab_size 256); use it with that target, or train a drafter for {other}")
+    cases = [
+        ([*eval_, str(run)], f"draftsmith eval: error: --drafter '{run}': {run}: not a drafter or model directory "
+                             f"(no config.json); it is a training run: pass its {final}"),
+        ([*eval_, str(step)], f"draftsmith eval: error: --drafter '{step}': {step}: not a drafter or model directory "
+                              f"(no config.json); it is a training checkpoint (resume state): pass the run's {final}, "
+                              f"or turn this step into a drafter with `draftsmith export {step} --format native"),
+        ([*eval_, str(trained / "nosuch")], f"draftsmith eval: error: --drafter '{trained / 'nosuch'}': drafter "),
+        (["eval", "--target", other, "--drafter", f"ngram,{final}"],
+         f"draftsmith eval: error: --drafter '{final}': {final}: {another}"),
+        (["calibrate", str(run), "--target", "debug:tiny-llama", "--out", str(trained / "cal")],
+         f"draftsmith calibrate: error: DRAFTER '{run}': {run}: not a drafter or model directory (no config.json); "
+         f"it is a training run: pass its {final}"),
+        (["export", str(run), "--format", "native", "--out", out],
+         f"draftsmith export: error: {run}: not a drafter checkpoint (no config.json); it is a training run: pass "
+         f"its {final}"),
+        (["export", str(final), "--format", "dflash", "--out", out],
+         f"draftsmith export: error: --format 'dflash': {final} holds drafter kind eagle3, which writes native, "),
+        (["export", str(final), "--format", "native", "--out", out, "--target", other],
+         f"draftsmith export: error: {final}: {another}"),
+        (["export", str(final), "--format", "native", "--out", os.devnull],
+         f"draftsmith export: error: --out: {os.devnull} is a file; pass a directory"),
+        (["export", str(final), "--format", "native", "--out", str(run)],
+         f"draftsmith export: error: --out: {run} holds the checkpoint being exported"),
+        (["export", str(final), "--format", "native", "--out", str(trained / "hub")],
+         f"draftsmith export: error: --out: {trained / 'hub'} is a directory with other files"),
+    ]
+    for argv, expected in cases:
+        assert_one_line(argv, expected, capsys)
+
+
+def test_speculators_export_names_the_hub_id_of_a_hub_target(trained, capsys):
+    """The verifier vLLM serves is the Hub id the target came from, not the training machine's local path."""
+    out = trained / "speculators"
+    assert cli(["export", str(trained / "run" / "final"), "--format", "speculators", "--out", str(out)]) == 0
+    with open(out / "config.json") as f:
+        assert json.load(f)["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
+    assert "warning" not in capsys.readouterr().err
+    named = trained / "speculators_named"
+    assert cli(["export", str(trained / "run" / "final"), "--format", "speculators", "--out", str(named),
+                "--verifier-name", "org/served"]) == 0
+    with open(named / "config.json") as f:
+        assert json.load(f)["speculators_config"]["verifier"]["name_or_path"] == "org/served"
+
+
+def test_hub_ids_are_read_from_names_and_cache_paths(tmp_path):
+    from inference.assets.store import SMOLLM2_NAME, hub_name
+
+    assert hub_name("smollm2-135m-instruct") == hub_name("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert hub_name("huggingfacetb/smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert hub_name("/cache/hub/models--meta-llama--Llama-3.1-8B/snapshots/0e9e3/") == "meta-llama/Llama-3.1-8B"
+    assert hub_name("/data/models/Llama-3.1-8B") is None
+    converted = tmp_path / "models" / SMOLLM2_NAME
+    converted.mkdir(parents=True)
+    assert hub_name(str(converted)) is None  # no completion marker: not our conversion
+    (converted / "draftsmith_complete.json").write_text("{}")
+    assert hub_name(str(converted)) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_every_bounded_recipe_field_exists():
+    """A renamed field would otherwise leave its bound unchecked without a word."""
+    import dataclasses
+
+    from train.config import Recipe, RegenerateConfig
+    from train.recipe_checks import NUMBER_BOUNDS
+
+    sections = {f.name: f.type for f in dataclasses.fields(Recipe)}
+    for dotted, _, _ in NUMBER_BOUNDS:
+        section, name = dotted.split(".")
+        owner = RegenerateConfig if section == "regenerate" else sections[section]
+        owner = getattr(sys.modules["train.config"], owner) if isinstance(owner, str) else owner
+        assert name in {f.name for f in dataclasses.fields(owner)}, dotted
 
 
 def test_debug_flag_or_environment_shows_the_traceback(monkeypatch):

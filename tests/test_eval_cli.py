@@ -117,7 +117,7 @@ def test_sampling_eval_runs_without_exact_match(dirs, tmp_path):
     (("--temperature", "-0.5"), "ngram", "--temperature: values must be >= 0"),
     (("--top-p", "0"), "ngram", "--top-p must be in (0, 1]"),
     ((), "BAD_DRAFT", "vocab_size"),
-    ((), "OTHER_TARGET", "hidden_size 32 does not match"),
+    ((), "OTHER_TARGET", "(hidden_size 32, vocab_size 322), not "),
     ((), "missing_dir", "missing_dir"),
     (("--categories", "poetry"), "ngram", "no question in categories"),
 ])

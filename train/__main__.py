@@ -14,11 +14,32 @@ from __future__ import annotations
 import sys
 import time
 
-from train.config import recipe_from_argv
+from train.config import Recipe, recipe_from_argv, recipe_parser
+
+DESCRIPTION = "Train a drafter from a recipe."
+PROG = "draftsmith train"
+
+
+def build_parser():
+    return recipe_parser(PROG, DESCRIPTION)
+
+
+def check_before_loading(recipe: Recipe) -> None:
+    """What the run would refuse only after loading the target and the data: the checkpoint to resume from, the
+    prompt set of the decoding probe, and trackers accelerate would drop without a word when not installed."""
+    from inference.evaluation.prompts import load_questions
+    from train.fit.checkpoint import resolve_resume
+    from train.fit.metrics import check_trackers
+
+    resolve_resume(recipe.output.dir, recipe.train.resume_from)
+    if recipe.eval.num_prompts > 0:
+        load_questions(recipe.eval.prompts)
+    check_trackers(recipe.logging.trackers)
 
 
 def main(argv: list[str] | None = None) -> int:
-    recipe = recipe_from_argv("draftsmith train", "Train a drafter from a recipe.", argv)
+    recipe = recipe_from_argv(PROG, DESCRIPTION, argv)
+    check_before_loading(recipe)
     from train.build import build_trainer  # after the recipe is known to be valid: torch/accelerate import is slow
     from train.fit.loop import PREEMPTED_EXIT_CODE, Preempted
 
@@ -38,4 +59,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from train.cli import run_reporting_errors
 
-    sys.exit(run_reporting_errors("train", main, None))
+    sys.exit(run_reporting_errors("train", main, None, build_parser))

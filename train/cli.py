@@ -15,6 +15,8 @@ command line (or set DRAFTSMITH_DEBUG=1) to see the traceback instead.
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import errno
 import importlib
 import os
@@ -62,15 +64,33 @@ def describe(err: BaseException) -> str:
     return str(err)
 
 
-def run_reporting_errors(prog: str, entry, argv: list[str] | None) -> int:
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The argparse parser of subcommand `name` (each command module's build_parser)."""
+    return importlib.import_module(SUBCOMMANDS[name]).build_parser()
+
+
+def check_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Parse `argv` once up front so that a missing, unknown or malformed argument is a ValueError (one line) rather
+    than argparse's usage block; the command parses it again itself. --help still prints the help and exits."""
+    def refuse(message: str):
+        raise ValueError(f"{message} ({parser.prog} --help lists the options)")
+
+    parser.error = refuse  # this parser object only: it is built for this check and dropped
+    parser.parse_args(argv)
+
+
+def run_reporting_errors(prog: str, entry, argv: list[str] | None, build_parser=None) -> int:
     """Run a subcommand's main; a user error becomes one line on stderr naming what to fix, and exit status 2.
 
     Every draftsmith error for bad input is a ValueError (or a file error) whose message names the field and what
-    to do, so the traceback adds nothing for the user; `--debug` or DRAFTSMITH_DEBUG=1 lets it through."""
+    to do, so the traceback adds nothing for the user; `--debug` or DRAFTSMITH_DEBUG=1 lets it through. With
+    `build_parser`, the arguments are checked against it first (check_arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [arg for arg in argv if arg != DEBUG_FLAG]
     try:
+        if build_parser is not None:
+            check_arguments(build_parser(), argv)
         return int(entry(argv) or 0)
     except Exception as err:  # noqa: BLE001 - only user errors are caught, the rest is re-raised
         if debug or not is_user_error(err):
@@ -84,18 +104,25 @@ def run_reporting_errors(prog: str, entry, argv: list[str] | None) -> int:
         return 130
 
 
+def unknown_command(name: str) -> str:
+    """The one line for a subcommand that does not exist, with the closest one when it looks like a typo."""
+    close = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
+    guess = f"did you mean {close[0]!r}? " if close else ""
+    return f"draftsmith: error: unknown command {name!r}; {guess}commands: {', '.join(SUBCOMMANDS)} (draftsmith --help)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if DEBUG_FLAG in argv[:1]:  # `draftsmith --debug train ...` as well as `draftsmith train ... --debug`
         argv = argv[1:] + [DEBUG_FLAG]
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"\nunknown subcommand {argv[0]!r}; choose one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
-            return 2
         return 0
+    if argv[0] not in SUBCOMMANDS:
+        print(unknown_command(argv[0]), file=sys.stderr)
+        return 2
     module = importlib.import_module(SUBCOMMANDS[argv[0]])
-    return run_reporting_errors(f"draftsmith {argv[0]}", module.main, argv[1:])
+    return run_reporting_errors(f"draftsmith {argv[0]}", module.main, argv[1:], module.build_parser)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import yaml
 from drafters import DRAFTERS
 from drafters.configs import coerce, from_dict, to_dict
 from train.data.dataset import DataConfig, check_sources
-from train.recipe_checks import check_launch, check_placement, check_settings, check_stream
+from train.recipe_checks import check_launch, check_numbers, check_placement, check_settings, check_stream
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -268,6 +268,7 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     if isinstance(train, dict) and train.get("mixed_precision") is False:  # YAML reads an unquoted `no` as false
         raw["train"] = {**train, "mixed_precision": "no"}
     recipe = from_dict(Recipe, {**raw, "drafter_kind": kind, "drafter": drafter_config})
+    check_numbers(recipe)
     check_phases(recipe)
     check_literal_paths(recipe)
     check_settings(recipe.features.vllm)  # the vLLM engine fields (vLLM itself is not imported)
@@ -369,13 +370,20 @@ def derive(recipe: Recipe, *, world_size: int, num_train_samples: int) -> Derive
     return Derived(world_size, grad_accum, global_batch, steps_per_epoch, max_steps)
 
 
+def recipe_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """`RECIPE [key.path=value ...]`, the arguments every recipe subcommand takes (estimate adds its own options)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("recipe", help="recipe YAML (recipes/...)")
+    # default=[]: without it argparse counts the overrides as required and names them when the recipe is missing
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key.path=value",
+                        help="recipe overrides, any field of the recipe (docs/training.md), e.g. optim.lr=3e-4")
+    return parser
+
+
 def recipe_from_argv(prog: str, description: str, argv: list[str] | None) -> "Recipe":
     """The command line every recipe subcommand takes, `RECIPE [key.path=value ...]`, parsed and loaded; its data
     source is checked here (check_sources), before any command loads a model."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("recipe", help="recipe YAML (recipes/...)")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides, e.g. optim.lr=3e-4")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = recipe_parser(prog, description).parse_args(list(sys.argv[1:] if argv is None else argv))
     recipe = load_recipe(args.recipe, args.overrides)
     check_sources(recipe.data)
     return recipe

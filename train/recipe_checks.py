@@ -1,6 +1,6 @@
-"""The recipe's cross-field checks that `train.config.load_recipe` runs on every recipe: the vLLM engine fields, the
-stream settings, the target's placement and the collective timeout. Pure functions of the recipe: nothing is built or
-imported to check it.
+"""The recipe's cross-field checks that `train.config.load_recipe` runs on every recipe: the numeric fields' bounds,
+the vLLM engine fields, the stream settings, the target's placement and the collective timeout. Pure functions of the
+recipe: nothing is built or imported to check it.
 """
 
 from __future__ import annotations
@@ -62,3 +62,50 @@ def check_launch(recipe) -> None:
     if recipe.features.mode == "streamed" and wait >= 60.0 * minutes:
         raise ValueError(f"train.dist_timeout_minutes: {minutes} min is not longer than features.stream.timeout_s "
                          f"({wait:g} s); raise it above {wait / 60.0:g} min or lower the stream timeout")
+
+
+# (field, the test its value must pass, what the test says); None (where a field allows it) passes: it means "off" or
+# "derived". The same bounds are enforced again where the values are used; here they fail before anything loads.
+NUMBER_BOUNDS = (
+    ("train.batch_size", lambda v: v >= 1, ">= 1"),
+    ("train.global_batch_size", lambda v: v >= 1, ">= 1"),
+    ("train.grad_accum", lambda v: v >= 1, ">= 1"),
+    ("train.max_steps", lambda v: v >= 1, ">= 1"),
+    ("train.epochs", lambda v: v > 0, "> 0"),
+    ("train.max_time_minutes", lambda v: v > 0, "> 0 (null: no wall budget)"),
+    ("train.log_every", lambda v: v >= 1, ">= 1"),
+    ("train.save_every", lambda v: v >= 0, ">= 0 (0 or null: no periodic checkpoint)"),
+    ("train.eval_every", lambda v: v >= 0, ">= 0 (0 or null: evaluate at the end only)"),
+    ("train.keep_last", lambda v: v >= 1, ">= 1 (null keeps every checkpoint)"),
+    ("optim.lr", lambda v: v >= 0, ">= 0"),
+    ("optim.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("optim.eps", lambda v: v >= 0, ">= 0"),
+    ("optim.grad_clip", lambda v: v > 0, "> 0 (null: no clipping)"),
+    ("optim.betas", lambda v: all(0 <= beta < 1 for beta in v), "two values in [0, 1)"),
+    ("schedule.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("schedule.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("eval.num_batches", lambda v: v >= 0, ">= 0 (null: every eval batch)"),
+    ("eval.num_prompts", lambda v: v >= 0, ">= 0 (0: no decoding probe)"),
+    ("eval.num_draft_tokens", lambda v: v >= 1, ">= 1"),
+    ("eval.max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("regenerate.num_conversations", lambda v: v >= 1, ">= 1 (null: every conversation)"),
+    ("regenerate.heldout_conversations", lambda v: v >= 0, ">= 0"),
+    ("regenerate.max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("regenerate.temperature", lambda v: v >= 0, ">= 0 (0: greedy)"),
+    ("regenerate.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("regenerate.top_k", lambda v: v >= 0, ">= 0 (0: off)"),
+    ("regenerate.min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
+    ("regenerate.batch_size", lambda v: v >= 1, ">= 1"),
+    ("regenerate.max_prompt_tokens", lambda v: v >= 1, ">= 1"),
+)
+
+
+def check_numbers(recipe) -> None:
+    """ValueError naming the first numeric field outside its bounds (NUMBER_BOUNDS), so that `train.batch_size=-1`
+    fails in one line before the target loads, not at the first use of the value."""
+    for dotted, test, bound in NUMBER_BOUNDS:
+        section, name = dotted.split(".")
+        owner = getattr(recipe, section)  # regenerate: is None in a recipe without that section
+        value = None if owner is None else getattr(owner, name)
+        if value is not None and not test(value):
+            raise ValueError(f"{dotted} must be {bound}, got {value!r}")

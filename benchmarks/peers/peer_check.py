@@ -1,5 +1,5 @@
-"""Peer checks: our exports read by the real readers, each in a throwaway venv (docs/benchmarks.md, "Served by: peer
-checks"; docs/distributed.md, "vLLM serves what we export").
+"""Peer checks: our exports read by the real readers, each in a throwaway venv (docs/benchmarks.md, "Exports
+served"; docs/distributed.md, "vLLM serves what we export").
 
     python benchmarks/peers/peer_check.py setup                   # build the venvs under /tmp/draftsmith_peers (once)
     python benchmarks/peers/peer_check.py parity                  # speculators' and SpecForge's model classes vs our logits
@@ -131,7 +131,8 @@ def serve(args) -> list[dict]:
     prompts = [render_prompt(target.tokenizer, q.turns[:1], [], True) for q in questions]
     rows = []
     for checkpoint in args.drafter:
-        drafter = load_drafter(checkpoint, target.target_info()).eval()  # name_or_path: the local target directory
+        # name_or_path: the local target directory; served on the target's device in its dtype, as eval serves it
+        drafter = target.serve(load_drafter(checkpoint, target.target_info()))
         rows += _serve_drafter(drafter, checkpoint, target, prompts, args)
     return rows
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# EAGLE-3 on SmolLM2-135M-Instruct: the evaluation behind docs/benchmarks.md, "EAGLE-3".
+# EAGLE-3 on SmolLM2-135M-Instruct: the evaluation behind docs/benchmarks_archive.md, "EAGLE-3: the benchmark drafter
+# on 427 conversations".
 #   bash benchmarks/training/bench_eagle3.sh            # after the three commands below have produced the checkpoint
 # Training (the benchmark recipe; regeneration and the feature cache come first):
 #   draftsmith estimate recipes/smollm2/eagle3_full.yaml

@@ -1,6 +1,7 @@
 """What each reader makes of a DFlash checkpoint, and the checks `draftsmith doctor` runs on one.
 
-Readers modelled (the source lines are in docs/benchmarks.md, "DFlash: independent clients"; facts in our words):
+Readers modelled (the source lines are in docs/decisions.md, "Exports and doctor", "What each DFlash client reads";
+facts in our words):
 - vLLM (`method: dflash`; `vllm serve DIR` for the speculators layout): captures eagle_aux_hidden_state_layer_ids,
   else dflash_config.target_layer_ids + 1, in layer order (sorted, unique), into an fc built for the dflash_config
   ids; the mask token from dflash_config.mask_token_id, then mask_token_id, then pad_token_id; an own head of

