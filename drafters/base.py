@@ -193,6 +193,24 @@ class Drafter(nn.Module):
         """The longest proposal this drafter can make in one round (a block drafter: block size - 1), or None."""
         return None
 
+    # The target's frozen tensors a drafter computes with (drafters/layers.FrozenTargetTensors): a server may run
+    # their products its own way (the CPU backend serves the head by the target's own kernels) and training points
+    # them at a sharded target's TargetInfo. Each kind keeps them as `_frozen` on the module that computes with them;
+    # a drafter holding them elsewhere overrides `frozen_tensors`.
+    frozen_attribute: ClassVar[str] = "_frozen"
+
+    def frozen_tensors(self) -> list:
+        """The FrozenTargetTensors this drafter and its submodules hold, each once."""
+        held = (getattr(module, self.frozen_attribute, None) for module in self.modules())
+        return list({id(frozen): frozen for frozen in held if frozen is not None}.values())
+
+    def adopt_target_info(self, target_info: TargetInfo) -> None:
+        """Compute with `target_info` from now on (the same target's, e.g. without its map of every weight once it
+        is sharded): the frozen tensors start afresh, as a copy made so far may alias a weight about to be sharded."""
+        self.target_info = target_info
+        for frozen in self.frozen_tensors():
+            frozen.reset(target_info)
+
     # ---- training ----------------------------------------------------------------------------------------
     def init_from_data(self, token_counts: torch.Tensor) -> None:
         """Called once before training from scratch. token_counts [V]: how often each target token appears at

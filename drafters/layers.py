@@ -36,6 +36,12 @@ class FrozenTargetTensors:
         self._copies: dict[tuple, torch.Tensor] = {}  # only tensors that are not the target's own storage
         self._served: dict[str, nn.Module] = {}
 
+    def reset(self, target_info: TargetInfo) -> None:
+        """Hold `target_info` from now on, with no copy and nothing served (Drafter.adopt_target_info)."""
+        self.target_info = target_info
+        self._copies.clear()
+        self._served.clear()
+
     def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """TargetInfo field `name` (e.g. "embed_weight", [V, D]) on like's device and in like's dtype."""
         return self._on(name, like.device, like.dtype)

@@ -30,18 +30,20 @@ def path_order(path: torch.Tensor, num_nodes: int) -> torch.Tensor:
 class RaggedLM:
     """Wraps `model` (an HF causal LM). Shapes: B batch, S new tokens, L cache slots, V vocab."""
 
-    def __init__(self, model):
+    def __init__(self, model, block_forward=None, family: FamilyState | None = None):
+        """block_forward: what runs the blocks after the prefill over the model's weights (a backend's, e.g.
+        inference/engine/cpu/lean.py), `forward(input_ids, position_ids, slot_mask, cache, logits_to_keep, mask=)
+        -> logits`; None: the model's own forward. family: the model's FamilyState where the caller built it
+        already (TargetModel does, to refuse a family before anything else touches the model)."""
         self.model = model
         # transformers >= 5.2x names the argument `cache`; earlier releases call it `past_key_values`.
         parameters = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in parameters else "past_key_values"
         self.cache: DynamicCache | None = None
         self.slot_mask: torch.Tensor | None = None  # [B, L] long, 1 = a token of the sequence
-        self.family = FamilyState(model)  # refuses a family it cannot roll back, naming what is missing
+        self.family = family or FamilyState(model)  # refuses a family it cannot roll back, naming what is missing
         self.state_base: int | None = None  # the slot the linear-attention records start at (None: no records)
-        # blocks after the prefill run by this forward over the model's weights (inference/engine/lean.py), or None
-        # for the model's own: lean(input_ids, position_ids, slot_mask, cache, logits_to_keep) -> logits
-        self.lean = None
+        self.block_forward = block_forward
 
     @property
     def device(self) -> torch.device:
@@ -91,8 +93,8 @@ class RaggedLM:
             self.slot_mask = torch.cat([self.slot_mask, new_mask], dim=1)
             self.family.begin_block(self.cache, valid)
         try:
-            if self.lean is not None and not prefill:
-                return self.lean.forward(input_ids.to(self.device), position_ids, self.slot_mask, self.cache,
+            if self.block_forward is not None and not prefill:
+                return self.block_forward.forward(input_ids.to(self.device), position_ids, self.slot_mask, self.cache,
                                          logits_to_keep).float()
             out = self.model(
                 input_ids=input_ids.to(self.device),
@@ -125,8 +127,8 @@ class RaggedLM:
         self.slot_mask = torch.cat([self.slot_mask, torch.ones_like(input_ids, device=self.device)], dim=1)
         self.family.begin_block(self.cache, None, parents=parents.to(self.device))  # per-node linear states
         try:
-            if self.lean is not None:  # full attention only: one mask tensor in the form SDPA reads
-                return self.lean.forward(input_ids.to(self.device), position_ids, self.slot_mask, self.cache,
+            if self.block_forward is not None:  # full attention only: one mask tensor in the form SDPA reads
+                return self.block_forward.forward(input_ids.to(self.device), position_ids, self.slot_mask, self.cache,
                                          mask=mask).float()
             out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask, position_ids=position_ids,
                              use_cache=True, **{self.cache_arg: self.cache})

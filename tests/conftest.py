@@ -58,3 +58,12 @@ def joint_counts(token_rows, vocab: int) -> torch.Tensor:
     for tokens in token_rows:
         counts[tokens[0] * vocab * vocab + tokens[1] * vocab + tokens[2]] += 1
     return counts
+
+
+@pytest.fixture(scope="session")
+def cpu_backend(tmp_path_factory):
+    """The CPU backend (inference/engine/cpu/) with its kernel timings kept in this session's own directory: a test
+    never reads or writes the user's cache, so what it runs does not depend on an earlier run."""
+    from inference.engine.cpu import CpuBackend
+
+    return CpuBackend(cache_dir=str(tmp_path_factory.mktemp("kernels")))

@@ -85,15 +85,14 @@ def trainable(drafter: Drafter) -> bool:
     return type(drafter).forward is not Drafter.forward
 
 
-def tiny_target(vocab_size: int | None = None, seed: int = 0, dtype=torch.float64, lean: bool | None = False,
-                fast_path: bool = False) -> TargetModel:
+def tiny_target(vocab_size: int | None = None, seed: int = 0, dtype=torch.float64, backend=None) -> TargetModel:
     model = make_tiny_model("llama", seed=seed, num_layers=4, dtype=dtype)
     if vocab_size is not None:
         model.resize_token_embeddings(vocab_size)
         with torch.no_grad():
             model.lm_head.weight.mul_(0.05)  # a soft distribution, so that sampling matters
         model.config.eos_token_id = None
-    return TargetModel(model, name_or_path="tiny-llama", lean=lean, fast_path=fast_path)
+    return TargetModel(model, name_or_path="tiny-llama", backend=backend)
 
 
 def build(kind: str, target: TargetModel, seed: int = 1, sampling: bool = False) -> Drafter:
@@ -248,12 +247,13 @@ def test_proposals_equal_the_training_forward(kind):
 # ---- lossless through the real engine ------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("prompts", [[[5, 6, 7, 8]], [[5, 6, 7, 8, 9, 10], [40, 41], [100, 3, 77]]])
-# the model's own forward; inference/engine/lean.py's; and float32 on the fast path, the drafter served on it too
+# the model's own forward; the CPU backend's lean forward (float64: no fast linears); and float32 on the fast path,
+# the drafter served on it too
 @pytest.mark.parametrize("decode", ["hf", "lean", "served"])
-def test_greedy_speculative_output_equals_plain_greedy(kind, prompts, decode):
+def test_greedy_speculative_output_equals_plain_greedy(kind, prompts, decode, cpu_backend):
     served = decode == "served"
-    target = tiny_target(lean=None if served else decode == "lean", dtype=torch.float32 if served else torch.float64,
-                         fast_path=served)
+    target = tiny_target(dtype=torch.float32 if served else torch.float64,
+                         backend=None if decode == "hf" else cpu_backend)
     assert target.decode == ("lean" if served else decode)
     drafter = build(kind, target)
     if served:

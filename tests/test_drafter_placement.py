@@ -189,10 +189,10 @@ def test_the_engine_refuses_a_drafter_on_another_device_in_one_line(targets, pro
     assert greedy(target, FACTORIES["ngram"](target.target_info()), prompts[:1]).tokens
 
 
-def test_the_lean_forward_is_neither_built_nor_probed_off_the_cpu():
-    target = TargetModel(make_tiny_model("llama", dtype=torch.float32).to("meta"), lean=True, fast_path=True)
+def test_the_lean_forward_is_neither_built_nor_probed_off_the_cpu(cpu_backend):
+    target = TargetModel(make_tiny_model("llama", dtype=torch.float32).to("meta"), backend=cpu_backend)
     assert target.decode == "hf" and target.path == "hf" and "target is on meta" in target.lean_refused
-    assert TargetModel(make_tiny_model("llama", dtype=torch.float32), lean=True).decode == "lean"
+    assert TargetModel(make_tiny_model("llama", dtype=torch.float64), backend=cpu_backend).decode == "lean"
 
 
 # ---- eval ----------------------------------------------------------------------------------------------------------

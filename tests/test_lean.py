@@ -1,4 +1,4 @@
-"""The lean decode forward (inference/engine/lean.py): it runs where the structure and the probe allow and nowhere
+"""The lean decode forward (inference/engine/cpu/lean.py): it runs where the structure and the probe allow and nowhere
 else, its logits and served features sit within float32 rounding of the model's own forward, its masks are the
 ragged cache's, and greedy speculative decoding over it stays lossless with holes in the cache (batch > 1)."""
 
@@ -9,23 +9,27 @@ import torch
 from conftest import make_tiny_model, random_prompts
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from drafters import DraftModelDrafter
 from drafters.base import FeatureRequest
-from inference.engine import fastpath
-from inference.engine.lean import HF_DECODE, LEAN, block_mask
+from drafters.draft_model import DraftModelConfig
+from inference.engine.cpu.lean import block_mask
+from inference.engine.generate import speculative_generate
 from inference.engine.target import TargetModel
+
+LEAN, HF_DECODE = "lean", "hf"  # what TargetModel.decode says runs the blocks after the prefill
 
 # as tests/test_fastpath.py: float32 forwards summed in different orders, against a float64 reference
 TOL = 2**7 * torch.finfo(torch.float32).eps
 
 
-def pair(arch: str):
+def pair(arch: str, backend):
     model = make_tiny_model(arch, dtype=torch.float32)
-    return TargetModel(copy.deepcopy(model), fast_path=True), model.double()
+    return TargetModel(copy.deepcopy(model), backend=backend), model.double()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_lean_blocks_and_features_are_within_float32_rounding_of_float64(arch):
-    lean, reference = pair(arch)
+def test_lean_blocks_and_features_are_within_float32_rounding_of_float64(arch, cpu_backend):
+    lean, reference = pair(arch, cpu_backend)
     assert lean.decode == LEAN and lean.lean_refused is None
     ids = torch.tensor([random_prompts(1, seed=4, min_len=40, max_len=40)[0]])
     with torch.no_grad():
@@ -51,15 +55,15 @@ def test_lean_blocks_and_features_are_within_float32_rounding_of_float64(arch):
                                atol=TOL * float(out.hidden_states[-1].abs().max()))
 
 
-def test_on_the_fast_path_each_layers_projections_run_stacked_over_one_copy_of_the_weights():
+def test_on_the_fast_path_each_layers_projections_run_stacked_over_one_copy_of_the_weights(cpu_backend):
     model = make_tiny_model("qwen3", dtype=torch.float32)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    target = TargetModel(model, fast_path=True)
+    target = TargetModel(model, backend=cpu_backend)
     assert target.decode == LEAN
     assert set(target.model.state_dict()) == set(before)
     for name, tensor in target.model.state_dict().items():
         assert torch.equal(tensor, before[name]), name
-    for layer, weights in zip(target.model.model.layers, target.runner.lean.layers):
+    for layer, weights in zip(target.model.model.layers, target.runner.block_forward.layers):
         for members, stacked in (((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                                   weights.qkv), ((layer.mlp.gate_proj, layer.mlp.up_proj), weights.gate_up)):
             assert stacked.out_features == sum(m.out_features for m in members)
@@ -68,10 +72,10 @@ def test_on_the_fast_path_each_layers_projections_run_stacked_over_one_copy_of_t
                 assert member.weight.untyped_storage().data_ptr() == stacked.weight.untyped_storage().data_ptr()
                 assert member.weight.data_ptr() == start and member.copies == {"weight": None}
                 start += member.weight.numel() * member.weight.element_size()
-    assert "stacked" in fastpath.kernel_choice(target.model)
+    assert target.prepared.kernels.stacked and "stacked" in target.prepared.kernels.as_dict()
 
 
-def test_the_probe_refuses_a_model_that_computes_what_the_lean_forward_does_not():
+def test_the_probe_refuses_a_model_that_computes_what_the_lean_forward_does_not(cpu_backend):
     class OffsetNorm(LlamaRMSNorm):  # an RMSNorm with a (1 + weight) gain, as Gemma's: same names, other arithmetic
         def forward(self, hidden_states):
             return super().forward(hidden_states) * 1.5
@@ -81,15 +85,16 @@ def test_the_probe_refuses_a_model_that_computes_what_the_lean_forward_does_not(
     norm = OffsetNorm(old.weight.shape[0], eps=old.variance_epsilon)
     norm.weight = old.weight
     model.model.layers[1].post_attention_layernorm = norm
-    target = TargetModel(model, fast_path=True)
+    target = TargetModel(model, backend=cpu_backend)
     assert target.decode == HF_DECODE and "differ from the model's" in target.lean_refused
-    assert target.runner.lean is None
+    assert target.runner.block_forward is None
 
 
-def test_structures_it_does_not_know_keep_the_hf_decode():
-    target = TargetModel(make_tiny_model("mistral", dtype=torch.float32), fast_path=True)  # sliding window
+def test_structures_it_does_not_know_keep_the_hf_decode(cpu_backend):
+    target = TargetModel(make_tiny_model("mistral", dtype=torch.float32), backend=cpu_backend)  # sliding window
     assert target.decode == HF_DECODE and "sliding_attention" in target.lean_refused
-    assert TargetModel(make_tiny_model("llama", dtype=torch.float32)).decode == HF_DECODE  # fast path off
+    plain = TargetModel(make_tiny_model("llama", dtype=torch.float32))  # the default backend: the model's own
+    assert plain.decode == HF_DECODE and plain.lean_refused == "the lean forward is off"
 
 
 def test_the_block_mask_is_the_ragged_cache_causal_mask_over_valid_slots():
@@ -102,12 +107,8 @@ def test_the_block_mask_is_the_ragged_cache_causal_mask_over_valid_slots():
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_greedy_speculative_decoding_over_the_lean_forward_equals_its_plain_greedy(batch_size):
-    from drafters import DraftModelDrafter
-    from drafters.draft_model import DraftModelConfig
-    from inference.engine.generate import speculative_generate
-
-    target = TargetModel(make_tiny_model("qwen3", dtype=torch.float32), fast_path=True)
+def test_greedy_speculative_decoding_over_the_lean_forward_equals_its_plain_greedy(batch_size, cpu_backend):
+    target = TargetModel(make_tiny_model("qwen3", dtype=torch.float32), backend=cpu_backend)
     assert target.decode == LEAN
     drafter = DraftModelDrafter(DraftModelConfig(path="tiny"), target.target_info(),
                                 model=make_tiny_model("qwen3", seed=5, num_layers=1, dtype=torch.float32))

@@ -130,10 +130,10 @@ def test_a_kernel_without_arbitrary_masks_is_refused():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_a_tree_over_the_lean_forward_equals_each_path_fed_as_a_chain(arch):
+def test_a_tree_over_the_lean_forward_equals_each_path_fed_as_a_chain(arch, cpu_backend):
     """On the fast path the tree forward runs the lean forward too (its 4-D mask passed through): float32, and the
     tree's 7 rows and each chain's 1-4 rows may run different kernels, so the float32 summation bound applies."""
-    target = TargetModel(make_tiny_model(arch, dtype=torch.float32), name_or_path=f"tiny-{arch}", fast_path=True)
+    target = TargetModel(make_tiny_model(arch, dtype=torch.float32), name_or_path=f"tiny-{arch}", backend=cpu_backend)
     assert target.decode == "lean"
     tol = dict(rtol=2**7 * torch.finfo(torch.float32).eps, atol=2**7 * torch.finfo(torch.float32).eps)
     request = FeatureRequest(layer_ids=(1, 2), final_hidden=True)

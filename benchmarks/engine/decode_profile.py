@@ -16,6 +16,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from inference.engine.cpu import CpuBackend
 from inference.engine.target import TargetModel
 
 LINEAR_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
     if args.threads < 1 or args.width < 0 or args.steps < 1:
         parser.error("--threads and --steps take a count >= 1, --width one >= 0")
     torch.set_num_threads(args.threads)
-    target = TargetModel.from_pretrained("smollm2-135m-instruct", fast_path=True)
+    target = TargetModel.from_pretrained("smollm2-135m-instruct", backend=CpuBackend())
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 10000, (1, 100), generator=generator)
     block = torch.randint(100, 10000, (1, args.width + 1), generator=generator)

@@ -63,8 +63,8 @@ def measure(target: TargetModel, context: int, max_k: int, repeats: int, request
             mark = target.mark()
             num_valid = torch.full((1,), k, dtype=torch.long, device=device)
             engine_time = timed(device, lambda: verify_chain(
-                target, block, block[:, 1:], None, num_valid, request, lambda x: sampling_probs(x, 0.0), 0.0, gen,
-                active))
+                target, block=block, drafts=block[:, 1:], num_valid=num_valid, request=request, active=active,
+                pick=lambda x: sampling_probs(x, 0.0), generator=gen))
             target.keep_after(mark, torch.zeros(1, dtype=torch.long, device=device))
             if attempt:
                 bare[k].append(bare_time)

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from drafters import DRAFTERS
+from inference.engine.cpu import CpuBackend
 from inference.engine.generate import decode
 from inference.engine.policy import FixedWidth, WidthPolicy
 from inference.engine.rounds import ChainRounds
@@ -21,7 +22,7 @@ from inference.engine.target import TargetModel
 from inference.evaluation.eval import render_prompt
 from inference.evaluation.prompts import load_questions
 torch.set_num_threads(int(sys.argv[1]))
-target = TargetModel.from_pretrained("smollm2-135m-instruct", fast_path=True)
+target = TargetModel.from_pretrained("smollm2-135m-instruct", backend=CpuBackend())
 info = target.target_info()
 cls = DRAFTERS["eagle3"]
 torch.manual_seed(0)

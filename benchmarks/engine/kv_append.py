@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 import drafters.ragged_state as ragged_state
+from inference.engine.cpu import CpuBackend
 from inference.engine.target import TargetModel
 from inference.evaluation.eval import write_measurement
 
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    target = TargetModel.from_pretrained("smollm2-135m-instruct", fast_path=True)
+    target = TargetModel.from_pretrained("smollm2-135m-instruct", backend=CpuBackend())
     rows = []
     for context in (int(c) for c in args.context.split(",")):
         dynamic, roomy = [], []

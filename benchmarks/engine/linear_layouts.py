@@ -10,9 +10,9 @@ verify of M tokens costs in decode steps, linears only), beside a stream probe o
 
 Variants: `F.linear` (plain MKL sgemm on the [out, in] weight, today's path), `x@Wt` (the weight stored transposed,
 [in, out] contiguous), `mkl-packed` (MKL's packed-weight GEMM, packed for this M), `onednn` (oneDNN's prepacked
-linear, packed once with inference/engine/fastpath.py's hint), `onednn-pad4` (the same with fewer than 4 rows padded
+linear, packed once with inference/engine/cpu/fastpath.py's hint), `onednn-pad4` (the same with fewer than 4 rows padded
 to 4, as the fast path runs it), `fused-onednn` (q|k|v and gate|up concatenated: 4 GEMMs per layer instead of 7) and
-`fast-path` (inference/engine/fastpath.FastLinear itself). `--clock cpu` times this thread's CPU seconds (1 thread
+`fast-path` (inference/engine/cpu/fastpath.FastLinear itself). `--clock cpu` times this thread's CPU seconds (1 thread
 only): on a machine loaded by other work it leaves out the time the scheduler gives to others.
 """
 
@@ -27,8 +27,8 @@ from inference.evaluation.eval import write_measurement
 import torch.nn.functional as F
 from torch import nn
 
-from inference.engine import fastpath, kernels
-from inference.engine.machine import add_timing_arguments, timing_clock
+from inference.engine.cpu import fastpath, kernels
+from inference.engine.cpu.machine import add_timing_arguments, timing_clock
 from inference.engine.roofline import stream_bandwidth
 from inference.evaluation.eval import write_measurement
 
@@ -81,16 +81,13 @@ def variants(rows: int, prepared: dict) -> dict:
 
 def _fast(weights: list[torch.Tensor]) -> list[fastpath.FastLinear]:
     """The fast path's modules around `weights` (nn.Linears sharing them, each running the kernels
-    inference/engine/kernels.py chooses for its shape on this machine)."""
+    inference/engine/cpu/kernels.py chooses for its shape on this machine, timings in the user's cache)."""
     linears = []
     for weight in weights:
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         linear.weight = nn.Parameter(weight, requires_grad=False)
         linears.append(linear)
-    by_shape = {}
-    for linear in linears:
-        by_shape.setdefault(fastpath.shape_of(linear), []).append(linear)
-    choices = kernels.choose(by_shape)
+    choices = kernels.choose(fastpath.by_shape(linears), kernels.CACHE_DIR)
     return [fastpath.FastLinear(linear, choices[fastpath.shape_of(linear)]["plan"]) for linear in linears]
 
 

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from drafters import load_drafter
-from inference.engine import fastpath
+from inference.engine.cpu import CpuBackend
 from inference.engine.generate import decode
 from inference.engine.policy import FixedWidth
 from inference.engine.rounds import ChainRounds
@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target = TargetModel.from_pretrained("smollm2-135m-instruct", fast_path=True)
+    target = TargetModel.from_pretrained("smollm2-135m-instruct", backend=CpuBackend())
     info = target.target_info()
     try:
         drafters = {"as loaded": load_drafter(args.drafter, info), "served": target.serve(load_drafter(args.drafter,
@@ -74,8 +74,8 @@ def main() -> None:
                    "greedy_equal_plain": tokens[name] == tokens["plain"]} for name in names}
     record = {"drafter": args.drafter, "k": args.k, "threads": args.threads,
               "load_1min": os.getloadavg()[0], "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "repeats": args.repeats, "kernels_frozen": (fastpath.kernel_choice(drafters["served"]) or {}).get(
-                  "frozen"), "rows": rows}
+              "repeats": args.repeats, "kernels_frozen": getattr(target.drafter_kernels(drafters["served"]), "frozen", None),
+              "rows": rows}
     for name, row in rows.items():
         print(f"threads {args.threads} k {args.k} {name}: {row['tokens_per_s']:.2f} tok/s, {row['speedup']:.3f}x, "
               f"draft {row['draft_ms_per_round']:.1f} ms/round, greedy equal {row['greedy_equal_plain']}")

@@ -4,8 +4,8 @@
 
 Loads SmolLM2-135M twice with the fast path and the lean forward, once with LeanDecoder.stack turned off, prefills
 the same 100-token context in both, then times `extend` over W tokens followed by a full rollback, the two targets
-and the widths taking turns inside every repeat; prints median ms per forward (docs/benchmarks.md, "Stacked
-projections and kernels timed streaming").
+and the widths taking turns inside every repeat; prints median ms per forward (docs/benchmarks_archive.md,
+"Stacked projections and kernels timed streaming").
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from inference.engine import lean as lean_module
+from inference.engine.cpu import CpuBackend
+from inference.engine.cpu import lean as lean_module
 from inference.engine.target import TargetModel
 
 
@@ -37,8 +38,8 @@ def main(argv=None) -> int:
     stack = lean_module.LeanDecoder.stack
     targets = {}
     for name in ("separate", "stacked"):
-        lean_module.LeanDecoder.stack = stack if name == "stacked" else (lambda self: False)
-        targets[name] = TargetModel.from_pretrained("smollm2-135m-instruct", fast_path=True)
+        lean_module.LeanDecoder.stack = stack if name == "stacked" else (lambda self, cache_dir: False)
+        targets[name] = TargetModel.from_pretrained("smollm2-135m-instruct", backend=CpuBackend())
     lean_module.LeanDecoder.stack = stack
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 10000, (1, 100), generator=generator)

@@ -2,8 +2,8 @@
 
     python benchmarks/engine/target_forward.py --threads 1 --widths 1,2,3,7 --repeats 15 [--clock cpu] --out FILE.json
 
-Loads SmolLM2-135M three times (the HF path; the fast path's linear kernels, inference/engine/fastpath.py, under
-HF's modules; and those kernels under the lean decode forward, inference/engine/lean.py, as the engine runs with
+Loads SmolLM2-135M three times (the HF path; the fast path's linear kernels, inference/engine/cpu/fastpath.py, under
+HF's modules; and those kernels under the lean decode forward, inference/engine/cpu/lean.py, as the engine runs with
 the fast path on), prefills the same 100-token context in each, then times `extend` over W + 1 tokens followed by
 the rollback a full rejection does, the paths and widths taking turns inside every repeat (interleaved, medians). v(W) = t(W) / t(0) is what the engine's
 cost profile measures per round minus the drafter; achieved GB/s = weight bytes per forward / t, beside the stream
@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from inference.engine import fastpath
-from inference.engine.machine import add_timing_arguments, timing_clock
+from inference.engine.cpu import CpuBackend
+from inference.engine.cpu.machine import add_timing_arguments, timing_clock
 from inference.engine.roofline import stream_bandwidth, weight_bytes
 from inference.engine.target import TargetModel
 from inference.evaluation.eval import write_measurement
@@ -66,10 +66,9 @@ def main(argv=None) -> int:
     if widths[0] != 0:
         widths = [0] + widths
     hf = TargetModel.from_pretrained("smollm2-135m-instruct")
-    fast = TargetModel.from_pretrained("smollm2-135m-instruct")
-    path = fastpath.enable(fast.model)
-    lean = TargetModel.from_pretrained("smollm2-135m-instruct", fast_path=True)
-    targets = {"hf": hf, path: fast, f"{lean.path}+{lean.decode}": lean}
+    fast = TargetModel.from_pretrained("smollm2-135m-instruct", backend=CpuBackend(lean=False))
+    lean = TargetModel.from_pretrained("smollm2-135m-instruct", backend=CpuBackend())
+    targets = {"hf": hf, fast.path: fast, f"{lean.path}+{lean.decode}": lean}
     nbytes = weight_bytes(hf.model)
     stream = stream_bandwidth(clock=clock)
     difference = max_logit_difference(targets, args.context)

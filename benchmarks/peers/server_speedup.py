@@ -203,12 +203,14 @@ def main(argv=None) -> int:
         import torch
 
         from drafters import load_drafter
+        from inference.engine.cpu import CpuBackend
         from inference.engine.target import TargetModel
         from inference.evaluation.eval import render_prompt
         from inference.evaluation.prompts import load_questions
 
         torch.set_num_threads(args.threads)
-        target = TargetModel.from_pretrained(args.target, fast_path=args.target_path == "auto")
+        target = TargetModel.from_pretrained(
+            args.target, backend=CpuBackend() if args.target_path == "auto" else None)
         drafter = target.serve(load_drafter(args.drafter, target.target_info()).eval())
         from train.serve_check import METHODS  # drafter kind -> vLLM's speculative method, as doctor --serve uses
 
@@ -248,14 +250,12 @@ def main(argv=None) -> int:
     import transformers
     import vllm
 
-    from inference.engine.fastpath import kernel_choice
-
     result = summarise(passes, ks)
     result.update({"target": target.name_or_path, "drafter": args.drafter, "prompts": args.prompts,
                    "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "threads": args.threads,
                    "vllm_threads": plain.info.get("threads"), "repeats": args.repeats,
                    "target_path": target.path, "method": args.method,
-                   "drafter_path": "fast-cpu-linear" if kernel_choice(drafter) is not None else "hf",
+                   "drafter_path": target.path if target.drafter_kernels(drafter) is not None else "hf",
                    "load_1min": os.getloadavg()[0], "torch": torch.__version__,
                    "transformers": transformers.__version__, "vllm": vllm.__version__})
     from inference.evaluation.eval import write_measurement

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from safetensors.torch import load_file, save_file
 
+from drafters.assistant.config import AssistantConfig
 from drafters.base import TargetInfo, check_target_match
 
 EXPORT_FORMATS = ("gemma4_assistant",)
@@ -43,8 +44,6 @@ def _ours(name: str) -> str | None:
 
 def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: TargetInfo):
     """(AssistantConfig, state dict) of a gemma4_assistant checkpoint for `target_info`."""
-    from drafters.assistant.config import AssistantConfig
-
     text = dict(header.get("text_config") or {})
     if not text:
         raise ValueError(f"{directory}/config.json: a gemma4_assistant config needs a text_config")

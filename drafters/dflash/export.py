@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from drafters.base import TargetInfo, check_target_match
 from drafters.dflash.config import DFlashConfig
+from drafters.dflash.layers import draft_layer_config
 from drafters.dflash.readers import CHECKS, ZLAB_DEFAULT_BLOCK_SIZE, zlab_default_layer_ids
 from drafters.layers import rope_parameters
 from drafters.speculators import speculators_section
@@ -288,8 +289,6 @@ def check_supported(directory, header, layer) -> None:
 
 def check_layer_shapes(directory, layer, config: DFlashConfig, target_info: TargetInfo) -> None:
     """What DFlashConfig cannot express must equal what draftsmith derives from the target (norm eps, RoPE type)."""
-    from drafters.dflash.layers import draft_layer_config
-
     derived = draft_layer_config(config, target_info)
     eps = layer.get("rms_norm_eps")
     if eps is not None and abs(float(eps) - derived["rms_norm_eps"]) > 1e-12:

@@ -150,7 +150,7 @@ def _verify_seconds(target, prompts: list[list[int]], request, max_width: int) -
         mark = target.mark()
         synchronize(device)
         start = time.perf_counter()
-        verify_chain(target, block, block[:, 1:], None, num_valid, request, lambda x: x, 0.0, None, active)
+        verify_chain(target, block=block, drafts=block[:, 1:], num_valid=num_valid, request=request, active=active)
         synchronize(device)
         seconds.append(time.perf_counter() - start)
         target.keep_after(mark, torch.zeros(len(prompts), dtype=torch.long, device=device))

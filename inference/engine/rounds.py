@@ -44,9 +44,10 @@ def roll_back(target, mark: int, num_accepted: torch.Tensor, active: torch.Tenso
     return served
 
 
-def verify_chain(target, block: torch.Tensor, drafts: torch.Tensor, draft_probs, num_valid: torch.Tensor, request,
-                 pick, temperature: float, generator, active: torch.Tensor):
-    """One target forward over block [B, W + 1] = [last token, drafts], the accept decision and the rollback.
+def verify_chain(target, *, block: torch.Tensor, drafts: torch.Tensor, num_valid: torch.Tensor, request,
+                 active: torch.Tensor, draft_probs=None, pick=None, temperature: float = 0.0, generator=None):
+    """One target forward over block [B, W + 1] = [last token, drafts], the accept decision and the rollback:
+    greedy at temperature 0, else min(1, p/q) over pick(logits) (the run's warped distribution) with draft_probs q.
     Returns (num_accepted [B], new_tokens [B], served features of the block)."""
     mark = target.mark()
     logits, served = target.extend(block, request)
@@ -93,9 +94,10 @@ class ChainRounds:
 
     def verify(self, run, draft: Draft) -> Verdict:
         block = torch.cat([run.next_tokens[:, None], draft.tokens], dim=1)  # [B, width + 1]
-        num_accepted, new_tokens, served = verify_chain(run.target, block, draft.tokens, draft.probs, draft.num_valid,
-                                                        run.request, run.pick, run.temperature, run.generator,
-                                                        run.active)
+        num_accepted, new_tokens, served = verify_chain(
+            run.target, block=block, drafts=draft.tokens, num_valid=draft.num_valid, request=run.request,
+            active=run.active, draft_probs=draft.probs, pick=run.pick, temperature=run.temperature,
+            generator=run.generator)
         return Verdict(num_accepted, new_tokens, draft.tokens, block, served)
 
     def commit(self, run, draft: Draft, verdict: Verdict, was_active: torch.Tensor) -> None:

@@ -17,8 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drafters.base import FeatureRequest, TargetInfo
 from drafters.ragged_lm import RaggedLM
-from inference.engine import fastpath
-from inference.engine.lean import HF_DECODE, LEAN, LeanDecoder
+from drafters.ragged_state import FamilyState
+from inference.assets.store import resolve_target
+from inference.engine.backend import HfBackend, Prepared
 
 LOGIT_CHUNK_VALUES = 1 << 26  # logits `features` holds at once without return_logits: 256 MiB in fp32
 
@@ -82,30 +83,26 @@ class TargetModel:
     implements these and the loop does not change): `prefill` starts a generation, `extend` verifies a block after
     each row's sequence, `mark` / `keep_after` roll a row back to a prefix of what was fed since the mark,
     `keep_rows` drops finished rows, `lengths` / `block_positions` say where each row's sequence stands. Training
-    uses `features`; tree verification (inference/engine/tree/target.py) works on the KV cache of `runner`.
+    uses `features`; tree verification (inference/engine/tree/target.py) calls `extend_tree` and `keep_path`.
+
+    backend: what runs the forward (inference/engine/backend.py): the model's own by default; `CpuBackend`
+    (inference/engine/cpu/) the CPU fast path. `prepared` says what it changed (`path`, `decode`, `lean_refused`).
     """
 
-    def __init__(self, model, tokenizer=None, name_or_path: str = "", fast_path: bool = False,
-                 placement: str = "replicated", lean: bool | None = None):
+    def __init__(self, model, tokenizer=None, name_or_path: str = "", backend=None,
+                 placement: str = "replicated"):
         if placement not in TARGET_PLACEMENTS:
             raise ValueError(f"placement {placement!r}: choose one of {', '.join(TARGET_PLACEMENTS)}")
         # where the weights are (TARGET_PLACEMENTS); `whole` says whether this process can run the forward alone
         self.placement = placement
+        family = FamilyState(model)  # first: it refuses a family the engine cannot roll back, in one line
         self.model = model.eval()
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
-        # which forward runs: "hf" (the model's own modules) or the fast path's (inference/engine/fastpath.py)
-        self.path = fastpath.enable(self.model) if fast_path else fastpath.HF_PATH
+        self.prepared: Prepared = (backend or HfBackend()).prepare(self.model)
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "")
-        self.runner = RaggedLM(model)  # first: it refuses a family the engine cannot roll back, in one line
-        # the lean decode / verify forward (inference/engine/lean.py; by default with the fast path) where the
-        # model's structure and a probe allow; `lean_refused` says why not (`decode` names what runs)
-        self.lean_refused = "the lean forward is off"
-        if (fast_path if lean is None else lean) and self.device.type == "cpu":
-            self.runner.lean, self.lean_refused = LeanDecoder.build(self.model)
-        elif fast_path if lean is None else lean:  # CPU-tuned code, its probe bound float32's: not built, not probed
-            self.lean_refused = f"the lean forward is CPU code; the target is on {self.device.type}"
+        self.runner = RaggedLM(model, block_forward=self.prepared.block_forward, family=family)
         decoder = model.get_decoder()
         self.layers = decoder.layers
         self.final_norm = decoder.norm
@@ -113,33 +110,31 @@ class TargetModel:
         self._info: TargetInfo | None = None
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, *, dtype=torch.float32, device="cpu",
-                        fast_path: bool = False) -> "TargetModel":
-        """Load a target by name (the embedded default) or HF directory; never downloads. fast_path: lay the linears
-        out for small row counts where the machine supports it (`path` says which forward runs)."""
-        from inference.assets.store import resolve_target
-
+    def from_pretrained(cls, name_or_path: str, *, dtype=torch.float32, device="cpu", backend=None) -> "TargetModel":
+        """Load a target by name (the embedded default) or HF directory; never downloads. backend: what runs its
+        forward (the model's own by default; `path` and `decode` say what runs)."""
         path = resolve_target(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, name_or_path=path, fast_path=fast_path)
+        return cls(model, tokenizer, name_or_path=path, backend=backend)
 
     def serve(self, drafter):
         """`drafter` as this target serves it at inference (eval, doctor, calibrate; None passes through): in eval
         mode, on the target's device, its floating parameters in the target's dtype (a drafter read from disk is
-        built on the CPU in float32: `place_like`), and where the target runs the fast path, its own nn.Linear
-        layers run by this machine's chosen kernels too (fastpath.enable: a draft step is a few small-row linears,
-        the same sizes as a decode step; FastLinear still runs F.linear where gradients are asked for). Training
-        never calls this: it keeps float32 master weights (train/build.py). Returns the drafter;
-        fastpath.kernel_choice(drafter) says what runs (None: its own linears)."""
+        built on the CPU in float32: `place_like`), and its linears run as the backend runs the target's
+        (`Prepared.serve`: on the CPU fast path, by this machine's chosen kernels). Training never calls this: it
+        keeps float32 master weights (train/build.py). Returns the drafter; `drafter_kernels(drafter)` says what
+        runs (None: its own linears)."""
         if not isinstance(drafter, torch.nn.Module):
             return drafter
         embed = self.target_info().embed_weight
         self.place_like(drafter, embed.device, embed.dtype).eval()
-        if (self.path == fastpath.FAST_PATH and fastpath.kernel_choice(drafter) is None
-                and fastpath.unsupported_reason(drafter) is None):
-            fastpath.enable(drafter, share=self.model)
+        self.prepared.serve(drafter)
         return drafter
+
+    def drafter_kernels(self, drafter):
+        """The kernel record of a drafter `serve` ran by the backend's kernels (None: its own linears run)."""
+        return self.prepared.drafter_kernels(drafter) if isinstance(drafter, torch.nn.Module) else None
 
     @staticmethod
     def place_like(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -154,9 +149,19 @@ class TargetModel:
         return module
 
     @property
+    def path(self) -> str:
+        """Which linears run: "hf" (the model's own modules) or the backend's ("fast-cpu-linear")."""
+        return self.prepared.path
+
+    @property
     def decode(self) -> str:
-        """Which forward runs the blocks after the prefill: "lean" or "hf"."""
-        return LEAN if self.runner.lean is not None else HF_DECODE
+        """Which forward runs the blocks after the prefill: "lean" (the backend's) or "hf"."""
+        return "lean" if self.prepared.block_forward is not None else "hf"
+
+    @property
+    def lean_refused(self) -> str | None:
+        """Why the backend runs no block forward of its own (None where it does)."""
+        return self.prepared.block_refused
 
     @property
     def whole(self) -> bool:
@@ -239,7 +244,7 @@ class TargetModel:
             handles.append(module.register_forward_pre_hook(grab(int(layer_id)), with_kwargs=True))
         if want_last_hidden:
             handles.append(self.final_norm.register_forward_hook(lambda m, a, out: captured.__setitem__("last", out)))
-        lean = self.runner.lean  # the lean forward calls no layer module: it fills the same dict itself
+        lean = self.prepared.block_forward  # it calls no layer module: it fills the same dict itself
         if lean is not None:
             lean.taps, lean.tap_ids, lean.tap_last = captured, frozenset(int(i) for i in layer_ids), want_last_hidden
         try:

@@ -31,8 +31,9 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from drafters import check_drafter_spec
 from drafters.files import write_json_atomic
-from inference.engine import fastpath
+from inference.assets.store import target_config
 from inference.engine.costs import profile_costs
 from inference.evaluation.chat_template import (check_chat_template, parse_template_kwargs, render_prompt,
                                                 trained_mode_mismatch)
@@ -44,7 +45,7 @@ from inference.evaluation.prompts import load_questions, select_spread
 from inference.evaluation.report import format_table, read_appendable, write_report
 from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings, check_at_least, numbers, split
 from inference.engine.schedule import build_schedules, parse_schedule_specs
-from inference.engine.machine import cpu_flags, cpu_model
+from inference.engine.cpu import CpuBackend, cpu_flags, cpu_model
 from inference.engine.roofline import stream_bandwidth, weight_bytes
 from inference.engine.target import TargetModel, default_device
 from inference.engine.tree.draft import check_budget
@@ -60,14 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", default="mt_bench",
                         help="comma-separated: FastChat question .jsonl paths or builtin names (mt_bench, gsm8k, ...)")
     parser.add_argument("--num-prompts", type=int, default=None, help="questions per prompt set (default: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per turn")
     parser.add_argument("--temperature", default="0", help="comma-separated temperatures; 0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at temperature > 0 (1 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling at temperature > 0 (0 = off)")
     parser.add_argument("--num-draft-tokens", default="auto",
                         help="comma-separated k values and/or auto (k chosen per round at run time), e.g. auto,3,7")
     parser.add_argument("--batch-size", default="1", help="comma-separated batch sizes, e.g. 1,4,8,16 (a load sweep)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--out", default="eval_report.json", help="JSON report; <stem>.md and PNG plots go beside it")
     parser.add_argument("--append", action="store_true",
                         help="add the records to the report at --out (refused unless it has this run's configuration)")
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--target-path", default="auto", choices=("auto", "hf"),
                         help="auto: the target's linears laid out for small row counts where supported "
-                             "(inference/engine/fastpath.py); hf: the model's own modules")
+                             "(inference/engine/cpu/fastpath.py); hf: the model's own modules")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="what the target and drafters compute in; auto: float32 on a CPU, bfloat16 on a GPU")
     parser.add_argument("--categories", default=None, help="comma-separated categories to keep")
@@ -130,9 +131,13 @@ def parse_settings(args: argparse.Namespace) -> EvalSettings:
         raise ValueError(f"--top-p must be in (0, 1], got {settings.top_p}")
     if not settings.prompts:
         raise ValueError("--prompts: no prompt set given")
-    for path in (settings.out, settings.outputs):
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    for flag, path in (("--out", settings.out), ("--outputs", settings.outputs)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)))
+            except OSError as err:
+                raise ValueError(f"{flag}: cannot create the folder of {path} ({err.filename}: "
+                                 f"{(err.strerror or str(err)).lower()}); choose another path") from None
     return settings
 
 
@@ -229,8 +234,7 @@ def dataset_records(target, dataset: str, questions: list, runs: list[tuple[Meth
                                         divergence=divergence, cost_profile=profiles.get(id(method.drafter)),
                                         **common))
             # which linears the drafter's steps ran (TargetModel.serve): the fast path's kernels or its own
-            records[-1]["drafter_path"] = (fastpath.FAST_PATH if fastpath.kernel_choice(method.drafter) is not None
-                                           else fastpath.HF_PATH)
+            records[-1]["drafter_path"] = target.path if target.drafter_kernels(method.drafter) is not None else "hf"
             if method.tree_budget is not None:
                 records[-1]["tree_budget"] = method.tree_budget
     return records
@@ -252,6 +256,17 @@ def load_prompt_sets(settings: EvalSettings) -> list[tuple[str, list]]:
             questions = select_spread(questions, settings.num_prompts)
         sets.append((dataset, questions))
     return sets
+
+
+def check_drafters(settings: EvalSettings, flag: str = "--drafter") -> None:
+    """Each drafter against the target before either loads (a missing directory, a training run instead of its
+    final/, a checkpoint trained for a target of other sizes): such a mistake costs no model load or kernel timing."""
+    config = target_config(settings.target)
+    for name in settings.drafter:
+        try:
+            check_drafter_spec(name, config, settings.target)
+        except ValueError as err:
+            raise ValueError(f"{flag} {name!r}: {err}") from None
 
 
 def warm_up(target, methods: list[Method], questions: list, settings: EvalSettings) -> None:
@@ -291,7 +306,7 @@ def evaluate(settings: EvalSettings, target, methods: list[Method], prompt_sets:
     roofline = {"target_path": target.path, "target_decode": target.decode, "lean_refused": target.lean_refused,
                 "weight_bytes": weight_bytes(target.model),
                 "stream_gb_per_s": stream_bandwidth(device=target.device),
-                "target_kernels": fastpath.kernel_choice(target.model)}
+                "target_kernels": None if target.prepared.kernels is None else target.prepared.kernels.as_dict()}
     total = sum(len(q.turns) for _, questions in prompt_sets for q in questions)
     total *= len(settings.temperature) * len(settings.batch_size) * (1 + len(methods))
     warm_up(target, methods, prompt_sets[0][1], settings)
@@ -340,11 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         prompt_sets = load_prompt_sets(settings)
+        check_drafters(settings)
         device = default_device()
         config = run_config(settings, device)
         previous = read_appendable(settings.out, config) if settings.append else []  # checked before anything loads
         target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device,
-                                             fast_path=settings.target_path == "auto")
+                                             backend=CpuBackend() if settings.target_path == "auto" else None)
         check_chat_template(target.tokenizer, not settings.no_chat_template, settings.target,
                             settings.chat_template_kwargs)
         methods = load_methods(settings.drafter, target, settings.num_draft_tokens, settings.tree_budget)

@@ -209,7 +209,7 @@ def roofline_keys(roofline: dict | None, ar_step: float | None, verify_round: fl
     step (`ar`), for this record's verify round (`verify`: seconds per verify forward with its accept and rollback,
     the AR step itself at k = 0) and, with a cost profile, per verify width W = 0..K (`verify_by_width`), beside the
     machine's `stream_gb_per_s` (probed at start-up), the `target_path` that ran and, on the fast path, the kernel
-    chosen per weight shape and row count with its timings (`target_kernels`, inference/engine/fastpath.py)."""
+    chosen per weight shape and row count with its timings (`target_kernels`, inference/engine/cpu/fastpath.py)."""
     roofline = roofline or {}
     nbytes = roofline.get("weight_bytes")
     by_width = None

@@ -46,18 +46,10 @@ def head_parameters(target) -> list[torch.nn.Parameter]:
 
 
 def adopt_target_info(drafter: torch.nn.Module, info) -> None:
-    """Point every TargetInfo a drafter holds (its `target_info`, each FrozenTargetTensors, in any submodule) at
-    `info`. The frozen tensors start afresh: a copy made so far may alias a weight that is about to be sharded, and
-    training serves no head through another module (FrozenTargetTensors.serve is the engine's)."""
-    from drafters.base import TargetInfo
-    from drafters.layers import FrozenTargetTensors
-
-    for module in drafter.modules():
-        for name, value in list(vars(module).items()):
-            if isinstance(value, TargetInfo):
-                setattr(module, name, info)
-            elif isinstance(value, FrozenTargetTensors):
-                setattr(module, name, FrozenTargetTensors(info))
+    """Point the drafter at `info`: its `target_info` and the frozen tensors it declares (Drafter.adopt_target_info).
+    They start afresh: a copy made so far may alias a weight that is about to be sharded, and training serves no
+    head through another module (FrozenTargetTensors.serve is the engine's)."""
+    drafter.adopt_target_info(info)
 
 
 def shard_target(target, world_size: int, device, drafter: torch.nn.Module | None = None) -> None:

@@ -4,8 +4,9 @@ Mistral without windows), run straight over the model's own modules' weights ins
 A batch-1 decode step of a 135M model spends about half its time outside the linears, in HF's per-op work: module
 calls, keyword plumbing, the mask builder, rotary through slices and concatenation, RMSNorm as five ops. `LeanDecoder`
 runs the same arithmetic as about 20 tensor ops per layer: `F.rms_norm`, the model's own linear modules (so the fast
-path's kernels still run them; on the fast path q/k/v and gate/up each run stacked as one, `stack`), rotary as a roll and two products, the cache layer's own `update`, one
-`scaled_dot_product_attention` with grouped heads, and a boolean mask built once per forward. It writes the same
+path's kernels still run them; on the fast path q/k/v and gate/up each run stacked as one, `stack`), rotary as a
+roll and two products, the cache layer's own `update`, one `scaled_dot_product_attention` with grouped heads, and a
+boolean mask built once per forward. It writes the same
 cache layers the HF forward writes, so the ragged cache's rollback (crop, row selection, holes) is untouched, and it
 serves the features a drafter asks for (a layer's input hidden state, the normed final one) from inside its loop.
 
@@ -13,7 +14,8 @@ Which models it runs is decided by structure and then by measurement, never by m
 attention with the module names above, and a probe at construction (a short prefill and a two-token block, HF's
 forward against this one, on the model itself) whose logits must agree to float32's summation bound; anything else
 (a scaled embedding, norms with an offset, soft-capped logits, extra norms) fails the probe and keeps the HF
-forward, with the reason in `TargetModel.lean_refused`.
+forward, with the reason in `TargetModel.lean_refused`. The CPU backend (backend.py) builds it; the ragged cache
+receives it when it is built (`RaggedLM(model, block_forward=...)`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from drafters.layers import attention as grouped_attention
 from drafters.ragged_lm import RaggedLM
 from drafters.ragged_state import layer_types
-from inference.engine import fastpath
+from inference.engine.cpu import fastpath
 
 LEAN, HF_DECODE = "lean", "hf"
 PROBE_TOKENS = 6
@@ -47,26 +49,32 @@ class LeanDecoder:
         self.taps: dict | None = None
         self.tap_ids: frozenset = frozenset()
         self.tap_last = False
+        self.stacked_groups: list = []  # the FastLinears `stack` stacked (their weights are views until unstacked)
+        self.stacked_kernels: dict = {}  # the kernels chosen per stacked shape (KernelRecord.stacked)
 
     @classmethod
-    def build(cls, model) -> tuple["LeanDecoder | None", str | None]:
-        """(decoder, None) where the lean forward runs `model` and agrees with its own; else (None, the reason)."""
+    def build(cls, model, cache_dir: str) -> tuple["LeanDecoder | None", str | None]:
+        """(decoder, None) where the lean forward runs `model` and agrees with its own; else (None, the reason).
+        Stacked projections' kernels are chosen with the timings in `cache_dir`."""
         reason = structure_reason(model)
         if reason is not None:
             return None, reason
         lean = cls(model)
         reason = lean.probe()
-        if reason is None and lean.stack():  # the same probe over the stacked projections
+        if reason is None and lean.stack(cache_dir):  # the same probe over the stacked projections
             reason = lean.probe()
+            if reason is not None:
+                fastpath.unstack(lean.stacked_groups)
         return (None, reason) if reason is not None else (lean, None)
 
-    def stack(self) -> bool:
+    def stack(self, cache_dir: str) -> bool:
         """On the fast path, run each layer's q, k, v projections as one linear and its gate and up as one
         (fastpath.stack: one pass over the weights instead of three, the members' weights views into the stacked
         one). True when it did; the model's own forward is unchanged."""
         if any(not isinstance(m, fastpath.FastLinear) for l in self.layers for m in (l.q, l.k, l.v, l.gate, l.up)):
             return False
-        modules = fastpath.stack(self.model, [g for l in self.layers for g in ([l.q, l.k, l.v], [l.gate, l.up])])
+        self.stacked_groups = [g for l in self.layers for g in ([l.q, l.k, l.v], [l.gate, l.up])]
+        modules, self.stacked_kernels = fastpath.stack(self.stacked_groups, cache_dir)
         for index, layer in enumerate(self.layers):
             layer.qkv, layer.gate_up = modules[2 * index], modules[2 * index + 1]
         return True
@@ -102,17 +110,14 @@ class LeanDecoder:
     def probe(self) -> str | None:
         """Feed a prefill and then a two-token block through a ragged cache, once with the model's own forward and
         once with this one for the block; None when the block's logits agree to the float32 bound, else why not."""
-        runner = RaggedLM(self.model)
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, self.head.weight.shape[0], (1, PROBE_TOKENS + 2), generator=generator)
         ids = ids.to(self.head.weight.device)
         outputs = []
-        for lean in (None, self):
-            runner.reset()
+        for block_forward in (None, self):  # the prefill runs the model's own forward in both
+            runner = RaggedLM(self.model, block_forward=block_forward)
             runner.extend(ids[:, :PROBE_TOKENS], logits_to_keep=1)
-            runner.lean = lean
             outputs.append(runner.extend(ids[:, PROBE_TOKENS:]))
-            runner.lean = None
         reference, lean = outputs
         gap = float((reference - lean).abs().max())
         bound = _float32_bound(self.model) * max(float(reference.abs().max()), 1.0)

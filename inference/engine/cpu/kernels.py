@@ -4,10 +4,11 @@ Each CPU ranks the candidates differently at 1-16 rows (AMD EPYC with AVX2, Inte
 each put another first), so nothing is chosen by hand: `choose` times every candidate for each row count on the
 model's own weights (all linears of one shape in turn, and copies where a model has too few of a shape, so the
 weights stream from memory as a forward streams them; the candidates interleaved inside every repeat, medians), and
-keeps the fastest per row count. The choice is cached per CPU model, torch version, thread count, weight shape and
-timing method (~/.cache/draftsmith/kernels/), so only the first run on a machine pays for it; a timing taken while
-other work held every core (`busy`) is used but not cached, and DRAFTSMITH_RETIME_KERNELS=1 times again whatever is
-cached. `plan_for` turns timings into the plan; it is a pure function (tests feed it fake timings).
+keeps the fastest per row count among the kernels that read the weight itself and at most one other layout (one
+extra copy of a weight at most). The timings are cached per CPU model, torch version, thread count, weight shape and
+timing method in the directory the caller passes (users: CACHE_DIR), so only the first run on a machine pays for
+it; a timing taken while other work held every core (`busy`) is used but not cached, and DRAFTSMITH_RETIME_KERNELS=1
+times again whatever is cached. `plan_for` turns timings into the plan; it is a pure function (tests feed it fake timings).
 
 Candidates (every one computes x W^T + b; they differ only in the order float32 products are summed):
 - `linear`: F.linear on the [out, in] weight (MKL sgemm), the model's own kernel; no extra copy;
@@ -30,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from inference.engine.machine import cpu_flags, cpu_model
+from inference.engine.cpu.machine import cpu_flags, cpu_model
 
 MAX_ROWS = 16  # rows timed and chosen per count; above, F.linear (MKL's large-M GEMM is near the compute roof)
 PACK_HINT_ROWS = 8  # oneDNN's and MKL's reorder hint; oneDNN measured the same layout for hints 2..16
@@ -38,7 +39,7 @@ TIMED_ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16)  # a count between two timed ones 
 MIN_BYTES_PER_PASS = 64 << 20  # time a shape over enough weight bytes that they stream from memory, not cache
 MAX_LINEARS_PER_PASS = 160  # ... but over at most this many linears (a tiny shape is cache-resident anyway)
 TIMING = "streamed: >= 64 MiB or 160 linears per pass, copies where the model has fewer"  # in the cache key
-CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "draftsmith", "kernels")
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "draftsmith", "kernels")  # the CPU backend's default
 DEFAULT = "linear"
 
 
@@ -89,8 +90,22 @@ def make_layout(layout: str, weight: torch.Tensor):
 
 def plan_for(timings: dict[int, dict[str, float]]) -> list[str]:
     """The kernel for each row count 0..MAX_ROWS (index 0 unused) from median seconds per timed row count and
-    kernel: the fastest at that count, and for an untimed count the choice of the next timed count above it."""
-    best = {rows: min(sorted(by_kernel), key=lambda name: by_kernel[name]) for rows, by_kernel in timings.items()}
+    kernel, reading the weight itself and at most one other layout: for each candidate layout (or none), the fastest
+    allowed kernel at each timed count; the layout whose plan is the least slower than the fastest kernels, summed
+    over the timed counts as ratios (each count weighs alike); none wins a tie. An untimed count runs the choice of
+    the next timed count above it."""
+    layouts = sorted({KERNELS[name].layout for by_kernel in timings.values() for name in by_kernel} - {"weight"})
+    fastest = {rows: min(by_kernel.values()) for rows, by_kernel in timings.items()}
+    best, best_cost = None, float("inf")
+    for extra in [None] + layouts:
+        allowed = {rows: sorted(name for name in by_kernel if KERNELS[name].layout in ("weight", extra))
+                   for rows, by_kernel in timings.items()}
+        if not all(allowed.values()):
+            continue
+        choice = {rows: min(names, key=lambda name: timings[rows][name]) for rows, names in allowed.items()}
+        cost = sum(timings[rows][name] / max(fastest[rows], 1e-12) for rows, name in choice.items())
+        if cost < best_cost:
+            best, best_cost = choice, cost
     timed = sorted(best)
     return [DEFAULT] + [best[next((t for t in timed if t >= rows), timed[-1])] for rows in range(1, MAX_ROWS + 1)]
 
@@ -146,9 +161,9 @@ def busy() -> bool:
     return os.getloadavg()[0] - torch.get_num_threads() >= (os.cpu_count() or 1) / 2
 
 
-def choose(linears_by_shape: dict[tuple[int, int, bool], list], cache_dir: str = CACHE_DIR) -> dict:
-    """{shape: {"plan": [kernel per row count], "timings": {rows: {kernel: ms}}, "cached": bool}} for every shape,
-    read from the cache where this machine timed it before (unless DRAFTSMITH_RETIME_KERNELS=1), else timed now and
+def choose(linears_by_shape: dict[tuple[int, int, bool], list], cache_dir: str) -> dict:
+    """{shape: {"plan": [kernel per row count], "timings_ms": {rows: {kernel: ms}}, "cached": bool}} for every shape,
+    read from `cache_dir` where this machine timed it before (unless DRAFTSMITH_RETIME_KERNELS=1), else timed now and
     cached when the machine was not `busy` (the record keeps the load it was timed at)."""
     choices = {}
     retime = os.environ.get("DRAFTSMITH_RETIME_KERNELS", "") == "1"

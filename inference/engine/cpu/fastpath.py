@@ -5,30 +5,52 @@ A batch-1 decode step multiplies 1 row by every weight, a verify of W drafts W +
 [out, in] weights runs these sizes far below the memory roofline on some CPUs and near it on others, and each CPU
 ranks the alternatives (the weight transposed, oneDNN's prepacked linear with or without padding, MKL's packed
 GEMM) differently. So `enable` times them per weight shape and row count on the model's own weights
-(inference/engine/kernels.py, cached per CPU model, torch and thread count) and each FastLinear runs the chosen
+(inference/engine/cpu/kernels.py, cached per CPU model, torch and thread count) and each FastLinear runs the chosen
 kernel for its row count; more than kernels.MAX_ROWS rows (a prefill, training features) run the model's own
 F.linear. A FastLinear holds only the weight copies its plan uses. The weights stay the model's parameters (so
 `state_dict`, tied embeddings and training are untouched). Outputs differ from F.linear's only by the summation
 order of float32 dot products.
 
-`enable(model)` swaps every nn.Linear of the model for a FastLinear in place and returns the path that runs
-("fast-cpu-linear"), or returns "hf" and changes nothing where it does not apply (an accelerator, a dtype other than
-float32, no oneDNN, no nn.Linear); `kernel_choice(model)` says what it chose and what it measured.
+`enable(model, cache_dir)` swaps every nn.Linear of the model for a FastLinear in place and returns what it chose and
+measured (a `KernelRecord`); `disable` puts nn.Linear back. Whether it applies (an accelerator, a dtype other than
+float32, no oneDNN, no nn.Linear: not) is `unsupported_reason`; the CPU backend (backend.py) asks it first.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from drafters.layers import FrozenTargetTensors
-from inference.engine import kernels
-from inference.engine.machine import cpu_model
+from inference.engine.cpu import kernels
+from inference.engine.cpu.machine import cpu_model
 
-HF_PATH, FAST_PATH = "hf", "fast-cpu-linear"
+FAST_PATH = "fast-cpu-linear"
+
+
+@dataclass
+class KernelRecord:
+    """What `enable` chose for a model: the CPU, the threads, the seconds the choice took (about 0 when cached), per
+    weight shape "OxI[+bias]" the kernel of each row count with the median milliseconds measured (`shapes`), whether
+    each frozen target tensor a drafter multiplies by ran by the target's own FastLinear ("shared") or its own
+    ("own"), and the stacked projections' shapes (`stacked`, where the lean forward stacked them)."""
+
+    seconds: float
+    threads: int
+    cpu: str
+    shapes: dict
+    frozen: dict
+    stacked: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        """The record as eval writes it (`stacked` only where there is one)."""
+        record = {"seconds": self.seconds, "threads": self.threads, "cpu": self.cpu, "shapes": self.shapes,
+                  "frozen": self.frozen}
+        return {**record, "stacked": self.stacked} if self.stacked else record
 
 
 class FastLinear(nn.Module):
@@ -82,50 +104,55 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def enable(model, share=None) -> str:
-    """Swap every nn.Linear of `model` for a FastLinear (in place), and serve the frozen target tensors it multiplies
-    by (drafters/layers.FrozenTargetTensors.HEADS, e.g. a drafter's shared lm_head) by FastLinears too: the very
-    FastLinear of module `share` (the target) that holds the same tensor where there is one, so no layout is held
-    twice. Returns FAST_PATH, or HF_PATH when the fast path does not apply (the model is then left as it was)."""
-    if unsupported_reason(model) is not None:
-        return HF_PATH
+def enable(model, cache_dir: str, share=None, frozen: list | None = None) -> KernelRecord:
+    """Swap every nn.Linear of `model` for a FastLinear (in place; the caller checked `unsupported_reason`), and serve
+    the `frozen` target tensors it multiplies by (drafters/layers.FrozenTargetTensors.HEADS of the holders the drafter
+    declares, Drafter.frozen_tensors: e.g. a shared lm_head) by FastLinears too: the very FastLinear of module `share`
+    (the target) that holds the same tensor where there is one, so no layout is held twice. Kernel choices are read
+    from and written to `cache_dir` (kernels.choose). Returns what it chose."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear]
     like = next(model.parameters())
     shared = {_storage(m.weight): m for m in share.modules() if isinstance(m, FastLinear)} if share is not None else {}
-    frozen = []  # (holder, tensor name, storage key, tensor)
-    for holder in _frozen_holders(model):
+    served = []  # (holder, tensor name, storage key, tensor)
+    for holder in frozen or ():
         for name in FrozenTargetTensors.HEADS:
             weight = holder.get(name, like)
-            frozen.append((holder, name, _storage(weight), weight))
-    own = {key: _frozen_linear(weight) for _, _, key, weight in frozen if key not in shared}
-    by_shape: dict[tuple[int, int, bool], list[nn.Linear]] = {}
-    for linear in [child for _, _, child in swaps] + list(own.values()):
-        by_shape.setdefault(shape_of(linear), []).append(linear)
+            served.append((holder, name, _storage(weight), weight))
+    own = {key: _frozen_linear(weight) for _, _, key, weight in served if key not in shared}
     started = time.perf_counter()
-    choices = kernels.choose(by_shape)
+    choices = kernels.choose(by_shape([child for _, _, child in swaps] + list(own.values())), cache_dir)
     for parent, name, child in swaps:
         setattr(parent, name, FastLinear(child, choices[shape_of(child)]["plan"]))
     serving = {**{key: FastLinear(linear, choices[shape_of(linear)]["plan"]) for key, linear in own.items()}, **shared}
-    for holder, name, key, _ in frozen:
+    for holder, name, key, _ in served:
         holder.serve(name, serving[key])
-    model._draftsmith_kernels = {"seconds": time.perf_counter() - started, "threads": torch.get_num_threads(),
-                                 "cpu": cpu_model(),
-                                 "shapes": {f"{o}x{i}{'+bias' if b else ''}": choice
-                                            for (o, i, b), choice in choices.items()},
-                                 "frozen": {name: "shared" if key in shared else "own" for _, name, key, _ in frozen}}
-    return FAST_PATH
+    return KernelRecord(seconds=time.perf_counter() - started, threads=torch.get_num_threads(), cpu=cpu_model(),
+                        shapes=shape_record(choices),
+                        frozen={name: "shared" if key in shared else "own" for _, name, key, _ in served})
 
 
-def stack(model, groups: list[list[FastLinear]]) -> list[FastLinear]:
-    """One FastLinear per group of `model`'s FastLinears that read the same input (a layer's q, k and v projections;
-    its gate and up): x times the members' weights stacked [sum of outs, in], so a decode step makes one call and
-    one pass over the weights where it made three (what vLLM's merged projections do). The members' parameters
-    become views into the stacked weight (one copy of the weights, state_dict unchanged) and keep only F.linear (no
-    layout): whoever calls the stacked module (the lean forward) no longer calls them, and the model's own forward
-    then runs them at a prefill's row counts. Each stacked shape's kernels are chosen as `enable` chooses them
-    (`kernel_choice(model)["stacked"]`); a missing bias in a group with biases is zeros. Returns the stacked
-    modules in the order of `groups`."""
+def by_shape(linears: list[nn.Linear]) -> dict[tuple[int, int, bool], list[nn.Linear]]:
+    """`linears` grouped by weight shape (kernels are timed and chosen per shape)."""
+    grouped: dict[tuple[int, int, bool], list[nn.Linear]] = {}
+    for linear in linears:
+        grouped.setdefault(shape_of(linear), []).append(linear)
+    return grouped
+
+
+def shape_record(choices: dict) -> dict:
+    return {f"{o}x{i}{'+bias' if b else ''}": choice for (o, i, b), choice in choices.items()}
+
+
+def stack(groups: list[list[FastLinear]], cache_dir: str) -> tuple[list[FastLinear], dict]:
+    """One FastLinear per group of FastLinears that read the same input (a layer's q, k and v projections; its gate
+    and up): x times the members' weights stacked [sum of outs, in], so a decode step makes one call and one pass
+    over the weights where it made three (what vLLM's merged projections do). The members' parameters become views
+    into the stacked weight (one copy of the weights, state_dict unchanged; `unstack` gives each its own storage back)
+    and keep only F.linear (no layout): whoever calls the stacked module (the lean forward) no longer calls them, and
+    the model's own forward then runs them at a prefill's row counts. Each stacked shape's kernels are chosen as
+    `enable` chooses them; a missing bias in a group with biases is zeros. Returns the stacked modules in the order
+    of `groups` and the choices per stacked shape (KernelRecord.stacked)."""
     stacked = []
     with torch.no_grad():
         for group in groups:
@@ -145,20 +172,17 @@ def stack(model, groups: list[list[FastLinear]]) -> list[FastLinear]:
             linear = _frozen_linear(weight)
             linear.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
             stacked.append(linear)
-    by_shape: dict[tuple[int, int, bool], list[nn.Linear]] = {}
-    for linear in stacked:
-        by_shape.setdefault(shape_of(linear), []).append(linear)
-    choices = kernels.choose(by_shape)
-    record = kernel_choice(model)
-    if record is not None:
-        for (o, i, b), choice in choices.items():
-            record.setdefault("stacked", {})[f"{o}x{i}{'+bias' if b else ''}"] = choice
-    return [FastLinear(linear, choices[shape_of(linear)]["plan"]) for linear in stacked]
+    choices = kernels.choose(by_shape(stacked), cache_dir)
+    return [FastLinear(linear, choices[shape_of(linear)]["plan"]) for linear in stacked], shape_record(choices)
 
 
-def _frozen_holders(model) -> list[FrozenTargetTensors]:
-    return [value for module in model.modules() for value in vars(module).values()
-            if isinstance(value, FrozenTargetTensors)]
+def unstack(groups: list[list[FastLinear]]) -> None:
+    """Undo `stack` for its members: each parameter holds its own storage again (the same values)."""
+    with torch.no_grad():
+        for member in (member for group in groups for member in group):
+            member.weight.data = member.weight.data.clone()
+            if member.bias is not None:
+                member.bias.data = member.bias.data.clone()
 
 
 def _storage(weight: torch.Tensor) -> tuple:
@@ -177,14 +201,9 @@ def shape_of(linear: nn.Linear) -> tuple[int, int, bool]:
     return linear.out_features, linear.in_features, linear.bias is not None
 
 
-def kernel_choice(model) -> dict | None:
-    """What `enable` chose for `model`: the CPU, threads, seconds the choice took (about 0 when cached), and per
-    weight shape the kernel of each row count with the median milliseconds measured (None on the hf path)."""
-    return getattr(model, "_draftsmith_kernels", None)
-
-
-def disable(model) -> None:
-    """Put nn.Linear modules back (sharing the same parameters), undoing `enable`."""
+def disable(model, frozen: list | None = None) -> None:
+    """Put nn.Linear modules back (sharing the same parameters) and F.linear for the `frozen` holders' tensors,
+    undoing `enable`."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, FastLinear):
@@ -192,6 +211,6 @@ def disable(model) -> None:
                                    device="meta")
                 linear.weight, linear.bias = child.weight, child.bias
                 setattr(parent, name, linear)
-    for holder in _frozen_holders(model):
+    for holder in frozen or ():
         for name in FrozenTargetTensors.HEADS:
             holder.serve(name, None)
