@@ -60,6 +60,69 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_probs: torch.Tensor
     return _SoftCrossEntropy.apply(logits, teacher_probs.detach().to(logits.dtype))
 
 
+# LK losses (Samarin et al. 2026, arXiv 2602.23881): train on the acceptance itself. eta 3: the paper's best setting
+# of the hybrid's adaptive weight (speculators' lk_hybrid default, vllm-project/speculators#673).
+LK_LOSSES, LK_DEFAULT_ETA = ("lk", "lk_hybrid"), 3.0
+
+
+class _ExpectedAcceptance(torch.autograd.Function):
+    """alpha = sum_v min(p(v), q(v)) with q = softmax(z): the probability that rejection sampling accepts a draft drawn
+    from q where the target's law is p (1 - TV(p, q)). d alpha / dz_u = q_u (g_u - <q, g>) with g = 1[q < p] (the
+    overlap grows only where the draft is below the target); the backward recomputes q from z, as _SoftCrossEntropy."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        ctx.shared = teacher.dim() == logits.dim() - 1  # one teacher row for the K rows of logits [..., K, V]
+        ctx.save_for_backward(logits, teacher)
+        target = teacher.unsqueeze(-2) if ctx.shared else teacher
+        return torch.minimum(torch.softmax(logits, dim=-1), target).sum(dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        logits, teacher = ctx.saved_tensors
+        target = teacher.unsqueeze(-2) if ctx.shared else teacher
+        q = torch.softmax(logits, dim=-1)
+        below = q * (q < target)
+        below.sub_(q.mul_(below.sum(dim=-1, keepdim=True))).mul_(grad_output.unsqueeze(-1))
+        return below, None
+
+
+def expected_acceptance(student_logits: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
+    """sum_v min(p(v), q(v)) per position, q = softmax(student_logits [..., V], or [..., K, V] for K depths sharing
+    one teacher row), p = teacher_probs [..., V] (rows sum to 1, no gradient). Returns [...] or [..., K] (>= fp32)."""
+    logits = student_logits.to(torch.promote_types(student_logits.dtype, torch.float32))
+    return _ExpectedAcceptance.apply(logits, teacher_probs.detach().to(logits.dtype))
+
+
+def lk_cell_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor, loss: str,
+                 eta: float = LK_DEFAULT_ETA) -> tuple[torch.Tensor, torch.Tensor]:
+    """LK loss per position (shapes as `expected_acceptance`): "lk" = -log alpha, whose gradient is TV's scaled by
+    1 / alpha, so it does not vanish where the draft is far off; "lk_hybrid" = lam KL(p || q) + (1 - lam)(1 - alpha)
+    with lam = exp(-eta alpha) detached: KL's strong pull while the overlap is small, TV (the acceptance) as it grows.
+
+    Returns (loss, alpha detached), each [...] or [..., K]."""
+    assert loss in LK_LOSSES, loss
+    alpha = expected_acceptance(student_logits, teacher_probs)
+    if loss == "lk":
+        return -torch.log(alpha.clamp(min=torch.finfo(alpha.dtype).tiny)), alpha.detach()
+    teacher = teacher_probs.detach().to(alpha.dtype)
+    entropy = -torch.special.xlogy(teacher, teacher).sum(dim=-1)
+    kl = soft_cross_entropy(student_logits, teacher) - (entropy.unsqueeze(-1) if alpha.dim() > entropy.dim()
+                                                        else entropy)
+    weight = torch.exp(-eta * alpha.detach())
+    return weight * kl + (1.0 - weight) * (1.0 - alpha), alpha.detach()
+
+
+def check_lk_eta(eta: float) -> None:  # at 0 the hybrid is KL alone
+    if not eta >= 0:
+        raise ValueError(f"drafter.lk_eta {eta} must be >= 0 (the LK hybrid's KL weight is exp(-lk_eta * acceptance))")
+
+
+def acceptance_metric(alpha: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{"expected_accept": mean alpha [N, K] over the valid cells [N, K]} (a 0-dim tensor, unread) for LK losses."""
+    return {"expected_accept": (alpha * valid).sum() / valid.sum().clamp(min=1)}
+
+
 def masked_depth_means(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean of values [N, K] over the rows where mask [N, K] is set, per depth.
 
@@ -170,31 +233,52 @@ def full_vocab_cross_entropy(output, batch: Mapping[str, Any], lm_head_weight: t
                              soft: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-cell cross-entropy of target-vocabulary draft logits: "soft" against the target's distribution at the
     position before each label (softmax of its lm_head over target_last_hidden there), else against the data token.
+    `distilled_cells` with loss "soft" or "hard": (cell loss [N, K], draft argmax [N, K])."""
+    cell_loss, predicted, _ = distilled_cells(output, batch, lm_head_weight, "soft" if soft else "hard")
+    return cell_loss, predicted
 
-    A chunk of rows at a time (drafters/chunked.chunked_rows, each chunk recomputed in the backward pass), so the
-    [N, K, V] logits and teacher exist whole only while they fit its one-shot limit, which runs unchunked.
+
+def distilled_cells(output, batch: Mapping[str, Any], lm_head_weight: torch.Tensor, loss: str,
+                    eta: float = LK_DEFAULT_ETA) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-cell loss of draft logits against the target: "soft" cross-entropy against its distribution at the position
+    before each label, "hard" against the data token, "lk" / "lk_hybrid" (`lk_cell_loss`) against that distribution.
+
+    With a draft vocabulary (output.draft_ids) the logits cover V_d: the teacher is the target's distribution
+    renormalised on those ids (as EAGLE-3's), and a hard label is the data token's draft index (a cell whose token lies
+    outside is the drafter's to mark invalid; it reads a neighbour's index here). Target mass outside the draft
+    vocabulary can never be accepted whatever the draft does, so it is left out of alpha, not counted as a constant.
+    A chunk of rows at a time (chunked.chunked_rows): [N, K, V] logits and teacher exist whole only up to its limit.
 
     Args:
-        output: a DraftOutput with logits (or a head) [N, K, V], batch_index [N], label_position [N, K].
+        output: a DraftOutput with logits (or a head) [N, K, V_d], batch_index [N], label_position [N, K], draft_ids.
         batch: input_ids [B, T] and target_last_hidden [B, T, D]. lm_head_weight: [V, D] the target's frozen head,
             in the target's dtype: the teacher's product runs in it, its softmax in at least float32.
     Returns:
-        cell loss [N, K] in at least float32 and the draft argmax [N, K].
+        cell loss [N, K] (>= fp32), the draft argmax [N, K] (draft indices), alpha [N, K] for an LK loss, else None.
     """
     rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
+    head, draft_ids = lm_head_weight, output.draft_ids
+    if draft_ids is not None:
+        head = lm_head_weight.index_select(0, draft_ids.to(lm_head_weight.device))
 
     def cells(chunk):  # one chunk of rows: its logits [n, K, V] and teacher exist only here
         logits = output.logits_of(chunk)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if soft:
-            teacher = _teacher_cells(batch, rows[chunk], output.label_position[chunk], lm_head_weight, logits.dtype)
+        if loss != "hard":
+            teacher = _teacher_cells(batch, rows[chunk], output.label_position[chunk], head, logits.dtype)
+            if loss in LK_LOSSES:
+                cell_loss, alpha = lk_cell_loss(logits, teacher, loss, eta)
+                return cell_loss, logits.detach().argmax(dim=-1), alpha
             return soft_cross_entropy(logits, teacher), logits.detach().argmax(dim=-1)
         labels = batch["input_ids"][rows[chunk], output.label_position[chunk]]
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
-        return loss, logits.detach().argmax(dim=-1)
+        if draft_ids is not None:  # sorted ids: a token's draft index, without a host sync
+            labels = torch.searchsorted(draft_ids, labels).clamp(max=draft_ids.numel() - 1)
+        cell_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+        return cell_loss, logits.detach().argmax(dim=-1)
 
-    depths, vocab = output.label_position.shape[1], lm_head_weight.shape[0]
-    return chunked_rows(cells, output.num_rows, depths * vocab)
+    depths, vocab = output.label_position.shape[1], head.shape[0]
+    parts = chunked_rows(cells, output.num_rows, depths * vocab)
+    return parts[0], parts[1], parts[2] if len(parts) > 2 else None
 
 
 @torch.no_grad()
@@ -211,12 +295,8 @@ def _teacher_cells(batch: Mapping[str, Any], rows: torch.Tensor, label_position:
 def weighted_depth_loss(output, batch: Mapping[str, Any], cell_loss: torch.Tensor, weights: torch.Tensor,
                         predicted: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """sum_k weights[k] * mean of cell_loss over depth k's valid cells of all processes (global_mean), and the
-    metrics of `output_metrics`.
-
-    Args:
-        output: a DraftOutput (depth_valid [N, K]); cell_loss: [N, K]; weights: [K] in cell_loss's dtype and device.
-        predicted: [N, K] the draft argmax when the loss has it (None = output.logits' argmax).
-    """
+    metrics of `output_metrics`. output: a DraftOutput (depth_valid [N, K]); cell_loss: [N, K]; weights: [K] in
+    cell_loss's dtype and device; predicted: [N, K] the draft argmax when the loss has it (None = output.logits')."""
     _, metrics = output_metrics(output, batch, cell_loss, predicted)
     valid = output.depth_valid.to(cell_loss.dtype)
     per_depth = global_mean((cell_loss * valid).sum(dim=0), valid.sum(dim=0), batch)
@@ -240,10 +320,7 @@ def global_mean(total: torch.Tensor, weight: torch.Tensor, batch: Mapping[str, A
 def depth_metrics(losses: torch.Tensor, accuracies: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
     """The metrics every drafter reports: loss_k, acc_k, positions_k per depth and sim_accept_length, as 0-dim
     tensors on the device (the training loop reads them once per log line; float() reads one anywhere else).
-
-    Args:
-        losses, accuracies, counts: [K] per-depth mean loss, top-1 agreement with the teacher, positions used.
-    """
+    losses, accuracies, counts: [K] per-depth mean loss, top-1 agreement with the teacher, positions used."""
     metrics: dict[str, float] = {}
     for k in range(losses.numel()):
         metrics[f"loss_{k}"], metrics[f"acc_{k}"], metrics[f"positions_{k}"] = losses[k], accuracies[k], counts[k]
@@ -278,14 +355,25 @@ def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, alpha: float = 
         return cumulative.flip(-1).cumsum(-1).flip(-1) * keep
 
 
+def auf_support(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[N, K] bool, Spec-AUF's loss support (accept-until-fail, arXiv 2607.01893): a block's valid cells up to and
+    including its first valid cell whose draft argmax misses the label (correct [N, K] False); verification never
+    reaches the cells past it. An invalid cell neither ends the support nor joins it (as in dpace_weights)."""
+    failed = (valid & ~correct).long()
+    return valid & (failed.cumsum(dim=-1) - failed == 0)
+
+
 def depth_loss_weights(kind: str, decay: torch.Tensor, cell_ce: torch.Tensor, valid: torch.Tensor,
-                       alpha: float) -> torch.Tensor:
+                       alpha: float, correct: torch.Tensor | None = None) -> torch.Tensor:
     """[N, K] per-cell loss weights of a block drafter: "decay" the fixed depth weights decay [K] at every valid cell,
-    "dpace" `dpace_weights` from the cells' own confidence exp(-CE) (detached)."""
+    "dpace" `dpace_weights` from the cells' own confidence exp(-CE) (detached), "auf" decay on `auf_support` (correct
+    [N, K]: the draft argmax equals the cell's label)."""
     if kind == "dpace":
         return dpace_weights(torch.exp(-cell_ce.detach()), valid, alpha).to(cell_ce.dtype)
-    if kind != "decay":
-        raise ValueError(f"loss_weighting must be 'decay' or 'dpace', got {kind!r}")
+    if kind == "auf":
+        valid = auf_support(correct, valid)
+    elif kind != "decay":
+        raise ValueError(f"loss_weighting must be 'decay', 'dpace' or 'auf', got {kind!r}")
     return decay.to(cell_ce.dtype).unsqueeze(0) * valid.to(cell_ce.dtype)
 
 
@@ -301,9 +389,10 @@ def listed_depth_weights(loss_weights: Sequence[float], num_steps: int) -> list[
 
 
 def target_distilled_loss(output, batch: Mapping[str, Any], lm_head_weight: torch.Tensor, loss: str,
-                          weights: Sequence[float]) -> tuple[torch.Tensor, dict[str, float]]:
-    """sum_k weights[k] * mean cross-entropy at depth k over its valid cells of all processes: against the target's
-    distribution (loss "soft") or the data token ("hard"), for drafters whose cells read the target's vocabulary."""
-    cell_loss, predicted = full_vocab_cross_entropy(output, batch, lm_head_weight, soft=loss == "soft")
+                          weights: Sequence[float], eta: float = LK_DEFAULT_ETA) -> tuple[torch.Tensor, dict]:
+    """sum_k weights[k] * mean cell loss at depth k over its valid cells of all processes (`distilled_cells`: loss
+    "soft", "hard", "lk" or "lk_hybrid"), for drafters whose cells read the target's (or a draft) vocabulary."""
+    cell_loss, predicted, alpha = distilled_cells(output, batch, lm_head_weight, loss, eta)
     weights = torch.tensor(list(weights), dtype=cell_loss.dtype, device=cell_loss.device)
-    return weighted_depth_loss(output, batch, cell_loss, weights, predicted)
+    total, metrics = weighted_depth_loss(output, batch, cell_loss, weights, predicted)
+    return total, metrics if alpha is None else {**metrics, **acceptance_metric(alpha, output.depth_valid)}

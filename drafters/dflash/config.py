@@ -55,15 +55,17 @@ class DFlashConfig(BlockBackboneConfig):
     loss: "hard" = cross-entropy against the label_source token; "soft" = against the target's distribution at the
       position before each cell's label (softmax of its lm_head on its last hidden state there, on the draft
       vocabulary): logit distillation, Model Optimizer's default for DFlash.
-    loss_weighting: "decay" (paper Eq. 4, exp(-d / gamma)) or "dpace" (Model Optimizer's D-PACE: weights from the
-      cells' own confidence, drafters/losses.dpace_weights) with smoothing dpace_alpha.
+    loss_weighting: "decay" (paper Eq. 4, exp(-d / gamma)), "dpace" (Model Optimizer's D-PACE: weights from the
+      cells' own confidence, drafters/losses.dpace_weights) with smoothing dpace_alpha, or "auf" (Spec-AUF: the decay
+      weights on each block's cells up to and including its first one whose draft argmax misses the label_source
+      token, drafters/losses.auf_support; what verification never reaches is not trained).
     """
 
     loss_decay_gamma: float | None = None
     draft_vocab_size: int | None = None
     label_source: Literal["data", "target"] = "data"
     loss: Literal["hard", "soft"] = "hard"
-    loss_weighting: Literal["decay", "dpace"] = "decay"
+    loss_weighting: Literal["decay", "dpace", "auf"] = "decay"
     dpace_alpha: float = 0.5
 
     def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:

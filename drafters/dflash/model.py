@@ -140,7 +140,8 @@ class DFlashDrafter(DraftHead, BlockBackbone):
         vocab = self.target_info.vocab_size if self.lm_head is None else self.lm_head.out_features
         cell_ce, predicted = chunked_rows(cells, num_rows, depths * vocab)
         decay = self.depth_weights(depths, cell_ce.device, cell_ce.dtype)
-        weights = depth_loss_weights(self.config.loss_weighting, decay, cell_ce, valid, self.config.dpace_alpha)
+        weights = depth_loss_weights(self.config.loss_weighting, decay, cell_ce, valid, self.config.dpace_alpha,
+                                     correct=predicted == labels)
         loss = global_mean((weights * cell_ce).sum(), weights.sum(), batch)
         _, metrics = output_metrics(output, batch, cell_ce, predicted)
         return loss, metrics

@@ -20,7 +20,9 @@ class DSparkConfig(BlockBackboneConfig):
     enable_confidence_head; confidence_head_with_markov: feed W1[x_{k-1}] to it too (needs a sequential head).
     loss: ce_weight * CE + l1_weight * ||p_draft - p_target||_1 + confidence_weight * BCE(c, 1 - L1 / 2), each cell
       weighted exp(-k / loss_decay_gamma) (DeepSpec: 0.1, 0.9, 1.0 and 4.0), or with loss_weighting "dpace" by
-      D-PACE from each cell's CE confidence (drafters/losses.dpace_weights, smoothing dpace_alpha). loss: "hard" =
+      D-PACE from each cell's CE confidence (drafters/losses.dpace_weights, smoothing dpace_alpha), or "auf": the
+      decay weights on each block's cells up to and including its first one whose argmax misses the data token
+      (Spec-AUF, drafters/losses.auf_support). loss: "hard" =
       the CE term against the data token (DeepSpec); "soft" = against the target's distribution (distillation).
     confidence_temperatures: one per block slot, fitted by `draftsmith calibrate` (Sequential Temperature Scaling);
       () = uncalibrated.
@@ -36,7 +38,7 @@ class DSparkConfig(BlockBackboneConfig):
     confidence_weight: float = 1.0
     loss_decay_gamma: float = 4.0
     loss: Literal["hard", "soft"] = "hard"
-    loss_weighting: Literal["decay", "dpace"] = "decay"
+    loss_weighting: Literal["decay", "dpace", "auf"] = "decay"
     dpace_alpha: float = 0.5
     confidence_temperatures: tuple[float, ...] = ()
 

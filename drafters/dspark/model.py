@@ -138,8 +138,9 @@ class DSparkDrafter(BlockBackbone):
             cell = cell + self.config.confidence_weight * bce
         ce_cells = torch.zeros(num_rows, depths, device=ce.device, dtype=compute)
         ce_cells = ce_cells.index_put((*valid.nonzero(as_tuple=True),), ce.detach())
-        weights = depth_loss_weights(self.config.loss_weighting, depth_weights(depths, self.config.loss_decay_gamma,
-                                     ce.device, compute), ce_cells, valid, self.config.dpace_alpha)[valid]
+        decay = depth_weights(depths, self.config.loss_decay_gamma, ce.device, compute)
+        weights = depth_loss_weights(self.config.loss_weighting, decay, ce_cells, valid, self.config.dpace_alpha,
+                                     correct=predicted == labels)[valid]
         loss = global_mean((weights * cell).sum(), weights.sum(), batch)
         cell_loss = torch.zeros(num_rows, depths, device=ce.device, dtype=compute)
         cell_loss = cell_loss.index_put((*valid.nonzero(as_tuple=True),), cell)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from drafters.layer_ids import AUTO, LayerIds
+from drafters.losses import LK_DEFAULT_ETA
 
 
 @dataclass(kw_only=True)
@@ -22,7 +23,10 @@ class Eagle3Config:
     layer_ids: target layer ids (vLLM convention) or "auto": (2, N//2, N-3), on a hybrid moved onto full-attention
       layers' outputs (drafters/layer_ids.py); allow_linear_attention_ids keeps ids that read linear-attention layers.
     loss: "soft" = cross-entropy against the target's distribution on the draft vocabulary at each label (logit
-      distillation, EAGLE-3's objective); "hard" = against the target's argmax there (one-hot, the same teacher).
+      distillation, EAGLE-3's objective); "hard" = against the target's argmax there (one-hot, the same teacher);
+      "lk" = -log of the expected acceptance sum_x min(p(x), q(x)) against that distribution; "lk_hybrid" =
+      lam KL + (1 - lam)(1 - acceptance), lam = exp(-lk_eta * acceptance) (LK losses, drafters/losses.lk_cell_loss).
+      The target's mass outside the draft vocabulary is left out (the teacher is renormalised on it, as for "soft").
     """
 
     layer_ids: LayerIds = AUTO
@@ -41,7 +45,8 @@ class Eagle3Config:
     init_layer_from_target: int | None = None
     fc_init: Literal["random", "identity_high"] = "random"
     sample_drafts: bool = False
-    loss: Literal["soft", "hard"] = "soft"
+    loss: Literal["soft", "hard", "lk", "lk_hybrid"] = "soft"
+    lk_eta: float = LK_DEFAULT_ETA
 
     def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
         """One training step's shape for drafters/step_memory.StepShape: TTT steps over every position."""

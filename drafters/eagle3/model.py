@@ -50,7 +50,15 @@ from drafters.layers import (
     draw_drafts,
     rope_inverse_frequencies,
 )
-from drafters.losses import decayed_sum, output_metrics, soft_cross_entropy
+from drafters.losses import (
+    LK_LOSSES,
+    acceptance_metric,
+    check_lk_eta,
+    decayed_sum,
+    lk_cell_loss,
+    output_metrics,
+    soft_cross_entropy,
+)
 from drafters.vocab import DraftHead
 
 
@@ -73,6 +81,7 @@ class Eagle3Drafter(DraftHead, Drafter):
             raise ValueError(f"drafter.draft_vocab_size {config.draft_vocab_size} must be in [1, {vocab_size}]")
         if config.num_layers < 1 or config.ttt_steps < 1:
             raise ValueError("drafter.num_layers and drafter.ttt_steps must be >= 1")
+        check_lk_eta(config.lk_eta)
         self.layer_ids = resolve_layer_ids(config, target_info)
         self.layer_config = draft_layer_config(config, target_info)
         self.fc = nn.Linear(len(self.layer_ids) * hidden, hidden, bias=False)
@@ -231,23 +240,32 @@ class Eagle3Drafter(DraftHead, Drafter):
         all B*T positions instead; a per-depth mean keeps loss_k comparable across batches and padding).
 
         The teacher is softmax(target_last_hidden @ lm_head[draft ids].T), i.e. the target distribution
-        renormalised on the draft vocab (config.loss "hard": its argmax, one-hot); acc_k is top-1 agreement with the target's own argmax (losses.output_metrics).
+        renormalised on the draft vocab (config.loss "hard": its argmax, one-hot); "lk" / "lk_hybrid" replace the CE
+        by the LK loss against that teacher (losses.lk_cell_loss). acc_k is top-1 agreement with the target's own
+        argmax (losses.output_metrics).
         """
         batch_index, target_position = output.batch_index, output.label_position[:, 0] - 1
         head = self._target_tensor("lm_head_weight").index_select(0, self.draft_ids())  # [V_d, D]
         teacher_hidden = batch["target_last_hidden"][batch_index, target_position].to(head.dtype)  # [N, D]
 
+        lk = self.config.loss in LK_LOSSES
+
         def cells(rows):  # one chunk of rows: its logits [n, K, V_d] and teacher [n, V_d] exist only here
             logits = output.logits_of(rows)
             with torch.no_grad():
                 teacher_logits = (teacher_hidden[rows] @ head.T).to(torch.promote_types(head.dtype, torch.float32))
-                teacher = (torch.softmax(teacher_logits, dim=-1) if self.config.loss == "soft" else
+                teacher = (torch.softmax(teacher_logits, dim=-1) if self.config.loss != "hard" else
                            F.one_hot(teacher_logits.argmax(dim=-1), head.shape[0]).to(teacher_logits.dtype))
+            if lk:  # the acceptance against the same renormalised teacher (losses.distilled_cells says why)
+                cell_loss, alpha = lk_cell_loss(logits, teacher, self.config.loss, self.config.lk_eta)
+                return cell_loss, logits.detach().argmax(dim=-1), alpha
             return soft_cross_entropy(logits, teacher), logits.detach().argmax(dim=-1)
 
         depths, vocab = output.depth_valid.shape[1], head.shape[0]
-        cell_loss, predicted = chunked_rows(cells, output.num_rows, depths * vocab)
+        cell_loss, predicted, *alpha = chunked_rows(cells, output.num_rows, depths * vocab)
         per_depth, metrics = output_metrics(output, batch, cell_loss, predicted)
+        if lk:
+            metrics.update(acceptance_metric(alpha[0], output.depth_valid))
         return decayed_sum(per_depth, self.config.step_decay), metrics
 
     # ---- inference: a stateful chain proposer ----------------------------------------------------------------

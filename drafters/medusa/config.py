@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from drafters.losses import LK_DEFAULT_ETA
+
 
 @dataclass(kw_only=True)
 class MedusaConfig:
@@ -18,7 +20,8 @@ class MedusaConfig:
       train); "copy" = a trainable head per head initialised from the target's lm_head (the Medusa paper);
       "new" = a trainable head per head from random (the Medusa repository).
     loss: "soft" = cross-entropy against the target's distribution at the label (distillation); "hard" = against the
-      data token (Medusa-1's loss).
+      data token (Medusa-1's loss); "lk" / "lk_hybrid" = the LK losses against that distribution (-log of the
+      expected acceptance; lam KL + (1 - lam) TV with lam = exp(-lk_eta * acceptance): drafters/losses.lk_cell_loss).
     sample_drafts: propose by sampling each head's distribution (heads are independent given the hidden state, so q is
       each head's own distribution) and return it; else argmax drafts.
     """
@@ -27,7 +30,8 @@ class MedusaConfig:
     num_layers: int = 1
     step_decay: float = 0.8
     lm_head: Literal["target", "copy", "new"] = "target"
-    loss: Literal["soft", "hard"] = "soft"
+    loss: Literal["soft", "hard", "lk", "lk_hybrid"] = "soft"
+    lk_eta: float = LK_DEFAULT_ETA
     sample_drafts: bool = False
 
     def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:

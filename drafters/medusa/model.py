@@ -33,7 +33,7 @@ from drafters.base import DraftContext, Drafter, FeatureRequest, Proposal, Targe
 from drafters.chunked import with_autocast_of_now
 from drafters.output import DraftOutput
 from drafters.layers import FrozenTargetTensors, draw_drafts
-from drafters.losses import full_vocab_cross_entropy, position_cells, weighted_depth_loss
+from drafters.losses import acceptance_metric, check_lk_eta, distilled_cells, position_cells, weighted_depth_loss
 from drafters.medusa.config import MedusaConfig
 from drafters.medusa.layers import MedusaHead
 
@@ -52,6 +52,7 @@ class MedusaDrafter(Drafter):
                              f"{config.num_layers}")
         if config.lm_head not in ("target", "copy", "new"):
             raise ValueError(f"drafter.lm_head {config.lm_head!r} is not one of target, copy, new")
+        check_lk_eta(config.lk_eta)
         own_head = config.lm_head != "target"
         self.heads = nn.ModuleList(MedusaHead(target_info.hidden_size, target_info.vocab_size, config.num_layers,
                                               own_head) for _ in range(config.num_heads))
@@ -94,11 +95,12 @@ class MedusaDrafter(Drafter):
 
     def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """sum_k step_decay**k * mean CE of head k over its valid cells of all processes (see MedusaConfig.loss)."""
-        cell_loss, predicted = full_vocab_cross_entropy(output, batch, self._target_tensor("lm_head_weight"),
-                                                        soft=self.config.loss == "soft")
+        cell_loss, predicted, alpha = distilled_cells(output, batch, self._target_tensor("lm_head_weight"),
+                                                      self.config.loss, self.config.lk_eta)
         weights = self.config.step_decay ** torch.arange(cell_loss.shape[1], dtype=cell_loss.dtype,
                                                          device=cell_loss.device)
-        return weighted_depth_loss(output, batch, cell_loss, weights, predicted)
+        loss, metrics = weighted_depth_loss(output, batch, cell_loss, weights, predicted)
+        return loss, metrics if alpha is None else {**metrics, **acceptance_metric(alpha, output.depth_valid)}
 
     # ---- inference --------------------------------------------------------------------------------------------------
     @torch.no_grad()

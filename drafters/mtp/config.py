@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from drafters.losses import LK_DEFAULT_ETA
+
 
 @dataclass(kw_only=True)
 class MTPConfig:
@@ -19,7 +21,14 @@ class MTPConfig:
       sum_k L_k with lambda = 1 (its lambda only balances the MTP loss against the main loss, which a frozen target
       does not have). Longer lists are cut to num_steps.
     loss: "soft" = cross-entropy against the target's distribution at the label (distillation, as EAGLE-3 here);
-      "hard" = cross-entropy against the data token (DeepSeek-V3's objective).
+      "hard" = cross-entropy against the data token (DeepSeek-V3's objective); "lk" / "lk_hybrid" = the LK losses
+      against that distribution (-log of the expected acceptance; lam KL + (1 - lam) TV, lam = exp(-lk_eta *
+      acceptance): drafters/losses.lk_cell_loss).
+    draft_vocab_size: None = the target's frozen full-vocabulary lm_head; else one trained head over the V_d most
+      frequent target tokens of the training data (EAGLE-3's d2t / t2d, drafters/vocab.py), warm-started from the
+      target's rows and shared by every module: the head is most of a draft step's cost on a small target. The teacher
+      is then the target's distribution renormalised on V_d, and cells whose token (the target's argmax; the data
+      token for "hard") lies outside are not trained, as EAGLE-3's. Only the native format carries it.
     layout: the checkpoint family whose conventions the modules follow and into which they export natively:
       "deepseek_v3", "qwen3_next", "qwen3_5" (Qwen3.5 / 3.6), "mimo" or "speculators" (see the module docstring).
     init_from_native: before training (Drafter.init_from_data), import the MTP weights that ship in the target's own
@@ -32,7 +41,9 @@ class MTPConfig:
     reuse: bool = False
     num_steps: int | None = None
     loss_weights: tuple[float, ...] = ()
-    loss: Literal["soft", "hard"] = "soft"
+    loss: Literal["soft", "hard", "lk", "lk_hybrid"] = "soft"
+    lk_eta: float = LK_DEFAULT_ETA
+    draft_vocab_size: int | None = None
     layout: Literal["deepseek_v3", "qwen3_next", "qwen3_5", "mimo", "speculators"] = "deepseek_v3"
     init_from_native: bool = False
     sample_drafts: bool = False
@@ -43,4 +54,4 @@ class MTPConfig:
         every device (transformers' sdpa_attention_forward)."""
         steps = self.num_modules if self.num_steps is None else int(self.num_steps)
         return {"step": "chain", "depths": steps, "num_layers": 1, "modules": self.num_modules,
-                "head_vocab": vocab, "default_features": 0, "kv_expanded": True}
+                "head_vocab": self.draft_vocab_size or vocab, "default_features": 0, "kv_expanded": True}

@@ -40,6 +40,11 @@ _QWEN_NAMES = {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "
 _MIMO_NAMES = {"enorm.weight": "token_layernorm.weight", "hnorm.weight": "hidden_layernorm.weight",
                "eh_proj.weight": "input_proj.weight", "final_norm.weight": "final_layernorm.weight"}
 _SHARED = {"embed_tokens.weight": "embed_weight", "shared_head.head.weight": "lm_head_weight"}  # deepseek_v3 copies
+# Who reads each export layout: none of them has a draft-vocabulary head (d2t / t2d), so check_exportable refuses one.
+DRAFT_VOCAB_READERS = {"speculators": "vLLM's speculators mtp reader (method mtp)",
+                       "deepseek_v3": "the DeepSeek-V3 MTP loader of vLLM and SGLang (shared_head = the target's head)",
+                       "qwen3_next": "vLLM's Qwen3-Next MTP loader", "qwen3_5": "vLLM's Qwen3.5 MTP loader",
+                       "mimo": "vLLM's MiMo MTP loader"}
 
 
 @dataclass(frozen=True)
@@ -222,6 +227,11 @@ def check_exportable(drafter, fmt: str) -> None:
     """ValueError naming the field when `fmt` cannot carry the drafter as it runs."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"mtp cannot export format {fmt!r}; it writes: {', '.join(('native',) + EXPORT_FORMATS)}")
+    if getattr(drafter, "lm_head", None) is not None:
+        raise ValueError(f"--format {fmt}: {DRAFT_VOCAB_READERS[fmt]} runs the MTP modules through the target's own "
+                         f"full-vocabulary lm_head and has no d2t / t2d; this drafter has a draft vocabulary "
+                         f"(drafter.draft_vocab_size {drafter.config.draft_vocab_size}), which only --format native "
+                         "carries (or train with draft_vocab_size: null)")
     ours, theirs = LAYOUTS[drafter.config.layout], LAYOUTS[fmt]
     if ours != theirs:
         raise ValueError(f"--format {fmt}: servers run that layout with other conventions ({theirs.describe()}) than"

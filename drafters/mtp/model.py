@@ -16,7 +16,7 @@ from torch import nn
 from drafters.base import DraftContext, Drafter, FeatureRequest, Proposal, TargetInfo, full_vocab_log_probs
 from drafters.output import DraftOutput
 from drafters.layers import FrozenTargetTensors, draw_drafts
-from drafters.losses import chained_depths, listed_depth_weights, target_distilled_loss
+from drafters.losses import check_lk_eta, chained_depths, listed_depth_weights, target_distilled_loss
 from drafters.mtp import export as mtp_export
 from drafters.mtp.config import MTPConfig
 from drafters.mtp.layers import (
@@ -30,6 +30,7 @@ from drafters.mtp.layers import (
     resolve_num_steps,
     target_text_config,
 )
+from drafters.vocab import DraftHead
 
 
 @dataclass
@@ -42,7 +43,7 @@ class _Depth:
     out: torch.Tensor
 
 
-class MTPDrafter(Drafter):
+class MTPDrafter(DraftHead, Drafter):
     """MTP heads. See the module docstring for the training, inference and persistence contracts."""
 
     kind = "mtp"
@@ -53,6 +54,10 @@ class MTPDrafter(Drafter):
     def __init__(self, config: MTPConfig, target_info: TargetInfo):
         super().__init__(config, target_info)
         resolve_num_steps(config)
+        check_lk_eta(config.lk_eta)
+        vocab_size = target_info.vocab_size
+        if config.draft_vocab_size is not None and not 0 < config.draft_vocab_size <= vocab_size:
+            raise ValueError(f"drafter.draft_vocab_size {config.draft_vocab_size} must be in [1, {vocab_size}] or null")
         if config.layout not in LAYOUTS:
             raise ValueError(f"drafter.layout {config.layout!r} is not one of {sorted(LAYOUTS)}")
         self.convention = LAYOUTS[config.layout]
@@ -72,9 +77,15 @@ class MTPDrafter(Drafter):
         self._frozen = FrozenTargetTensors(target_info)
         self._depths: list[_Depth] = []
         self._generator = None
+        self.lm_head = None  # the target's frozen head, unless a draft vocabulary is asked for (below)
+        materialised = not self.layers[0].eh_proj.weight.is_meta  # a meta-device build has nothing to initialise
         # Native modules are imported before use (init_from_data / load), so random init would be wasted work.
-        if not self.layers[0].eh_proj.weight.is_meta and not config.init_from_native:
+        if materialised and not config.init_from_native:
             self._init_weights()
+        if config.draft_vocab_size is not None:  # built after the modules' init: it leaves their seeded draws alone
+            self.add_draft_head(target_info.hidden_size, config.draft_vocab_size)
+            if materialised:  # the target's rows of the first V_d ids until init_from_data picks the vocabulary
+                self.copy_target_rows()
 
     @property
     def num_steps(self) -> int:
@@ -111,9 +122,14 @@ class MTPDrafter(Drafter):
             init_module_(module, std)
 
     def init_from_data(self, token_counts: torch.Tensor) -> None:
-        """With init_from_native: import the target checkpoint's own MTP modules (the data is not needed)."""
+        """With init_from_native: import the target checkpoint's own MTP modules. With a draft vocabulary: pick its
+        draft_vocab_size most frequent tokens (ties to the smaller id) and warm-start the head from the target's
+        rows."""
         if self.config.init_from_native:
             self.import_native()
+        if self.lm_head is not None:
+            self.pick_draft_vocab(token_counts)
+            self.copy_target_rows()
 
     def import_native(self) -> None:
         """Load the MTP modules shipped in the target's checkpoint (TargetInfo.name_or_path) into this drafter."""
@@ -163,6 +179,9 @@ class MTPDrafter(Drafter):
         return (normed if self.convention.feed_back_normed else pre), normed
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """normed [..., D] -> logits [..., V_d] (the target's frozen head unless the vocabulary is reduced)."""
+        if self.lm_head is not None:
+            return self.lm_head(normed)
         return self._frozen.linear("lm_head_weight", normed, self.layers[0].eh_proj.weight)
 
     # ---- training ---------------------------------------------------------------------------------------------------
@@ -171,8 +190,9 @@ class MTPDrafter(Drafter):
 
         Returns:
             DraftOutput: row n = (batch_index, position i = anchor - 1) for every i where some depth has a loss;
-            logits [N, K, V] of depth k at i; label_position [N, K] = i + k + 2 (clamped to T - 1 past the end);
-            depth_valid [N, K] = label inside the sequence and in loss_mask.
+            logits [N, K, V_d] of depth k at i; label_position [N, K] = i + k + 2 (clamped to T - 1 past the end);
+            depth_valid [N, K] = label inside the sequence and in loss_mask (and, with a draft vocabulary, the cell's
+            token in it: see MTPConfig.draft_vocab_size); draft_ids.
         """
         batch_size, seq_len = batch["input_ids"].shape
         device = batch["input_ids"].device
@@ -180,13 +200,21 @@ class MTPDrafter(Drafter):
         position_embeddings = self.rotary(batch["target_last_hidden"].to(self.layers[0].eh_proj.weight.dtype),
                                           positions, *self._rope_kind)
         mask = causal_mask(seq_len, device)
-        return chained_depths(batch, self.num_steps, lambda depth, tokens, hidden: self._step(
+        output = chained_depths(batch, self.num_steps, lambda depth, tokens, hidden: self._step(
             depth, tokens, hidden, positions, mask, position_embeddings=position_embeddings), self._logits)
+        if self.lm_head is not None:
+            rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
+            token = (batch["input_ids"][rows, output.label_position] if self.config.loss == "hard" else
+                     batch["target_argmax"][rows, output.label_position - 1])
+            output.depth_valid = output.depth_valid & self.t2d[token]
+            output.draft_ids = self.draft_ids()
+        return output
 
     def loss(self, output: DraftOutput, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """sum_k w_k * mean CE at depth k over its valid cells of all processes (see MTPConfig.loss)."""
         weights = listed_depth_weights(self.config.loss_weights, output.depth_valid.shape[1])
-        return target_distilled_loss(output, batch, self._target_tensor("lm_head_weight"), self.config.loss, weights)
+        return target_distilled_loss(output, batch, self._target_tensor("lm_head_weight"), self.config.loss, weights,
+                                     self.config.lk_eta)
 
     # ---- inference: a stateful chain proposer -------------------------------------------------------------------
     @torch.no_grad()
@@ -294,7 +322,9 @@ class MTPDrafter(Drafter):
         fed = self._depths[0].out[rows, anchor - 1]
         normed = fed if self.convention.feed_back_normed else self.layers[self._module_index(0)].final_norm(fed)
         logits = self._logits(normed)
+        draft_ids = self.draft_ids()
         draft, q = draw_drafts(logits, self.config.sample_drafts, self._generator)
+        draft = draft if draft_ids is None else draft_ids[draft]  # target ids: the next depth embeds them
         tokens, probs, depth_logits, speculative = [draft], [q], [logits], None
         for depth in range(1, num_tokens):
             # depth runs over positions anchor-depth .. anchor-1: the first has depth-1's committed output, the rest
@@ -307,11 +337,14 @@ class MTPDrafter(Drafter):
                                              cache.plan(positions >= 0), cache)
             logits = self._logits(normed[:, -1])
             draft, q = draw_drafts(logits, self.config.sample_drafts, self._generator)
-            tokens.append(draft)
+            tokens.append(draft if draft_ids is None else draft_ids[draft])
             probs.append(q)
             depth_logits.append(logits)
-        log_probs = full_vocab_log_probs(torch.stack(depth_logits, dim=1), None, logits.shape[-1])
+        vocab_size = self.target_info.vocab_size
+        log_probs = full_vocab_log_probs(torch.stack(depth_logits, dim=1), draft_ids, vocab_size)
         if not self.config.sample_drafts:
             return Proposal(tokens=torch.stack(tokens, dim=1), log_probs=log_probs)
-        return Proposal(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1).float(),
-                        log_probs=log_probs)
+        q = torch.stack(probs, dim=1).float()  # [B, K, V_d]; zero outside the draft vocabulary in target ids
+        if draft_ids is not None:
+            q = q.new_zeros(*q.shape[:2], vocab_size).index_copy_(-1, draft_ids, q)
+        return Proposal(tokens=torch.stack(tokens, dim=1), probs=q, log_probs=log_probs)

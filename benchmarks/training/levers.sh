@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# Issue 37's levers, each at equal steps on the new data (all the shipped 10k answers), and the long runs
+# (recipes/smollm2/*_long.yaml), planned for 2.5 h of wall time on 2 cores. Every stage is resumable: run the same
+# command again after an interruption and nothing finished is redone (prepare resumes from its index, training from
+# its newest checkpoint with train.resume_from=latest, exactly; a finished run or evaluation is skipped).
+#
+#   bash benchmarks/training/levers.sh plan              # the variants and their overrides
+#   bash benchmarks/training/levers.sh levers [GROUP..]  # cache, every lever (or the groups eagle3 dflash dspark mtp),
+#                                                        # each one's held-out tau, then levers.tsv
+#   bash benchmarks/training/levers.sh long KIND [k=v..] # recipes/smollm2/KIND_long.yaml, then its held-out tau
+#   bash benchmarks/training/levers.sh report            # levers.tsv from what has finished
+#   bash benchmarks/training/levers.sh curves            # tau vs CPU time of the DFlash / DSpark layer variants
+#   bash benchmarks/training/levers.sh smoke [LEVER..]   # 2 steps of each lever on 8 conversations, online features,
+#                                                        # and the shared cache read by a 5-tap and an MTP lever
+#
+# ---- What the features cost (draftsmith estimate RECIPE [--no-probe], OMP_NUM_THREADS=1, on the shared 2-core
+# development machine beside other work, load 1.5-2.9; the quiet session has 2 threads to itself) ----
+#   data (num_samples: null): 8,100 training + 26 eval conversations, 2,514,486 tokens (held-out 256 excluded)
+#   cache disk (bf16): layers [2, 9, 15, 21, 27] + final 6,920 B/token = 16.2 GiB; EAGLE-3's [2, 15, 27] 10.8 GiB;
+#     MTP's final norm only 2.7 GiB
+#   HF feature throughput, batch 4: 136-205 tokens/s at 1 thread here (3.4-5.1 h for the set); docs/benchmarks.md's
+#     HF trial at 2 quiet threads, 1.78 samples/s = ~550 tokens/s: 76 min for the set, 2.24 s per step of 4 (~1,230
+#     tokens). Quiet-session numbers below = the ones measured here / 3.2 (550 / 170; DSpark's documented 2.9 s a
+#     step against 9.5 s here agrees).
+#   probe, online, 1 thread here (s/step; the target forward ~7 s of it): EAGLE-3 TTT 3 13.1, DFlash 10.4, DSpark
+#     16.7, MTP-3 full vocab 28.3, MTP-3 8k vocab 12.7. Drafter alone at 2 quiet threads (s/step): EAGLE-3 1.2 (TTT 1
+#     to 70%, then 3; 1.85 with TTT 3 throughout), DFlash 1.0, DSpark 2.9, MTP-3 8k 1.7 (full vocab 3.1, documented).
+#   One epoch (2,025 steps), minutes:      offline (extract + train)  online (forward in the step)  streamed (*)
+#     EAGLE-3                                     76 + 41 = 117              116                        126
+#     DFlash                                      76 + 34 = 110              109                        126
+#     DSpark                                      76 + 98 = 174              173                        161
+#     MTP-3, 8k draft vocab                       76 + 57 = 133              133                        126
+#   (*) producer and trainer at 1 thread each, beside each other, if two 1-thread processes do 1.65x one 2-thread
+#       process: the producer needs 126 min for the set, so it bounds the wall time.
+# Choice, long runs: online for all four. One pass reads each sample once, so a cache only adds 11-16 GiB and a stage;
+#   streamed would buy at most ~7% more steps, and only if the thread-scaling assumption holds. Plan per run: training
+#   + 8 in-run probes (~6 min) + the held-out tau of 32 first turns (~5 min) inside 2.5 h: EAGLE-3 (~127 min), DFlash
+#   (~120), MTP-3 (~144) one epoch; DSpark 1,600 steps (~148; 6,400 conversations: its epoch alone is 173 min).
+# Choice, levers: offline, one cache of the first STEPS x 4 training conversations (the layers [2, 9, 15, 21, 27]
+#   every lever reads at most, + final norm: ~7 min, 1.5 GiB at 180 steps), read by all 19 variants; online would
+#   repeat the target forward 19 times. At STEPS=180: ~108 min of training (the s/step above, per variant) + ~19 min
+#   of held-out tau (16 questions) + ~10 min of loading = ~145 min. GROUPS run alone take ~40 (eagle3), ~25 (dflash),
+#   ~50 (dspark), ~35 (mtp) min; STEPS scales the training part.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export HF_HUB_OFFLINE=1
+RUNS=${RUNS:-runs/levers}
+STEPS=${STEPS:-180}
+THREADS=${THREADS:-2}
+HELD=recipes/smollm2/data/sharegpt_smollm2_10k.heldout.jsonl
+ALL_GROUPS="eagle3 dflash dspark mtp"
+LEVERS_eagle3="eagle3_base eagle3_ttt_start eagle3_ttt_03 eagle3_taps5 eagle3_lk eagle3_lk_hybrid"
+LEVERS_dflash="dflash_base dflash_2layers dflash_3layers dflash_auf dflash_dpace"
+LEVERS_dspark="dspark_base dspark_2layers dspark_3layers dspark_auf"
+LEVERS_mtp="mtp_vocab8k mtp_vocab16k mtp_full_vocab mtp_vocab8k_lk"
+
+variant() {  # lever name -> KIND (its long recipe), K (drafts a round when evaluated), OVERRIDES (array)
+  OVERRIDES=()
+  case "$1" in
+    eagle3_base) KIND=eagle3 ;;  # 3 taps, TTT 3 over the last 30% of steps, soft CE: the recipe as it is
+    eagle3_ttt_start) KIND=eagle3; OVERRIDES=("train.phases=[]") ;;
+    eagle3_ttt_03) KIND=eagle3; OVERRIDES=("train.phases=[{until_fraction: 0.3, drafter: {ttt_steps: 1}}]") ;;
+    eagle3_taps5) KIND=eagle3; OVERRIDES=("drafter.layer_ids=[2, 9, 15, 21, 27]") ;;
+    eagle3_lk) KIND=eagle3; OVERRIDES=("drafter.loss=lk") ;;
+    eagle3_lk_hybrid) KIND=eagle3; OVERRIDES=("drafter.loss=lk_hybrid") ;;
+    dflash_base) KIND=dflash ;;  # 1 draft layer, decay weights
+    dflash_2layers) KIND=dflash; OVERRIDES=("drafter.num_layers=2") ;;
+    dflash_3layers) KIND=dflash; OVERRIDES=("drafter.num_layers=3") ;;
+    dflash_auf) KIND=dflash; OVERRIDES=("drafter.loss_weighting=auf") ;;
+    dflash_dpace) KIND=dflash; OVERRIDES=("drafter.loss_weighting=dpace") ;;
+    dspark_base) KIND=dspark ;;
+    dspark_2layers) KIND=dspark; OVERRIDES=("drafter.num_layers=2") ;;
+    dspark_3layers) KIND=dspark; OVERRIDES=("drafter.num_layers=3") ;;
+    dspark_auf) KIND=dspark; OVERRIDES=("drafter.loss_weighting=auf") ;;
+    mtp_vocab8k) KIND=mtp ;;  # the recipe: an 8,192-row draft-vocabulary head, soft CE
+    mtp_vocab16k) KIND=mtp; OVERRIDES=("drafter.draft_vocab_size=16384") ;;
+    mtp_full_vocab) KIND=mtp; OVERRIDES=("drafter.draft_vocab_size=null") ;;  # the target's frozen 49,152-row head
+    mtp_vocab8k_lk) KIND=mtp; OVERRIDES=("drafter.loss=lk") ;;
+    *) echo "levers.sh: unknown lever '$1' (bash benchmarks/training/levers.sh plan lists them)" >&2; exit 2 ;;
+  esac
+  case "$KIND" in eagle3 | mtp) K=3 ;; *) K=7 ;; esac
+}
+
+levers_of() {  # the levers of the named groups (all four by default)
+  local group names=""
+  for group in ${*:-$ALL_GROUPS}; do
+    case " $ALL_GROUPS " in
+      *" $group "*) ;;
+      *) echo "levers.sh: unknown group '$group' ($ALL_GROUPS)" >&2; exit 2 ;;
+    esac
+    local list="LEVERS_$group"
+    names="$names ${!list}"
+  done
+  echo $names
+}
+
+heldout() {  # $1 = drafter dir, $2 = k, $3 = JSON out: tau on 16 held-out first turns x 64 tokens (skipped if done)
+  [ -f "$3" ] && return 0
+  OMP_NUM_THREADS=$THREADS python benchmarks/training/heldout_tau.py --drafter "$1" --prompts "$HELD" \
+    --num-prompts ${NUM_PROMPTS:-16} --max-new-tokens ${MAX_NEW_TOKENS:-64} --k "$2" --threads "$THREADS" --out "$3.tmp"
+  mv "$3.tmp" "$3"
+}
+
+train_lever() {  # $1 = lever; the shared cache, STEPS steps, no in-run probe (heldout evaluates the end)
+  variant "$1"
+  local out="$RUNS/$1" keep=2 every=60
+  case "$1" in dflash_* | dspark_*) keep=null; every=30 ;; esac  # every checkpoint: tau at equal CPU time (curves)
+  if [ ! -f "$out/final/config.json" ]; then
+    OMP_NUM_THREADS=$THREADS draftsmith train "recipes/smollm2/${KIND}_long.yaml" "${OVERRIDES[@]}" \
+      data.num_samples=$((STEPS * 4)) features.mode=offline "features.cache_dir=$RUNS/features" \
+      train.epochs=null train.max_steps=$STEPS train.save_every=$every train.keep_last=$keep train.eval_every=null \
+      eval.num_prompts=0 "output.dir=$out" train.resume_from=latest
+  fi
+  heldout "$out/final" "$K" "$out/heldout.json"
+}
+
+report() {  # levers.tsv: lever, kind, overrides, steps, training seconds, held-out tau, accepted drafts per position
+  python - "$RUNS" $(levers_of) <<'EOF'
+import glob, json, os, re, sys
+runs, rows = sys.argv[1], ["lever\tsteps\ttrain_seconds\theldout_tau\tk\taccepted_per_position"]
+for name in sys.argv[2:]:
+    tau = os.path.join(runs, name, "heldout.json")
+    states = sorted(glob.glob(os.path.join(runs, name, "checkpoints", "step_*", "trainer_state.json")),
+                    key=lambda p: int(re.search(r"step_(\d+)", p).group(1)))
+    if not (os.path.isfile(tau) and states):
+        continue
+    row = json.load(open(tau))["rows"][0]
+    state = json.load(open(states[-1]))
+    rows.append(f"{name}\t{state.get('step', '')}\t{state.get('elapsed_seconds', 0):.0f}\t{row['heldout_tau']}\t"
+                f"{row['heldout_k']}\t{row['heldout_accepted_per_position']}")
+open(os.path.join(runs, "levers.tsv"), "w").write("\n".join(rows) + "\n")
+print("\n".join(rows))
+EOF
+}
+
+case "${1:-plan}" in
+  plan)
+    for name in $(levers_of); do
+      variant "$name"
+      echo "$name: recipes/smollm2/${KIND}_long.yaml ${OVERRIDES[*]:-} (k = $K)"
+    done ;;
+  levers)
+    shift
+    names=$(levers_of "$@")
+    mkdir -p "$RUNS"
+    # one cache for every lever: DFlash's request is the widest (5 taps + final norm); the others read a subset. The
+    # shipped answers are complete, so prepare regenerates nothing and needs no vLLM (regenerate.use_vllm=false)
+    OMP_NUM_THREADS=$THREADS draftsmith prepare recipes/smollm2/dflash_long.yaml data.num_samples=$((STEPS * 4)) \
+      features.mode=offline "features.cache_dir=$RUNS/features" regenerate.use_vllm=false
+    for name in $names; do train_lever "$name"; done
+    report ;;
+  report) report ;;
+  long)
+    kind=${2:?levers.sh long KIND (eagle3, dflash, dspark or mtp)}
+    shift 2
+    out=runs/smollm2_${kind}_long
+    if [ ! -f "$out/final/config.json" ]; then
+      OMP_NUM_THREADS=$THREADS draftsmith train "recipes/smollm2/${kind}_long.yaml" train.resume_from=latest "$@"
+    fi
+    case "$kind" in eagle3 | mtp) k=3 ;; *) k=7 ;; esac
+    NUM_PROMPTS=${NUM_PROMPTS:-32} heldout "$out/final" "$k" "$out/heldout.json" ;;
+  curves)
+    args=()
+    for name in $LEVERS_dflash $LEVERS_dspark; do
+      if [ -d "$RUNS/$name/checkpoints" ]; then args+=(--run "$RUNS/$name" --k 7); fi
+    done
+    OMP_NUM_THREADS=$THREADS python benchmarks/training/long_curves.py "${args[@]}" --threads "$THREADS" \
+      --train-threads "$THREADS" --out "$RUNS/layer_curves.json" --png "$RUNS/layer_curves.png" ;;
+  smoke)
+    shift
+    smoke=${SMOKE_DIR:-runs/levers_smoke}
+    small=(data.num_samples=8 train.epochs=null train.max_steps=2 train.save_every=null train.eval_every=null
+           eval.num_prompts=0 eval.num_batches=1)
+    for name in ${*:-$(levers_of)}; do
+      variant "$name"
+      [ -f "$smoke/$name/final/config.json" ] && continue
+      OMP_NUM_THREADS=1 draftsmith train "recipes/smollm2/${KIND}_long.yaml" "${OVERRIDES[@]}" "${small[@]}" \
+        features.mode=online "output.dir=$smoke/$name"
+    done
+    if [ $# -eq 0 ]; then  # the lever plan's cache: written once from DFlash's request, read by a subset's readers
+      OMP_NUM_THREADS=1 draftsmith prepare recipes/smollm2/dflash_long.yaml data.num_samples=8 features.mode=offline \
+        "features.cache_dir=$smoke/features" regenerate.use_vllm=false
+      for name in eagle3_taps5 eagle3_base mtp_vocab8k; do
+        variant "$name"
+        [ -f "$smoke/offline_$name/final/config.json" ] && continue
+        OMP_NUM_THREADS=1 draftsmith train "recipes/smollm2/${KIND}_long.yaml" "${OVERRIDES[@]}" "${small[@]}" \
+          features.mode=offline "features.cache_dir=$smoke/features" "output.dir=$smoke/offline_$name"
+      done
+      THREADS=1 NUM_PROMPTS=1 MAX_NEW_TOKENS=8 heldout "$smoke/offline_mtp_vocab8k/final" 3 \
+        "$smoke/offline_mtp_vocab8k/heldout.json"
+    fi ;;
+  *) echo "levers.sh: plan | levers [GROUP..] | report | long KIND [k=v..] | curves | smoke [LEVER..]" >&2; exit 2 ;;
+esac
