@@ -19,10 +19,11 @@ from test_contract import KINDS, NUM_DRAFTS, SAMPLING, build, exact_joint, tiny_
 
 from drafters.draft_model import DraftModelConfig, DraftModelDrafter
 from inference.engine.adaptive import AdaptiveK, best_width, expected_gain
-from inference.engine.costs import CostProfile, profile_costs
-from inference.engine.generate import speculative_generate
+from inference.engine.api import speculative_generate
+from inference.engine.costs import CostProfile
 from inference.engine.policy import WidthPolicy
 from inference.engine.target import TargetModel
+from inference.evaluation.profile import profile_costs
 
 
 def chain_costs(max_width: int, draft_step: float = 0.1, verify_slope: float = 0.05) -> CostProfile:

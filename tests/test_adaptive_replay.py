@@ -1,4 +1,4 @@
-"""`auto` against every fixed k without timing: width policies replayed (inference/engine/replay.py) on recorded
+"""`auto` against every fixed k without timing: width policies replayed (benchmarks/engine/replay.py) on recorded
 greedy continuations of a real target with a measured cost profile, and on the same continuations under a GPU-like
 profile.
 
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.engine.replay import Replay, replay
 from drafters.ngram import NgramConfig, NgramDrafter
 from inference.engine.adaptive import AdaptiveK
 from inference.engine.costs import CostProfile
 from inference.engine.policy import FixedWidth
-from inference.engine.replay import Replay, replay
 
 DATA = json.loads((Path(__file__).parent / "data" / "ngram_traces_smollm2.json").read_text())
 CPU = CostProfile(tuple(DATA["d"]), tuple(DATA["v"]))

@@ -305,7 +305,7 @@ def test_gemma4_assistant_round_trip_is_bitwise_and_lossless(tmp_path):
     from transformers import Gemma4AssistantForCausalLM
 
     from drafters import load_drafter
-    from inference.engine.generate import speculative_generate
+    from inference.engine.api import speculative_generate
 
     target, _ = gemma4_pair(tmp_path)
     drafter = load_drafter(str(tmp_path / "assistant"), target.target_info())

@@ -14,14 +14,20 @@ import torch
 from offline_tokenizers import build_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from inference.evaluation.chat_template import (check_template_kwargs, parse_template_kwargs, render_prompt,
-                                                render_text, thinking_mismatch, trained_mode_mismatch)
-from train.data.chat import tokenize_conversation
+from inference.evaluation.chat_template import (
+    check_template_kwargs,
+    parse_template_kwargs,
+    render_prompt,
+    render_text,
+    thinking_mismatch,
+    trained_mode_mismatch,
+)
 from train.cli import main as cli
 from train.config import load_recipe, save_recipe
+from train.data.chat import tokenize_conversation
 from train.data.dataset import DataConfig, build_dataset
+from train.data.regenerate import RegenerateConfig, regenerate
 from train.fit.metrics import load_eval_prompts
-from train.data.regenerate import regenerate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OFF = {"enable_thinking": False}
@@ -76,7 +82,8 @@ def test_regeneration_answers_the_prompt_rendered_in_the_mode(tokenizer, tmp_pat
                          pad_token_id=tokenizer.pad_token_id)
     model = LlamaForCausalLM(config).eval()
     out = tmp_path / "regenerated.jsonl"
-    regenerate(model, tokenizer, [{"id": "a", "messages": CHAT}], str(out), max_new_tokens=8, template_kwargs=OFF)
+    regenerate(model, tokenizer, [{"id": "a", "messages": CHAT}], str(out), RegenerateConfig(max_new_tokens=8),
+               template_kwargs=OFF)
     answer = json.loads(out.read_text())["messages"][1]["content"]
     # The greedy continuation of the thinking-off prompt, computed here without draftsmith.
     text = tokenizer.apply_chat_template(CHAT[:1], tokenize=False, add_generation_prompt=True, enable_thinking=False)
@@ -85,7 +92,8 @@ def test_regeneration_answers_the_prompt_rendered_in_the_mode(tokenizer, tmp_pat
                               eos_token_id=tokenizer.eos_token_id)[0, prompt.shape[1]:]
     assert answer == tokenizer.decode(expected, skip_special_tokens=True).strip()
     with pytest.raises(ValueError, match="data.chat_template_kwargs: the chat template never reads 'enable_thinkng'"):
-        regenerate(model, tokenizer, [{"id": "b", "messages": CHAT}], str(out), template_kwargs={"enable_thinkng": 0})
+        regenerate(model, tokenizer, [{"id": "b", "messages": CHAT}], str(out), RegenerateConfig(),
+                   template_kwargs={"enable_thinkng": 0})
 
 
 def test_an_answer_that_thinks_with_thinking_off_is_a_mismatch():

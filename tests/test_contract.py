@@ -30,7 +30,7 @@ from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.medusa import MedusaConfig, MedusaDrafter
 from drafters.mtp import MTPConfig, MTPDrafter
 from drafters.ngram import NgramConfig, NgramDrafter
-from inference.engine.generate import speculative_generate
+from inference.engine.api import speculative_generate
 from inference.engine.rounds import commit_context, roll_back
 from inference.engine.target import TargetModel
 from train.features.cache import FeatureProvider

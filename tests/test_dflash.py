@@ -19,7 +19,7 @@ from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.dflash.anchors import anchor_candidates, block_attention_mask, sample_anchors
 from drafters.dflash.layers import decay_gamma, default_layer_ids
 from drafters.layers import KVCache
-from inference.engine.generate import speculative_generate
+from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel
 
 VOCAB = 256

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.dflash import export as dflash_export
 from drafters.dflash.layers import default_layer_ids
-from inference.engine.generate import speculative_generate
+from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel
 
 NUM_TARGET_LAYERS = 4

@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from inference.evaluation.eval import render_prompt
-from inference.engine.generate import speculative_generate
-from inference.evaluation.prompts import load_questions
+from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel
+from inference.evaluation.eval import render_prompt
+from inference.evaluation.prompts import load_questions
 from train.doctor import main
 
 TARGET = "debug:tiny-llama"

@@ -23,11 +23,12 @@ from drafters import DRAFTERS, load_drafter
 from drafters.base import DraftContext
 from drafters.dflash.anchors import sample_anchors
 from drafters.dspark import DSparkConfig, DSparkDrafter
-from inference.engine.generate import speculative_generate
-from inference.engine.costs import CostProfile, profile_costs
+from inference.engine.api import speculative_generate
+from inference.engine.costs import CostProfile
 from inference.engine.schedule import PrefixScheduler, StaticThreshold
 from inference.engine.target import TargetModel
 from inference.engine.verify import acceptance_probability, residual_distribution
+from inference.evaluation.profile import profile_costs
 
 VOCAB = 256
 MASK = 255
@@ -500,9 +501,8 @@ def our_block(drafter, batch, anchors=PEER_ANCHORS):
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 def test_deepspec_model_reproduces_our_logits_and_confidences(tmp_path, head):
     pytest.importorskip("deepspec.modeling.dspark.qwen3", reason=DEEPSPEC_REASON)
-    from transformers import DynamicCache
-
     from deepspec.modeling.dspark.qwen3 import Qwen3DSparkModel
+    from transformers import DynamicCache
 
     target = TargetModel(make_tiny_model("qwen3", num_layers=4, dtype=torch.float32), name_or_path="tiny-qwen3")
     drafter = make_drafter(target, markov_head_type=head).float()

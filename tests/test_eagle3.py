@@ -16,7 +16,7 @@ from drafters import DRAFTERS, load_drafter
 from drafters.base import DraftContext
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, detect_format
 from drafters.vocab import DraftVocab
-from inference.engine.generate import speculative_generate
+from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel
 
 VOCAB = 256

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from drafters import DraftModelDrafter, NgramDrafter, load_drafter
 from drafters.draft_model import DraftModelConfig
 from inference.assets.debug_target import resolve_debug_target
-from inference.engine.generate import speculative_generate, tree_speculative_generate
+from inference.engine.api import speculative_generate, tree_speculative_generate
 from inference.engine.target import TargetModel
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]

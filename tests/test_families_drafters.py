@@ -16,8 +16,7 @@ from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.medusa import MedusaConfig, MedusaDrafter
 from drafters.mtp import MTPConfig, MTPDrafter
 from drafters.ngram import NgramConfig, NgramDrafter
-from inference.engine.generate import speculative_generate
-from inference.engine.generate import tree_speculative_generate
+from inference.engine.api import speculative_generate, tree_speculative_generate
 
 MAX_NEW = 12
 FACTORIES = {  # (target info, its number of layers) -> drafter; ids and widths every debug family has (Qwen3.5-MoE

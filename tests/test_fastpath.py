@@ -16,9 +16,9 @@ from drafters.draft_model import DraftModelConfig
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.medusa import MedusaConfig, MedusaDrafter
 from drafters.mtp import MTPConfig, MTPDrafter
+from inference.engine.api import speculative_generate
 from inference.engine.backend import HF_PATH
 from inference.engine.cpu import CpuBackend, fastpath, kernels
-from inference.engine.generate import speculative_generate
 from inference.engine.target import TargetModel
 
 # Two float32 forwards of the same 2-layer model that sum in different orders (MKL's sgemm, a vector-matrix product,

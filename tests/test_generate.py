@@ -8,7 +8,7 @@ from conftest import make_tiny_model, random_prompts
 
 from drafters import DraftModelDrafter, NgramDrafter
 from drafters.draft_model import DraftModelConfig
-from inference.engine.generate import speculative_generate
+from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel
 
 

@@ -12,8 +12,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from drafters import DraftModelDrafter
 from drafters.base import FeatureRequest
 from drafters.draft_model import DraftModelConfig
+from inference.engine.api import speculative_generate
 from inference.engine.cpu.lean import block_mask
-from inference.engine.generate import speculative_generate
 from inference.engine.target import TargetModel
 
 LEAN, HF_DECODE = "lean", "hf"  # what TargetModel.decode says runs the blocks after the prefill

@@ -15,13 +15,20 @@ import torch
 import torch.nn.functional as F
 from conftest import make_tiny_model
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
 
 from drafters import load_drafter
 from drafters.mtp import MTPConfig, MTPDrafter
 from drafters.mtp.export import checkpoint_index, find_native, read_tensors
-from inference.engine.generate import speculative_generate
+from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel
 from train.features.cache import FeatureProvider
 

@@ -20,7 +20,7 @@ from drafters import load_drafter
 from drafters.mtp import MTPConfig, MTPDrafter
 from drafters.mtp.export import checkpoint_index, find_native, fuse_experts, read_tensors
 from inference.assets.debug_target import build_tokenizer, debug_config, resolve_debug_target
-from inference.engine.generate import speculative_generate
+from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel
 from train.features.cache import FeatureProvider
 

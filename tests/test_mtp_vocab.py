@@ -19,7 +19,7 @@ from drafters import load_drafter
 from drafters.base import DraftContext
 from drafters.mtp import MTPConfig, MTPDrafter
 from drafters.vocab import DraftVocab
-from inference.engine.generate import speculative_generate
+from inference.engine.api import speculative_generate
 
 
 def counts_for(vocab_size: int, seed: int = 2) -> torch.Tensor:

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from train.data.conversations import normalise_record
 from train.data.dataset import DataConfig, build_dataset
-from train.data.regenerate import regenerate
+from train.data.regenerate import RegenerateConfig, regenerate
 
 
 def _tiny_model(tokenizer):
@@ -49,7 +49,7 @@ def _read(path):
 def test_regenerated_file_is_well_formed(target, tmp_path):
     model, tokenizer = target
     out = tmp_path / "regen.jsonl"
-    stats = regenerate(model, tokenizer, _conversations(), str(out), max_new_tokens=6, batch_size=2)
+    stats = regenerate(model, tokenizer, _conversations(), str(out), RegenerateConfig(max_new_tokens=6, batch_size=2))
     records = _read(out)
     assert [r["id"] for r in records] == [c["id"] for c in _conversations()] and stats["conversations"] == 5
     assert stats["generated_tokens"] > 0 and stats["tokens_per_second"] > 0
@@ -67,15 +67,15 @@ def test_regenerated_file_is_well_formed(target, tmp_path):
 
 def test_resume_skips_done_ids_and_matches_an_uninterrupted_run(target, tmp_path):
     model, tokenizer = target
-    sampling = dict(max_new_tokens=6, batch_size=2, temperature=1.0, top_p=0.9, seed=3)
+    sampling = RegenerateConfig(max_new_tokens=6, batch_size=2, temperature=1.0, top_p=0.9, seed=3)
     full, resumed = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
-    regenerate(model, tokenizer, _conversations(), str(full), **sampling)
+    regenerate(model, tokenizer, _conversations(), str(full), sampling)
     lines = full.read_text().splitlines(keepends=True)
     resumed.write_text("".join(lines[:2]) + lines[2][:10])  # first group written, then a crash mid-record
-    stats = regenerate(model, tokenizer, _conversations(), str(resumed), **sampling)
+    stats = regenerate(model, tokenizer, _conversations(), str(resumed), sampling)
     assert stats["conversations"] == 3
     assert resumed.read_text() == full.read_text()
-    assert regenerate(model, tokenizer, _conversations(), str(resumed), **sampling)["conversations"] == 0
+    assert regenerate(model, tokenizer, _conversations(), str(resumed), sampling)["conversations"] == 0
 
 
 @pytest.mark.parametrize("knob", [{"top_k": 1}, {"min_p": 0.999}])
@@ -83,19 +83,21 @@ def test_top_k_and_min_p_reach_the_sampler(target, tmp_path, knob):
     """top_k 1 (or min_p near 1) leaves only the argmax, so sampling at temperature 1 gives the greedy answers."""
     model, tokenizer = target
     greedy, narrowed = tmp_path / "greedy.jsonl", tmp_path / "narrowed.jsonl"
-    regenerate(model, tokenizer, _conversations()[:3], str(greedy), max_new_tokens=6, temperature=0.0)
-    regenerate(model, tokenizer, _conversations()[:3], str(narrowed), max_new_tokens=6, temperature=1.0, seed=5,
-               **knob)
+    regenerate(model, tokenizer, _conversations()[:3], str(greedy), RegenerateConfig(max_new_tokens=6, temperature=0.0))
+    regenerate(model, tokenizer, _conversations()[:3], str(narrowed),
+               RegenerateConfig(max_new_tokens=6, temperature=1.0, seed=5, **knob))
     assert narrowed.read_text() == greedy.read_text()
     wide = tmp_path / "wide.jsonl"
-    regenerate(model, tokenizer, _conversations()[:3], str(wide), max_new_tokens=6, temperature=1.0, seed=5)
+    regenerate(model, tokenizer, _conversations()[:3], str(wide),
+               RegenerateConfig(max_new_tokens=6, temperature=1.0, seed=5))
     assert wide.read_text() != greedy.read_text()  # without the knob, temperature 1 does sample
 
 
 def test_prompt_limit_stops_a_conversation(target, tmp_path):
     model, tokenizer = target
     out = tmp_path / "short.jsonl"
-    regenerate(model, tokenizer, _conversations()[:2], str(out), max_new_tokens=4, max_prompt_tokens=40)
+    regenerate(model, tokenizer, _conversations()[:2], str(out),
+               RegenerateConfig(max_new_tokens=4, max_prompt_tokens=40))
     first, second = _read(out)
     assert [m["role"] for m in first["messages"]] == ["user"]  # kept, unanswered: trains nothing, counted later
     assert [m["role"] for m in second["messages"]] == ["system", "user"]
@@ -104,19 +106,19 @@ def test_prompt_limit_stops_a_conversation(target, tmp_path):
 def test_bad_arguments(target, tmp_path):
     model, tokenizer = target
     with pytest.raises(ValueError, match="unique"):
-        regenerate(model, tokenizer, _conversations()[:1] * 2, str(tmp_path / "x.jsonl"))
+        regenerate(model, tokenizer, _conversations()[:1] * 2, str(tmp_path / "x.jsonl"), RegenerateConfig())
     with pytest.raises(ValueError, match="no chat template"):
-        regenerate(model, build_tokenizer(None), _conversations(), str(tmp_path / "x.jsonl"))
+        regenerate(model, build_tokenizer(None), _conversations(), str(tmp_path / "x.jsonl"), RegenerateConfig())
     for bad, field in (({"top_k": -1}, "regenerate.top_k"), ({"min_p": 1.0}, "regenerate.min_p"),
                        ({"top_p": 0.0}, "regenerate.top_p"), ({"temperature": -0.5}, "regenerate.temperature")):
         with pytest.raises(ValueError, match=field):
-            regenerate(model, tokenizer, _conversations(), str(tmp_path / "x.jsonl"), **bad)
+            regenerate(model, tokenizer, _conversations(), str(tmp_path / "x.jsonl"), RegenerateConfig(**bad))
     (tmp_path / "junk.jsonl").write_text("not a record\n")
     with pytest.raises(ValueError, match="not a regenerated record"):
-        regenerate(model, tokenizer, _conversations(), str(tmp_path / "junk.jsonl"))
+        regenerate(model, tokenizer, _conversations(), str(tmp_path / "junk.jsonl"), RegenerateConfig())
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ValueError, match="vllm is not installed"):
-            regenerate(model, tokenizer, _conversations(), str(tmp_path / "x.jsonl"), use_vllm=True)
+            regenerate(model, tokenizer, _conversations(), str(tmp_path / "x.jsonl"), RegenerateConfig(use_vllm=True))
 
 
 def _share_recipe(tmp_path, out_name):
@@ -135,7 +137,7 @@ def test_sharded_regeneration_resumes_and_merges_to_the_one_process_answers(targ
     """Two processes each answer every second conversation of the seeded sample into their own part; a part cut
     off mid-record resumes where it stopped; the merge equals one process's answers (greedy); a later run with
     three processes finds everything merged and answers nothing."""
-    from train.prepare import merge_parts, part_paths, regenerate_share
+    from train.regeneration import merge_parts, part_paths, regenerate_share
 
     model, tokenizer = target
     one = _share_recipe(tmp_path, "one.jsonl")
@@ -161,7 +163,7 @@ def test_vllm_requested_without_vllm_is_one_clear_error(tmp_path):
         pytest.skip("vllm is installed here")
     from accelerate import PartialState
 
-    from train.prepare import regeneration_model
+    from train.regeneration import regeneration_model
 
     recipe = _share_recipe(tmp_path, "x.jsonl")
     recipe.regenerate.use_vllm = True

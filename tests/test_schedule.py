@@ -14,7 +14,7 @@ from conftest import make_tiny_model
 
 from drafters.base import Proposal
 from drafters.dspark import DSparkConfig, DSparkDrafter
-from inference.engine.costs import CostProfile, profile_costs
+from inference.engine.costs import CostProfile
 from inference.engine.schedule import (
     PrefixScheduler,
     StaticThreshold,
@@ -26,6 +26,7 @@ from inference.engine.schedule import (
 )
 from inference.engine.target import TargetModel
 from inference.engine.verify import acceptance_probability, residual_distribution
+from inference.evaluation.profile import profile_costs
 
 
 def test_threshold_cuts_at_the_first_survival_below():

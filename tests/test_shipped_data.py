@@ -15,8 +15,8 @@ from accelerate import PartialState
 from train.cli import main as cli
 from train.config import load_recipe
 from train.data.dataset import build_dataset
-from train.prepare import regenerate_data, regenerate_share, regeneration_model
 from train.data.shipped import check, heldout_ids, histogram, read_lines, unpack_to_working, working_path
+from train.regeneration import regenerate_data, regenerate_share, regeneration_model
 
 RECIPE = str(Path(__file__).resolve().parent.parent / "recipes" / "debug" / "tiny_eagle3.yaml")
 

@@ -214,10 +214,9 @@ def test_hybrid_computes_the_first_epoch_and_reads_the_cache_after(workdir, tmp_
 
 
 def test_cache_checksum_and_stale_data_are_detected(workdir, tmp_path):
-    from train.features.cache import FeatureCache, FeatureProvider, cache_meta
-
     from drafters.base import FeatureRequest
     from inference.engine.target import TargetModel
+    from train.features.cache import FeatureCache, FeatureProvider, cache_meta
 
     target = TargetModel.from_pretrained(workdir[1])
     request = FeatureRequest(layer_ids=(1, 3), top_k_logits=4)  # top-k logits are served like hidden states
@@ -364,9 +363,9 @@ def test_debug_recipe_trains_evaluates_and_exports(tmp_path):
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert lines[-1]["eval/spec_tau"] >= 1.0 and os.path.isfile(tmp_path / "final" / "model.safetensors")
     # the trained drafter is lossless in the engine: greedy speculative output == plain greedy output
-    from inference.engine.generate import speculative_generate
-    from inference.engine.target import TargetModel
     from inference.assets.debug_target import resolve_debug_target
+    from inference.engine.api import speculative_generate
+    from inference.engine.target import TargetModel
 
     target = TargetModel.from_pretrained(resolve_debug_target("debug:tiny-llama"))
     drafter = load_drafter(str(tmp_path / "final"), target.target_info())

@@ -19,7 +19,7 @@ from conftest import joint_counts
 from test_contract import FACTORIES, NUM_DRAFTS, SAMPLING, build, exact_joint, tiny_target
 
 from drafters.base import DraftContext
-from inference.engine.generate import speculative_generate, tree_speculative_generate
+from inference.engine.api import speculative_generate, tree_speculative_generate
 from inference.engine.tree.draft import DraftTree, chain_tree, ddtree, dynamic_tree
 from inference.engine.tree.rounds import grow_tree
 from inference.engine.tree.target import path_features, tree_extend

@@ -13,16 +13,20 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import set_seed
 
 from drafters import DRAFTERS
+from inference.assets.store import resolve_target
 from inference.engine.target import TargetModel, resolve_dtype
-from train.fit.checkpoint import load_checkpoint, resolve_resume
 from train.config import Derived, Recipe, TrainConfig, derive, recipe_to_dict, save_recipe
 from train.data.dataset import build_dataset
+from train.data.vocab import count_tokens
 from train.features.cache import FeatureCache, FeatureProvider, cache_meta, training_request
+from train.features.placement import check_sharding_supported, shard_target
+from train.features.stream import StreamDir, StreamedEvalFeatures, StreamedFeatures, StreamPlan
+from train.features.vllm_features import head_target
+from train.fit.checkpoint import load_checkpoint, resolve_resume
 from train.fit.launch import PRECISION_ENV, fill_deepspeed_config, process_group_kwargs, resolve_mixed_precision
 from train.fit.loop import RunClock, Trainer
 from train.fit.metrics import flat_config, load_eval_prompts
 from train.fit.optim import build_optimizer, build_scheduler, schedule_position
-from train.data.vocab import count_tokens
 
 
 def use_cpu() -> bool:
@@ -69,13 +73,8 @@ def load_target(recipe: Recipe, device, *, whole: bool = False, num_processes: i
     to `device` a shard at a time, so the whole of it never sits on the device."""
     dtype = resolve_dtype(recipe.target.dtype, device)
     if recipe.target.placement == "served" and not whole:  # features come from the cache: only the head is needed here
-        from inference.assets.store import resolve_target
-        from train.features.vllm_features import head_target
-
         return head_target(resolve_target(recipe.target.name_or_path), dtype, device)
     if shards_target(recipe, num_processes) and not whole:
-        from train.features.placement import check_sharding_supported
-
         check_sharding_supported()
         device = "cpu"
     return TargetModel.from_pretrained(recipe.target.name_or_path, dtype=dtype, device=device)
@@ -110,8 +109,6 @@ def place_target(recipe: Recipe, target: TargetModel, drafter: torch.nn.Module,
     lm_head, final norm) stays whole for the drafter to compute with. A no-op unless the target is sharded."""
     if not shards_target(recipe, state.num_processes):
         return drafter
-    from train.features.placement import shard_target
-
     shard_target(target, state.num_processes, state.device, drafter)
     return drafter.to(target.device)
 
@@ -135,8 +132,6 @@ def feature_provider(recipe: Recipe, split: str, target: TargetModel, request, n
         raise ValueError(f"features.cache_dir must be set for features.mode={mode}")
     meta = feature_meta(recipe, target, request, num_samples)
     if mode == "streamed":
-        from train.features.stream import StreamDir, StreamedEvalFeatures, StreamedFeatures, StreamPlan
-
         stream, settings = StreamDir(recipe.features.cache_dir), recipe.features.stream
         if split == "eval":
             cache = FeatureCache(os.path.join(recipe.features.cache_dir, split), meta, rank=rank)

@@ -25,6 +25,7 @@ import yaml
 from drafters import DRAFTERS
 from drafters.configs import coerce, from_dict, to_dict
 from train.data.dataset import DataConfig, check_sources
+from train.data.regenerate import RegenerateConfig
 from train.recipe_checks import check_launch, check_numbers, check_placement, check_settings, check_stream
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -88,28 +89,6 @@ class FeaturesConfig:
     extractor: Literal["hf", "vllm"] = "hf"
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
-
-
-@dataclass(kw_only=True)
-class RegenerateConfig:
-    """`draftsmith prepare` answers `num_conversations` conversations of data.path with the target itself
-    (train/data/regenerate.py) and writes them to data.regenerated_path, which training then reads. Sampling:
-    temperature (0 = greedy), top_p, top_k (0 = off) and min_p (0 = off), as vLLM and SGLang take them.
-    unique_prompts: drop a conversation whose first user turn repeats an earlier one's in the seeded order (ShareGPT
-    repeats 7% of its first turns, one of them 123 times in 10,000) before taking num_conversations."""
-
-    num_conversations: int | None = None
-    unique_prompts: bool = False
-    heldout_conversations: int = 0  # a .jsonl.gz regenerated_path's manifest holds out its first N answered ones
-    max_new_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    batch_size: int = 16
-    max_prompt_tokens: int = 2048
-    seed: int = 0
-    use_vllm: bool = False
 
 
 @dataclass(kw_only=True)

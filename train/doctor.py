@@ -35,12 +35,12 @@ import sys
 import torch
 
 from drafters import DRAFTERS, checkpoint_kind, load_drafter
+from inference.engine.api import speculative_generate
+from inference.engine.target import TargetModel, default_device
 from inference.evaluation.chat_template import check_chat_template, parse_template_kwargs, render_prompt
-from inference.engine.generate import speculative_generate
 from inference.evaluation.metrics import acceptance_counts
 from inference.evaluation.prompts import load_questions
 from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings
-from inference.engine.target import TargetModel, default_device
 from train import serve_check
 
 MIN_GAIN = 0.10  # first-position acceptance over the random copy's

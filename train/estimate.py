@@ -29,9 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.engine.target import LOGIT_CHUNK_VALUES
+from drafters.layers import FrozenTargetTensors
+from drafters.step_memory import step_peak_parts, step_shape
+from inference.engine.target import LOGIT_CHUNK_VALUES, synchronize
+from train.build import build_drafter, build_trainer, load_data, load_target, process_state
 from train.config import Recipe, load_recipe, recipe_parser
 from train.data.dataset import check_sources
+from train.features.cache import FeatureProvider, make_batch, sample_lengths
+from train.features.placement import PLACEMENTS, engine_bytes_per_gpu, fitting_placement, target_bytes_per_gpu
+from train.fit.launch import PRECISION_ENV, resolve_mixed_precision
 
 NUM_TIMED_BATCHES = 2
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
@@ -111,9 +117,6 @@ def steps_per_hour(seconds_per_step: float) -> float:
 
 def measure_throughput(target, dataset, request, batch_size: int, pad_token_id: int) -> float:
     """Feature tokens per second of the target on the first batches of `dataset` (one warm-up batch untimed)."""
-    from inference.engine.target import synchronize
-    from train.features.cache import FeatureProvider, make_batch
-
     provider = FeatureProvider("online", target, request)
     num_batches = min(NUM_TIMED_BATCHES + 1, max(1, len(dataset) // batch_size))
     tokens, seconds = 0, 0.0
@@ -147,8 +150,6 @@ def saved_tensor_storages(run) -> dict[int, int]:
 def activation_bytes(saved: dict[int, int], *modules: torch.nn.Module) -> int:
     """Bytes of the saved storages that are activations: not the parameters or buffers of `modules`, nor the target
     tensors a drafter keeps copies of (memory_plan counts those as weights)."""
-    from drafters.layers import FrozenTargetTensors
-
     weights = {t.untyped_storage().data_ptr() for module in modules
                for t in (*module.parameters(), *module.buffers())}
     weights |= {t.untyped_storage().data_ptr() for module in modules for sub in module.modules()
@@ -160,8 +161,6 @@ def activation_bytes(saved: dict[int, int], *modules: torch.nn.Module) -> int:
 def target_copy_values(drafter: torch.nn.Module) -> int:
     """Values of target tensors the drafter copied into its own dtype (drafters.layers.FrozenTargetTensors, found
     generically; none under autocast or beside a target of its dtype; 0 before the first forward, i.e. the probe)."""
-    from drafters.layers import FrozenTargetTensors
-
     return sum(t.numel() for module in drafter.modules() for attribute in vars(module).values()
                if isinstance(attribute, FrozenTargetTensors) for t in attribute._copies.values())
 
@@ -179,10 +178,6 @@ def probe(recipe_path: str, overrides: list[str], num_steps: int, output_dir: st
     """Build the run as `train` would (online features, no trackers, no resume, outputs in output_dir), train one
     micro-batch of the longest samples (warm-up, and the activation measurement), then time num_steps optimizer
     steps with the drafter's full config (the last phase). Returns (Probe, trainer)."""
-    from inference.engine.target import synchronize
-    from train.build import build_trainer
-    from train.features.cache import make_batch, sample_lengths
-
     recipe = load_recipe(recipe_path, [*overrides, "features.mode=online", "features.cache_dir=null",
                                        "target.placement=replicated",
                                        "logging.trackers=[]", "train.resume_from=null", f"output.dir={output_dir}"])
@@ -233,8 +228,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_cache_estimate(recipe: Recipe, target, data, request, num_processes: int, device) -> None:
-    from train.features.cache import sample_lengths
-
     layer_ids = request.layer_ids
     dtype = target.feature_dtype(recipe.features.dtype)
     info = target.target_info()
@@ -257,8 +250,6 @@ def recipe_sizes(recipe: Recipe, target, drafter: torch.nn.Module, activation_by
                  measured_precision: str) -> RecipeSizes:
     """The sizes memory_plan needs, read off the loaded target and drafter (the target's dtype and the mixed
     precision as on a GPU; activation_bytes were measured under `measured_precision`)."""
-    from train.fit.launch import PRECISION_ENV, resolve_mixed_precision
-
     info = target.target_info()
     request = drafter.feature_request()
     gpu_dtype = torch.bfloat16 if recipe.target.dtype == "auto" else getattr(torch, recipe.target.dtype)
@@ -297,8 +288,6 @@ def print_memory(sizes: RecipeSizes, world_size: int, recipe: Recipe) -> None:
 def print_step_peak(recipe: Recipe, drafter: torch.nn.Module) -> int | None:
     """One training step's peak (drafters/step_memory.py) for the recipe's micro-batch at data.max_length; None for a
     drafter the model does not cover."""
-    from drafters.step_memory import step_peak_parts, step_shape
-
     shape = step_shape(drafter, recipe.data.max_length, recipe.train.batch_size, recipe.train.activation_checkpointing)
     if shape is None:
         return None
@@ -314,8 +303,6 @@ def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_by
                      gpu_source: str) -> str | None:
     """Target memory per GPU under each target.placement, the DDP total with it, and the first placement that fits
     in gpu_bytes (returned)."""
-    from train.features.placement import PLACEMENTS, engine_bytes_per_gpu, fitting_placement, target_bytes_per_gpu
-
     rest = memory_plan(sizes, "ddp", world_size)
     rest = rest["total"] - rest["target weights"]
     shape = dict(params=sizes.target_params, bytes_per_param=sizes.target_bytes_per_param,
@@ -346,8 +333,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe_steps < 1:
         raise ValueError(f"--probe-steps must be >= 1, got {args.probe_steps}")
     gpu = gpu_memory(args.gpu_memory_gib)
-    from train.build import build_drafter, load_data, load_target, process_state
-
     state = process_state(recipe)
     world_size = state.num_processes if args.world_size is None else args.world_size
     drafter_state_bytes(0, "ddp", world_size)  # checks --world-size before anything is loaded

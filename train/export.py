@@ -30,6 +30,7 @@ from drafters import DRAFTERS, check_drafter_spec, check_trained_for, checkpoint
 from drafters.files import replace_directory
 from inference.assets.store import hub_name, target_config
 from inference.engine.target import TargetModel
+from train.config import load_recipe
 from train.fit.checkpoint import is_training_checkpoint, load_trained_drafter
 
 
@@ -62,8 +63,6 @@ def checkpoint_facts(directory: str) -> tuple[str, str | None, dict]:
     alone: a training checkpoint's recipe.yaml and target.json, or a drafter checkpoint's config.json (the native
     header, or a speculators verifier, which records no sizes)."""
     if is_training_checkpoint(directory):
-        from train.config import load_recipe
-
         recipe = load_recipe(os.path.join(directory, "recipe.yaml"))
         sizes_path = os.path.join(directory, "target.json")
         sizes = read_json(sizes_path) if os.path.isfile(sizes_path) else {}

@@ -9,14 +9,18 @@ the cache it writes is the same format either way, so training cannot either.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from accelerate import PartialState
 
-from train.build import build_drafter, load_data, load_target
+from train.build import build_drafter, feature_meta, feature_provider, load_data, load_target
 from train.config import Recipe
 from train.features.cache import write_cache
+from train.features.stream import StreamDir
+from train.features.stream_producer import run_producer
+from train.features.vllm_features import vllm_extractor, vllm_head
 
 # (cache, dataset, indices or None for this rank's whole share, progress bar) -> samples written
 Extract = Callable[[Any, Any, "list[int] | None", bool], int]
@@ -47,8 +51,6 @@ class FeatureSource:
 def feature_source(recipe: Recipe, state: PartialState) -> FeatureSource:
     """The recipe's feature source for this process: the one place features.extractor is read."""
     if recipe.features.extractor == "vllm":
-        from train.features.vllm_features import vllm_extractor, vllm_head
-
         target, rank, ranks = vllm_head(recipe, state)
         make_writer = vllm_extractor
     else:
@@ -72,10 +74,6 @@ def hf_extractor(recipe: Recipe, state: PartialState, target, request, datasets,
 def produce(recipe, state, stop: threading.Event | None = None) -> int:
     """`draftsmith prepare` for a streamed recipe: this process's eval share, then its shards of the train split
     until the trainer is done (or `stop` is set), from the recipe's feature source. Returns the shards written."""
-    from train.build import feature_meta, feature_provider
-    from train.features.stream import StreamDir
-    from train.features.stream_producer import run_producer
-
     source = feature_source(recipe, state)
     eval_cache = feature_provider(recipe, "eval", source.target, source.request, len(source.data.eval),
                                   source.rank).cache

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from drafters import Drafter
 from drafters.base import NATIVE_KIND_KEY
+from inference.engine.api import speculative_generate
+from inference.evaluation.metrics import acceptance_counts
 
 METHODS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark", "mtp": "mtp", "medusa": "medusa"}
 TOLERANCE = 0.10
@@ -70,9 +72,6 @@ def served_k(drafter: Drafter, k_asked: int) -> int:
 
 
 def ours(target, drafter: Drafter, prompts: list[list[int]], k: int, max_new_tokens: int) -> Served:
-    from inference.engine.generate import speculative_generate
-    from inference.evaluation.metrics import acceptance_counts
-
     out = speculative_generate(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=max_new_tokens,
                                eos_token_ids=list(target.target_info().eos_token_ids))
     counts = acceptance_counts(out)

@@ -23,12 +23,12 @@ import torch
 
 from drafters import load_drafter
 from inference.engine.adaptive import AdaptiveK
-from inference.engine.costs import profile_costs
+from inference.engine.api import speculative_generate
+from inference.engine.target import TargetModel
 from inference.evaluation.eval import environment, render_prompt
 from inference.evaluation.methods import AUTO_MAX_DRAFT_TOKENS
-from inference.engine.generate import speculative_generate
+from inference.evaluation.profile import profile_costs
 from inference.evaluation.prompts import load_questions
-from inference.engine.target import TargetModel
 
 
 def decode_rate(out) -> float:

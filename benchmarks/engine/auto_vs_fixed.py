@@ -3,13 +3,13 @@
     OMP_NUM_THREADS=1 python benchmarks/engine/auto_vs_fixed.py --drafter ngram --num-prompts 16 --max-new-tokens 128 \\
         --ks 1,2,3,4 --repeats 3 --out docs/results/auto_vs_fixed_ngram.json
 
-The drafter's cost profile is measured once (inference/engine/costs.profile_costs, batch 1, the first prompt) and
+The drafter's cost profile is measured once (inference/evaluation/profile.profile_costs, batch 1, the first prompt) and
 one AdaptiveK serves every request, as in `draftsmith eval`. MT-Bench first turns (chat template), greedy, the
 target's EOS. Each repeat runs every prompt with AR, every fixed k and auto back to back, so a drift of the machine's
 load hits them alike; reported per method: the median over repeats of (AR decode seconds) / (its decode seconds)
 over all prompts (prefill excluded), tau, and auto's chosen widths.
 Replayed: the same greedy continuations replayed through each policy with the profile's costs in place of the clock
-(inference/engine/replay.py; exact for the n-gram drafter), a deterministic speedup beside the measured one.
+(benchmarks/engine/replay.py; exact for the n-gram drafter), a deterministic speedup beside the measured one.
 """
 
 from __future__ import annotations
@@ -17,19 +17,23 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 import torch
 
+from benchmarks.engine.replay import Replay, replay
 from drafters import load_drafter
 from inference.engine.adaptive import AdaptiveK
-from inference.engine.costs import profile_costs
-from inference.engine.generate import speculative_generate
+from inference.engine.api import speculative_generate
 from inference.engine.policy import FixedWidth
-from inference.engine.replay import Replay, replay
 from inference.engine.target import TargetModel
 from inference.evaluation.eval import environment
 from inference.evaluation.methods import AUTO_MAX_DRAFT_TOKENS
+from inference.evaluation.profile import profile_costs
 from inference.evaluation.prompts import load_questions
 
 

@@ -23,11 +23,11 @@ from transformers import AutoModelForCausalLM
 from drafters import DraftModelDrafter, NgramDrafter
 from drafters.draft_model import DraftModelConfig
 from inference.assets.store import make_truncated_draft_model, resolve_target
+from inference.engine.api import speculative_generate
+from inference.engine.target import TargetModel
 from inference.evaluation.eval import environment, render_prompt
-from inference.engine.generate import speculative_generate
 from inference.evaluation.metrics import build_record, merge_outputs
 from inference.evaluation.prompts import load_questions
-from inference.engine.target import TargetModel
 
 
 def encode_prompts(tokenizer, num_prompts: int) -> list[list[int]]:

@@ -11,10 +11,10 @@ import copy
 
 import torch
 
-from inference.evaluation.eval import render_prompt
-from inference.engine.generate import speculative_generate
-from inference.evaluation.prompts import load_questions
+from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel
+from inference.evaluation.eval import render_prompt
+from inference.evaluation.prompts import load_questions
 
 KEPT_LAYERS = [list(range(2)), list(range(6)), list(range(12)), [0, 1, 28, 29], [0, 1, 2, 3, 27, 28, 29],
                list(range(6)) + [26, 27, 28, 29], list(range(10)) + [27, 28, 29]]

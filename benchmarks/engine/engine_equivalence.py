@@ -27,13 +27,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from test_contract import KINDS, SAMPLING, build, tiny_target  # noqa: E402
 
 from inference.engine.adaptive import AdaptiveK  # noqa: E402
-from inference.engine.generate import speculative_generate  # noqa: E402
 from inference.engine.schedule import PrefixScheduler, StaticThreshold  # noqa: E402
 
 try:
-    from inference.engine.generate import tree_speculative_generate
-except ImportError:  # the engine before its loop was rebuilt
-    from inference.engine.tree.generate import tree_speculative_generate
+    from inference.engine.api import speculative_generate, tree_speculative_generate
+except ImportError:  # the engine before its facades left the loop module
+    from inference.engine.generate import speculative_generate, tree_speculative_generate
 
 PROMPTS = {1: [[5, 6, 7, 8, 9, 10]], 3: [[5, 6, 7, 8, 9, 10], [20, 21], [30, 3, 17, 5]]}  # ids < 32: the T = 1 vocab
 

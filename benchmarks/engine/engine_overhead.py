@@ -26,10 +26,9 @@ import torch
 from transformers import DynamicCache
 
 from drafters.base import FeatureRequest
-from inference.evaluation.eval import environment
 from inference.engine.rounds import verify_chain
 from inference.engine.target import TargetModel, synchronize
-from inference.engine.verify import sampling_probs
+from inference.evaluation.eval import environment
 
 
 def timed(device, fn) -> float:
@@ -64,7 +63,7 @@ def measure(target: TargetModel, context: int, max_k: int, repeats: int, request
             num_valid = torch.full((1,), k, dtype=torch.long, device=device)
             engine_time = timed(device, lambda: verify_chain(
                 target, block=block, drafts=block[:, 1:], num_valid=num_valid, request=request, active=active,
-                pick=lambda x: sampling_probs(x, 0.0), generator=gen))
+                generator=gen))
             target.keep_after(mark, torch.zeros(1, dtype=torch.long, device=device))
             if attempt:
                 bare[k].append(bare_time)

@@ -9,16 +9,20 @@ them), the median of `--steps` decode steps after `--context` prompt tokens, the
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
 import drafters.ragged_state as ragged_state
+from benchmarks.measure import write_measurement
 from inference.engine.cpu import CpuBackend
 from inference.engine.target import TargetModel
-from inference.evaluation.eval import write_measurement
 
 ROOMY = ragged_state.FamilyState.new_cache
 

@@ -19,18 +19,19 @@ only): on a machine loaded by other work it leaves out the time the scheduler gi
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 import torch
-
-from inference.evaluation.eval import write_measurement
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.measure import add_timing_arguments, timing_clock, write_measurement
 from inference.engine.cpu import fastpath, kernels
-from inference.engine.cpu.machine import add_timing_arguments, timing_clock
 from inference.engine.roofline import stream_bandwidth
-from inference.evaluation.eval import write_measurement
 
 
 def layer_weights(model) -> list[torch.Tensor]:

@@ -17,13 +17,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks.measure import write_measurement
 from drafters import load_drafter
 from inference.engine.cpu import CpuBackend
 from inference.engine.generate import decode
 from inference.engine.policy import FixedWidth
 from inference.engine.rounds import ChainRounds
 from inference.engine.target import TargetModel
-from inference.evaluation.eval import render_prompt, write_measurement
+from inference.evaluation.eval import render_prompt
 from inference.evaluation.prompts import load_questions
 
 

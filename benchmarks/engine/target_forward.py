@@ -15,15 +15,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 import torch
 
+from benchmarks.measure import add_timing_arguments, timing_clock, write_measurement
 from inference.engine.cpu import CpuBackend
-from inference.engine.cpu.machine import add_timing_arguments, timing_clock
 from inference.engine.roofline import stream_bandwidth, weight_bytes
 from inference.engine.target import TargetModel
-from inference.evaluation.eval import write_measurement
 
 
 def time_widths(targets: dict, widths: list[int], repeats: int, context: int, clock=time.perf_counter) -> dict:

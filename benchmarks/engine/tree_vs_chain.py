@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+
 import torch
 
 from drafters import load_drafter
+from inference.engine.api import speculative_generate, tree_speculative_generate
+from inference.engine.target import TargetModel
 from inference.evaluation.eval import environment, render_prompt
-from inference.engine.generate import speculative_generate, tree_speculative_generate
 from inference.evaluation.metrics import build_record, merge_outputs, tokens_per_second
 from inference.evaluation.prompts import load_questions
-from inference.engine.target import TargetModel
 
 DRAFTERS = {"eagle3": "runs/bench/E_cold/final", "dflash": "runs/bench/D_dflash/final",
             "dspark": "runs/bench/D_dspark/final"}

@@ -95,7 +95,7 @@ def hf_greedy(target, prompts: list[list[int]], new_tokens: int) -> list[list[in
 def in_process(ctx: Context, drafters: dict[str, str]) -> tuple[dict, list[str]]:
     """bf16, batched: each drafter against plain greedy, plain greedy against HF generate, one sampled run each."""
     from drafters import load_drafter
-    from inference.engine.generate import speculative_generate
+    from inference.engine.api import speculative_generate
     from inference.engine.target import TargetModel
     from inference.evaluation.lossless import NEAR_TIE_ULPS
     from train.fit.metrics import load_eval_prompts

@@ -42,7 +42,7 @@ def hf_tokens_per_s(ctx: Context, target, rows: list[list[int]]) -> float:
 
 def engine_tokens_per_s(ctx: Context, target, rows: list[list[int]]) -> float:
     """Plain greedy decoding (k = 0) through the engine: the baseline of every speedup."""
-    from inference.engine.generate import speculative_generate
+    from inference.engine.api import speculative_generate
 
     speculative_generate(target, None, rows, num_draft_tokens=0, max_new_tokens=2, eos_token_ids=[])  # warm-up
     synchronize(ctx.device)
@@ -56,7 +56,7 @@ def engine_tokens_per_s(ctx: Context, target, rows: list[list[int]]) -> float:
 def cost_curve(ctx: Context, target) -> dict:
     """profile_costs with an untrained EAGLE-3 placed as eval places a drafter (TargetModel.serve)."""
     from drafters import DRAFTERS
-    from inference.engine.costs import profile_costs
+    from inference.evaluation.profile import profile_costs
 
     kind, config = drafter_config(ctx.repo_path("recipes/llama3.1-8b/eagle3.yaml"),
                                   CPU_OVERRIDES["eagle3"] if ctx.cpu else None)

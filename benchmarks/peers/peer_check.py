@@ -122,9 +122,9 @@ def serve(args) -> list[dict]:
     import torch
 
     from drafters import load_drafter
+    from inference.engine.target import TargetModel
     from inference.evaluation.eval import render_prompt
     from inference.evaluation.prompts import load_questions
-    from inference.engine.target import TargetModel
 
     target = TargetModel.from_pretrained(args.target, dtype=torch.float32)
     _, questions = load_questions(args.prompts, num_prompts=args.num_prompts)
@@ -138,7 +138,7 @@ def serve(args) -> list[dict]:
 
 
 def _serve_drafter(drafter, checkpoint: str, target, prompts: list, args) -> list[dict]:
-    from inference.engine.generate import speculative_generate
+    from inference.engine.api import speculative_generate
     from inference.evaluation.metrics import acceptance_counts
 
     method, formats = SERVED[drafter.kind]

@@ -150,7 +150,7 @@ class VllmWorker:
 
 # ---- our side -------------------------------------------------------------------------------------------------
 def ours_pass(target, drafter, prompts: list[list[int]], k: int, max_new_tokens: int) -> dict:
-    from inference.engine.generate import speculative_generate
+    from inference.engine.api import speculative_generate
     from inference.evaluation.metrics import acceptance_counts
 
     eos = list(target.target_info().eos_token_ids)
@@ -258,7 +258,7 @@ def main(argv=None) -> int:
                    "drafter_path": target.path if target.drafter_kernels(drafter) is not None else "hf",
                    "load_1min": os.getloadavg()[0], "torch": torch.__version__,
                    "transformers": transformers.__version__, "vllm": vllm.__version__})
-    from inference.evaluation.eval import write_measurement
+    from benchmarks.measure import write_measurement
 
     write_measurement(args.out, result)
     print(f"AR tok/s: ours {result['ar_tokens_per_s_ours']:.1f}, vLLM {result['ar_tokens_per_s_vllm']:.1f}")

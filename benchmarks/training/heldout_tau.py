@@ -33,7 +33,7 @@ def first_turns(target, prompts: str, num_prompts: int | None) -> list[str]:
 
 def decode(target, drafter, prompts: list[str], k: int, max_new_tokens: int) -> dict:
     """Greedy speculative decoding of `prompts`: tau, rounds and accepted drafts per position."""
-    from inference.engine.generate import speculative_generate
+    from inference.engine.api import speculative_generate
     from inference.evaluation.metrics import acceptance_counts
 
     counts = acceptance_counts(speculative_generate(target, drafter, prompts, num_draft_tokens=k,

@@ -61,8 +61,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.measure import write_measurement
     from inference.engine.target import TargetModel
-    from inference.evaluation.eval import write_measurement
     from train.fit.checkpoint import load_trained_drafter
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,6 +1,6 @@
 """Adaptive proposal length: a width policy that chooses how many drafts each round proposes, k = 0 included.
 
-    costs = profile_costs(target, drafter, prompts, max_width=7)          # inference/engine/costs.py, at start-up
+    costs = profile_costs(target, drafter, prompts, max_width=7)          # inference/evaluation/profile.py, at start-up
     out = speculative_generate(target, drafter, prompts, num_draft_tokens=7, max_new_tokens=128,
                                adaptive=AdaptiveK(costs))
 

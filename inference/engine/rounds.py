@@ -21,7 +21,7 @@ import torch
 
 from drafters.base import DraftContext, select_rows
 from inference.engine.run import Draft, Verdict
-from inference.engine.verify import greedy_verify, sample_verify
+from inference.engine.verify import GREEDY, Sampling, greedy_verify, sample_verify
 
 
 def commit_context(target, block: torch.Tensor, num_accepted: torch.Tensor, active: torch.Tensor,
@@ -45,16 +45,16 @@ def roll_back(target, mark: int, num_accepted: torch.Tensor, active: torch.Tenso
 
 
 def verify_chain(target, *, block: torch.Tensor, drafts: torch.Tensor, num_valid: torch.Tensor, request,
-                 active: torch.Tensor, draft_probs=None, pick=None, temperature: float = 0.0, generator=None):
+                 active: torch.Tensor, draft_probs=None, sampling: Sampling = GREEDY, generator=None):
     """One target forward over block [B, W + 1] = [last token, drafts], the accept decision and the rollback:
-    greedy at temperature 0, else min(1, p/q) over pick(logits) (the run's warped distribution) with draft_probs q.
-    Returns (num_accepted [B], new_tokens [B], served features of the block)."""
+    greedy at temperature 0, else min(1, p/q) over sampling.probs(logits) (the run's warped distribution) with
+    draft_probs q. Returns (num_accepted [B], new_tokens [B], served features of the block)."""
     mark = target.mark()
     logits, served = target.extend(block, request)
-    if temperature == 0:
+    if sampling.greedy:
         num_accepted, new_tokens = greedy_verify(drafts, logits, num_valid)
     else:
-        num_accepted, new_tokens = sample_verify(drafts, draft_probs, pick(logits), num_valid, generator)
+        num_accepted, new_tokens = sample_verify(drafts, draft_probs, sampling.probs(logits), num_valid, generator)
     return num_accepted, new_tokens, roll_back(target, mark, num_accepted, active, request, served)
 
 
@@ -96,14 +96,13 @@ class ChainRounds:
         block = torch.cat([run.next_tokens[:, None], draft.tokens], dim=1)  # [B, width + 1]
         num_accepted, new_tokens, served = verify_chain(
             run.target, block=block, drafts=draft.tokens, num_valid=draft.num_valid, request=run.request,
-            active=run.active, draft_probs=draft.probs, pick=run.pick, temperature=run.temperature,
-            generator=run.generator)
+            active=run.active, draft_probs=draft.probs, sampling=run.sampling, generator=run.generator)
         return Verdict(num_accepted, new_tokens, draft.tokens, block, served)
 
     def commit(self, run, draft: Draft, verdict: Verdict, was_active: torch.Tensor) -> None:
         context = commit_context(run.target, verdict.block, verdict.num_accepted, was_active,
                                  next_tokens=verdict.new_tokens, generator=run.draft_generator,
-                                 temperature=run.temperature, **verdict.served)
+                                 temperature=run.sampling.temperature, **verdict.served)
         if draft.width > 0:
             run.clock.run("draft", run.drafter.commit, verdict.num_accepted, context)
         else:

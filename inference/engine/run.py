@@ -1,8 +1,8 @@
 """One generation's state and the steps every round shares: start, drop finished rows, record, emit, finish.
 
 The loop (inference/engine/generate.py) owns the order; a round strategy (inference/engine/rounds.py, tree/rounds.py)
-reads and writes this state: the target and drafter, the feature request, the clock, the target's sampling rule
-(`pick`) and the two random streams, the running rows (`active`, `next_tokens`, `index`) and the output.
+reads and writes this state: the target and drafter, the feature request, the clock, the target's sampling
+settings (`sampling`) and the two random streams, the running rows (`active`, `next_tokens`, `index`) and the output.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from drafters.base import DraftContext, FeatureRequest
 from inference.engine.target import synchronize
-from inference.engine.verify import sampling_probs
+from inference.engine.verify import Sampling
 
 
 @dataclass
@@ -132,25 +132,21 @@ class Run:
     """One generation: `start` prefills, samples every row's first token and begins the drafter; the loop then
     calls `drop_finished`, `record` and `emit` once per round and `finish` at the end."""
 
-    def __init__(self, target, drafter, policy, *, temperature: float, top_p: float, top_k: int, seed: int,
-                 eos_token_ids, max_new_tokens: int, timed: bool = True):
+    def __init__(self, target, drafter, policy, sampling: Sampling, *, eos_token_ids, max_new_tokens: int,
+                 timed: bool = True):
         self.target, self.policy, self.device = target, policy, target.device
         self.drafting = drafter is not None and policy.max_width > 0
         self.drafter = drafter if self.drafting else None
         self.request = drafter.feature_request() if self.drafting else FeatureRequest()
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.sampling = sampling
         self.max_new_tokens = max_new_tokens
         self.eos = {int(e) for e in (eos_token_ids if eos_token_ids is not None
                                      else target.target_info().eos_token_ids)}
         # The target's sampling stream and the drafter's: independent of each other, both from one seed.
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.draft_generator = torch.Generator(device=self.device).manual_seed(seed + 1_000_003)
+        self.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        self.draft_generator = torch.Generator(device=self.device).manual_seed(sampling.seed + 1_000_003)
         self.clock = Clock(self.device, timed=timed or policy.needs_timing)
         self.started = time.perf_counter()
-
-    def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """The target's own sampling rule (temperature, top-k, top-p), also the k = 0 path's."""
-        return sampling_probs(logits, self.temperature, self.top_k, self.top_p)
 
     def start(self, prompts: list[list[int]], rounds) -> None:
         """Left-pad the prompts (with an EOS id), prefill, sample and emit every row's first token, begin the
@@ -160,8 +156,8 @@ class Run:
         input_ids, attention_mask = left_pad(prompts, min(self.eos) if self.eos else 0)
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         logits, served = self.clock.run("prefill", self.target.prefill, input_ids, attention_mask, self.request)
-        probs = self.pick(logits[:, -1])
-        self.next_tokens = probs.argmax(-1) if self.temperature == 0 else torch.multinomial(
+        probs = self.sampling.probs(logits[:, -1])  # the target's own rule, also the k = 0 path's
+        self.next_tokens = probs.argmax(-1) if self.sampling.greedy else torch.multinomial(
             probs, 1, generator=self.generator).squeeze(-1)
         batch = len(prompts)
         self.out = GenerateOutput([[] for _ in range(batch)], [[] for _ in range(batch)], [[] for _ in range(batch)],
@@ -177,7 +173,8 @@ class Run:
         if self.drafting:
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             context = DraftContext(input_ids, attention_mask.bool(), positions, next_tokens=self.next_tokens,
-                                   generator=self.draft_generator, temperature=self.temperature, **served)
+                                   generator=self.draft_generator, temperature=self.sampling.temperature,
+                                   **served)
             self.clock.run("prefill", self.drafter.begin, context)
             self.policy.start(batch)
         rounds.begin(self)

@@ -1,6 +1,6 @@
 """Confidence-scheduled verification: how many of its drafts each row of a batch sends to the target.
 
-    costs = profile_costs(target, drafter, prompts, max_width=7)          # inference/engine/costs.py, at start-up
+    costs = profile_costs(target, drafter, prompts, max_width=7)          # inference/evaluation/profile.py, at start-up
     out = speculative_generate(target, drafter, prompts, num_draft_tokens=7, max_new_tokens=128,
                                schedule=PrefixScheduler(costs))          # or StaticThreshold(0.5)
 
@@ -101,7 +101,7 @@ class PrefixScheduler:
                 self._warned = True
             return threshold_lengths(survival, self.fallback_threshold)
         if self.cost is None:
-            raise ValueError("the prefix scheduler has no cost profile (inference/engine/costs.profile_costs)")
+            raise ValueError("the prefix scheduler has no cost profile (inference/evaluation/profile.profile_costs)")
         return prefix_schedule(survival, lambda tokens: draft_seconds + self.cost.verify_by_tokens(tokens), num_rows)
 
     @property
@@ -144,7 +144,7 @@ def parse_schedule_specs(text: str) -> list[str]:
 
 def build_schedules(specs: list[str]) -> list[tuple[str, object]]:
     """(name, schedule or None for fixed) per spec; "scheduler" gets its cost profile per drafter and batch size
-    later (inference/evaluation/methods.Method.use_costs)."""
+    later (inference/evaluation/methods.Method.profiled)."""
     built = []
     for spec in specs:
         if spec == "fixed":

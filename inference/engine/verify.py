@@ -13,7 +13,39 @@ token from the residual norm(max(p - q, 0)); if all are accepted emit a bonus to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the target samples its tokens, one value through the engine: temperature (0 = greedy), top-k (0 = off),
+    top-p (1 = off) and the seed of the run's two random streams (the target's and the drafter's)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's distribution under these settings (`sampling_probs`)."""
+        return sampling_probs(logits, self.temperature, self.top_k, self.top_p)
+
+
+GREEDY = Sampling()
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

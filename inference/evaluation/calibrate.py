@@ -25,11 +25,11 @@ import torch
 from drafters import load_drafter
 from drafters.calibration import NUM_BINS, TEMPERATURE_GRID, calibration_report, check_rounds, fit_sts
 from drafters.files import write_json_atomic
+from inference.engine.api import speculative_generate
+from inference.engine.target import TargetModel, default_device
 from inference.evaluation.chat_template import check_chat_template, parse_template_kwargs, render_prompt
 from inference.evaluation.eval import check_drafters, load_prompt_sets
 from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings, check_at_least, split
-from inference.engine.generate import speculative_generate
-from inference.engine.target import TargetModel, default_device
 
 
 def build_parser() -> argparse.ArgumentParser:

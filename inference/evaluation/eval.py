@@ -32,23 +32,27 @@ import transformers
 from tqdm import tqdm
 
 from drafters import check_drafter_spec
-from drafters.files import write_json_atomic
 from inference.assets.store import target_config
-from inference.engine.costs import profile_costs
-from inference.evaluation.chat_template import (check_chat_template, parse_template_kwargs, render_prompt,
-                                                trained_mode_mismatch)
+from inference.engine.costs import CostProfile
+from inference.engine.cpu import CpuBackend, cpu_flags, cpu_model
 from inference.engine.generate import GenerateOutput
-from inference.evaluation.methods import Method, generate, load_methods
+from inference.engine.roofline import stream_bandwidth, weight_bytes
+from inference.engine.schedule import build_schedules, parse_schedule_specs
+from inference.engine.target import TargetModel, default_device
+from inference.engine.tree.draft import check_budget
+from inference.evaluation.chat_template import (
+    check_chat_template,
+    parse_template_kwargs,
+    render_prompt,
+    trained_mode_mismatch,
+)
 from inference.evaluation.lossless import divergence_gaps, summarize
+from inference.evaluation.methods import Method, generate, load_methods
 from inference.evaluation.metrics import annotate_recommendations, build_record, merge_outputs
+from inference.evaluation.profile import profile_costs
 from inference.evaluation.prompts import load_questions, select_spread
 from inference.evaluation.report import format_table, read_appendable, write_report
 from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings, check_at_least, numbers, split
-from inference.engine.schedule import build_schedules, parse_schedule_specs
-from inference.engine.cpu import CpuBackend, cpu_flags, cpu_model
-from inference.engine.roofline import stream_bandwidth, weight_bytes
-from inference.engine.target import TargetModel, default_device
-from inference.engine.tree.draft import check_budget
 
 WARMUP_TOKENS = 4
 
@@ -151,12 +155,6 @@ def environment(device: torch.device, dtype: torch.dtype = torch.float32) -> dic
     if device.type != "cpu" and hasattr(backend, "get_device_name"):
         env["accelerator"] = backend.get_device_name(device)
     return env
-
-
-def write_measurement(path: str, result: dict, device="cpu") -> None:
-    """A benchmark's JSON, written atomically, with the machine it was measured on under "environment" (CPU
-    model, ISA flags, threads, versions)."""
-    write_json_atomic(path, {**result, "environment": environment(torch.device(device))}, indent=1)
 
 
 @dataclass
@@ -278,26 +276,22 @@ def warm_up(target, methods: list[Method], questions: list, settings: EvalSettin
     for method in [Method("none", None, 0)] + methods:
         if id(method.drafter) not in seen:
             seen.add(id(method.drafter))
-            generate(target, method, prompt, max_new_tokens=min(WARMUP_TOKENS, settings.max_new_tokens),
+            generate(target, method.unprofiled(), prompt, max_new_tokens=min(WARMUP_TOKENS, settings.max_new_tokens),
                      eos_token_ids=eos)
 
 
 def profile_drafters(target, methods: list[Method], questions: list, settings: EvalSettings,
-                     batch_size: int) -> dict:
-    """Cost profile of every drafter at this batch size (inference/engine/costs.profile_costs, on the first question
-    repeated batch_size times) up to its widest method; gives it to each method (auto's AdaptiveK, the prefix
-    scheduler). Returns {id(drafter): the profile in AR steps and seconds} for the records."""
+                     batch_size: int) -> dict[int, CostProfile]:
+    """Cost profile of every drafter at this batch size (inference/evaluation/profile.profile_costs, on the first
+    question repeated batch_size times) up to its widest chain method: {id(drafter): profile}."""
     prompt = render_prompt(target.tokenizer, questions[0].turns[:1], [], not settings.no_chat_template,
                            settings.chat_template_kwargs)
     widest: dict[int, tuple] = {}
     for method in (m for m in methods if m.tree_budget is None):  # trees need no chain profile
         previous = widest.get(id(method.drafter), (method.drafter, 0))[1]
         widest[id(method.drafter)] = (method.drafter, max(previous, method.num_draft_tokens))
-    curves = {key: profile_costs(target, drafter, [prompt] * batch_size, width)
-              for key, (drafter, width) in widest.items()}
-    for method in (m for m in methods if m.tree_budget is None):
-        method.use_costs(curves[id(method.drafter)])
-    return {key: curve.to_dict() for key, curve in curves.items()}
+    return {key: profile_costs(target, drafter, [prompt] * batch_size, width)
+            for key, (drafter, width) in widest.items()}
 
 
 def evaluate(settings: EvalSettings, target, methods: list[Method], prompt_sets: list, sink) -> list[dict]:
@@ -313,13 +307,15 @@ def evaluate(settings: EvalSettings, target, methods: list[Method], prompt_sets:
     records = []
     with tqdm(total=total, desc="draftsmith eval", unit="turn", file=sys.stderr) as progress:
         for batch_size in settings.batch_size:
-            profiles = profile_drafters(target, methods, prompt_sets[0][1], settings, batch_size) if methods else {}
+            curves = profile_drafters(target, methods, prompt_sets[0][1], settings, batch_size) if methods else {}
+            profiles = {key: curve.to_dict() for key, curve in curves.items()}  # for the records
+            runnable = [m.profiled(curves[id(m.drafter)]) if m.needs_costs else m for m in methods]
             for dataset, questions in prompt_sets:
                 for temperature in settings.temperature:
-                    every = [Method("none", None, 0)] + methods
+                    every = [Method("none", None, 0)] + runnable
                     results = run_methods(target, every, questions, settings, temperature, batch_size, progress,
                                           [partial(sink, dataset, method, temperature) for method in every])
-                    runs = list(zip(methods, results[1:]))
+                    runs = list(zip(runnable, results[1:]))
                     records += dataset_records(target, dataset, questions, runs, results[0], temperature,
                                                batch_size, env, profiles, roofline)
     annotate_recommendations(records)

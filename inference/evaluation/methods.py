@@ -9,39 +9,53 @@ from dataclasses import dataclass, replace
 
 from drafters import Drafter, load_drafter
 from inference.engine.adaptive import AdaptiveK
+from inference.engine.api import speculative_generate, tree_speculative_generate
 from inference.engine.costs import CostProfile
-from inference.engine.generate import GenerateOutput, speculative_generate, tree_speculative_generate
+from inference.engine.generate import GenerateOutput
 from inference.engine.schedule import PrefixScheduler
 from inference.engine.target import TargetModel
 
 AUTO_MAX_DRAFT_TOKENS = 8  # the widest round `auto` may choose for a drafter without a limit of its own
 
 
-@dataclass
+@dataclass(frozen=True)
 class Method:
-    """One thing to evaluate: a drafter (None = plain AR) at one k, or at run-time k up to num_draft_tokens."""
+    """One thing to evaluate: a drafter (None = plain AR) at one k, or at run-time k up to num_draft_tokens.
+
+    `auto` and the prefix scheduler decide from the drafter's measured costs, so such a method runs only once
+    `profiled` has built it over the cost profile of the batch size about to run (eval profiles first, then builds
+    the methods it runs); until then `unprofiled` is what the warm-up runs."""
 
     name: str
     drafter: Drafter | None
     num_draft_tokens: int
     schedule: object = None  # inference/engine/schedule.py; None = every proposal verified in full
-    auto: bool = False  # k chosen per round (inference/engine/adaptive.py); `adaptive` is set per batch size
-    adaptive: AdaptiveK | None = None
+    auto: bool = False  # k chosen per round (inference/engine/adaptive.py)
     tree_budget: int | None = None  # verify draft trees of this many nodes (num_draft_tokens = budget - 1)
+    adaptive: AdaptiveK | None = None  # auto's policy over one batch size's profile (`profiled`)
 
     @property
     def label(self):
         """The record's num_draft_tokens: k, or "auto"."""
         return "auto" if self.auto else self.num_draft_tokens
 
-    def use_costs(self, costs: CostProfile) -> None:
-        """The drafter's cost profile at the batch size about to run: `auto` gets a fresh AdaptiveK over it, the
-        prefix scheduler its verify cost. Until then (the warm-up) an auto method proposes its largest k and a
-        scheduler method runs unscheduled."""
-        if self.auto:
-            self.adaptive = AdaptiveK(costs, max_width=self.num_draft_tokens)
-        if isinstance(self.schedule, PrefixScheduler):
-            self.schedule = replace(self.schedule, cost=costs)
+    @property
+    def needs_costs(self) -> bool:
+        return self.tree_budget is None and (self.auto or isinstance(self.schedule, PrefixScheduler))
+
+    def profiled(self, costs: CostProfile) -> "Method":
+        """This method over the drafter's cost profile at one batch size: `auto` gets its AdaptiveK (one per batch
+        size, carried across that batch size's calls), the prefix scheduler its verify cost."""
+        if not self.needs_costs:
+            return self
+        schedule = replace(self.schedule, cost=costs) if isinstance(self.schedule, PrefixScheduler) else self.schedule
+        adaptive = AdaptiveK(costs, max_width=self.num_draft_tokens) if self.auto else None
+        return replace(self, schedule=schedule, adaptive=adaptive)
+
+    def unprofiled(self) -> "Method":
+        """What runs before any profile (the warm-up): the largest k, the prefix scheduler off."""
+        schedule = None if isinstance(self.schedule, PrefixScheduler) else self.schedule
+        return replace(self, auto=False, schedule=schedule, adaptive=None)
 
 
 def generate(target, method: Method, prompts: list[list[int]], **options) -> GenerateOutput:
@@ -49,8 +63,11 @@ def generate(target, method: Method, prompts: list[list[int]], **options) -> Gen
     if method.tree_budget is not None:
         return tree_speculative_generate(target, method.drafter, prompts, tree_budget=method.tree_budget, **options)
     unprofiled = isinstance(method.schedule, PrefixScheduler) and method.schedule.cost is None
+    if unprofiled or (method.auto and method.adaptive is None):
+        raise ValueError(f"method {method.name!r} ({'auto' if method.auto else 'scheduler'}) decides from the "
+                         "drafter's costs: build it with Method.profiled(profile_costs(...)) first")
     return speculative_generate(target, method.drafter, prompts, num_draft_tokens=method.num_draft_tokens,
-                                schedule=None if unprofiled else method.schedule, adaptive=method.adaptive, **options)
+                                schedule=method.schedule, adaptive=method.adaptive, **options)
 
 
 def load_methods(names: list[str], target: TargetModel, ks: list, tree_budgets: list[int] = ()) -> list[Method]:

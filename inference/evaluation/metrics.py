@@ -277,8 +277,8 @@ def annotate_recommendations(records: list[dict]) -> None:
 
     Records are grouped by (dataset, category, drafter, temperature, batch size); each group uses p from its fixed-k
     record with the largest k, and d(k), v(k) from the drafter's cost profile (measured on this machine at every
-    width at this batch size, `cost_profile`, inference/adaptive.profile_costs) when the records carry one, else from
-    the group's own records. predicted_speedup is the calibration's prediction for the record's k, to set beside the
+    width at this batch size, `cost_profile`, inference/evaluation/profile.profile_costs) when the records carry
+    one, else from the group's own records. predicted_speedup is the calibration's prediction for the record's k, to set beside the
     measured speedup; an adaptive record gets the prediction of the recommended k (the best fixed k, 1.0 for k = 0).
     """
     groups: dict[tuple, list[dict]] = {}

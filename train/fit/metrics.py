@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from accelerate.utils import reduce
 
-from inference.engine.generate import speculative_generate
+from inference.engine.api import speculative_generate
 from inference.evaluation.chat_template import render_text
 from inference.evaluation.metrics import accept_length_mean, acceptance_counts
 from inference.evaluation.prompts import load_questions

@@ -24,25 +24,3 @@ def cpu_flags() -> list[str]:
     """The ISA_FLAGS this CPU has (x86 `flags`, Arm `Features`), in ISA_FLAGS order."""
     present = set((_cpuinfo_field("flags") or _cpuinfo_field("Features") or "").split())
     return [flag for flag in ISA_FLAGS if flag in present]
-
-
-def add_timing_arguments(parser, repeats: int = 15) -> None:
-    """The flags every timing benchmark shares: --threads, --repeats, --clock (wall | cpu), --out."""
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=repeats)
-    parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
-                        help="cpu: this thread's CPU seconds (1 thread only), which a loaded machine's scheduling "
-                             "does not inflate; wall: elapsed seconds")
-    parser.add_argument("--out", default=None)
-
-
-def timing_clock(args, parser):
-    """Sets torch's threads to --threads and returns the clock --clock names (a parser error for cpu with threads)."""
-    import time
-
-    import torch
-
-    if args.clock == "cpu" and args.threads != 1:
-        parser.error("--clock cpu measures one thread: use it with --threads 1")
-    torch.set_num_threads(args.threads)
-    return time.thread_time if args.clock == "cpu" else time.perf_counter

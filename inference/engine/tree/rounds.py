@@ -68,10 +68,10 @@ class TreeRounds:
         target, tree, request = run.target, draft.tree, run.request
         mark = target.mark()
         logits, served = tree_extend(target, tree, request)
-        if run.temperature == 0:
+        if run.sampling.greedy:
             path, num_accepted, new_tokens = greedy_tree_verify(tree, logits)
         else:
-            path, num_accepted, new_tokens = sample_tree_verify(tree, run.pick(logits), run.generator)
+            path, num_accepted, new_tokens = sample_tree_verify(tree, run.sampling.probs(logits), run.generator)
         target.keep_path(mark, path, torch.where(run.active, num_accepted + 1, torch.zeros_like(num_accepted)))
         features = path_features(served, path)
         if request.kv_layers:  # read after compaction: the cache a chain accepting the same path would leave
@@ -82,5 +82,5 @@ class TreeRounds:
     def commit(self, run, draft: Draft, verdict: Verdict, was_active: torch.Tensor) -> None:
         context = commit_context(run.target, verdict.block, verdict.num_accepted, was_active,
                                  next_tokens=verdict.new_tokens, generator=run.draft_generator,
-                                 temperature=run.temperature, **verdict.served)
+                                 temperature=run.sampling.temperature, **verdict.served)
         run.clock.run("draft", run.drafter.commit, verdict.num_accepted, context)
