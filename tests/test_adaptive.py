@@ -298,3 +298,29 @@ def test_profiled_costs_never_fall_with_the_width():
     assert costs.max_width == 3 and costs.draft_seconds[0] == 0.0
     for curve in (costs.draft_seconds, costs.verify_seconds):
         assert list(curve) == sorted(curve)
+
+
+def test_an_auto_or_scheduler_method_runs_only_once_built_over_a_profile():
+    """eval profiles first, then builds the methods that decide from costs (Method.profiled): one that was never
+    profiled is refused in one line instead of running unscheduled; its warm-up stand-in is the largest k."""
+    from inference.engine.schedule import PrefixScheduler
+    from inference.evaluation.methods import Method, generate
+
+    target = TargetModel(make_tiny_model("llama"))
+    drafter = _draft_model(target, make_tiny_model("llama", seed=1, num_layers=1))
+    prompts = random_prompts(1, seed=6)
+    for method in (Method("auto", drafter, 3, auto=True), Method("sched", drafter, 3, PrefixScheduler(None))):
+        with pytest.raises(ValueError, match="decides from the drafter's costs: build it with Method.profiled"):
+            generate(target, method, prompts, max_new_tokens=4)
+        warm = method.unprofiled()
+        assert (warm.auto, warm.schedule, warm.adaptive) == (False, None, None)
+        assert generate(target, warm, prompts, max_new_tokens=4, eos_token_ids=[]).chosen[0] == [3, 3, 3]
+    auto = Method("auto", drafter, 3, auto=True).profiled(chain_costs(3))
+    assert isinstance(auto.adaptive, AdaptiveK) and auto.adaptive.max_width == 3
+    out = generate(target, auto, prompts, max_new_tokens=8, eos_token_ids=[])
+    assert out.adaptive and out.tokens == speculative_generate(target, None, prompts, num_draft_tokens=0,
+                                                               max_new_tokens=8, eos_token_ids=[]).tokens
+    scheduled = Method("sched", drafter, 3, PrefixScheduler(None)).profiled(chain_costs(3))
+    assert scheduled.schedule.cost == chain_costs(3)
+    fixed = Method("k", drafter, 3)
+    assert fixed.profiled(chain_costs(3)) is fixed

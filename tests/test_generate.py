@@ -190,3 +190,35 @@ def test_engine_serves_the_feature_request():
     assert sequence[length - len(block): length] == block  # the committed block ends the kept sequence
     with pytest.raises(ValueError, match="kv_layers"):
         target.check_request(FeatureRequest(kv_layers=(2,)))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_facades_run_untimed_rounds_with_the_same_tokens(temperature):
+    """timed=False (api.py): no phase clock, so every time_* phase is 0, and the same tokens and acceptance."""
+    from inference.engine.api import tree_speculative_generate
+
+    target = TargetModel(make_tiny_model("llama"))
+    drafter = _drafters(target, make_tiny_model("llama", seed=5, num_layers=1))["draft_model"]
+    prompts = random_prompts(2, seed=3)
+    for call, options in ((speculative_generate, {"num_draft_tokens": 3}), (tree_speculative_generate,
+                                                                             {"tree_budget": 4})):
+        runs = [call(target, drafter, prompts, max_new_tokens=12, temperature=temperature, seed=7, timed=timed,
+                     **options) for timed in (True, False)]
+        assert runs[0].tokens == runs[1].tokens and runs[0].accept_lengths == runs[1].accept_lengths
+        assert runs[0].time_verify > 0
+        assert runs[1].time_draft == runs[1].time_verify == runs[1].time_prefill == 0.0
+
+
+@pytest.mark.parametrize("field, value, message", [("temperature", -0.5, "temperature must be >= 0"),
+                                                   ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+                                                   ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+                                                   ("top_k", -1, "top_k must be >= 0")])
+def test_sampling_settings_are_refused_before_the_prefill(field, value, message):
+    from inference.engine.verify import Sampling
+
+    with pytest.raises(ValueError, match=message):
+        Sampling(**{field: value})
+    target = TargetModel(make_tiny_model("llama"))
+    with pytest.raises(ValueError, match=message):
+        speculative_generate(target, None, random_prompts(1, seed=1), num_draft_tokens=0, max_new_tokens=4,
+                             **{field: value})
