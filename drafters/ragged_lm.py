@@ -63,13 +63,16 @@ class RaggedLM:
         self.family.clear()
 
     @torch.no_grad()
-    def extend(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+    def extend(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None, logits_to_keep: int = 0,
+               taps=None) -> torch.Tensor:
         """Feed a block of tokens to every row and return its logits.
 
         Args:
             input_ids: [B, S] new tokens; the first call is the prefill (left padding allowed).
             valid: [B, S] bool; False marks padding slots that never become part of the sequence.
             logits_to_keep: 0 for logits at every position, n for the last n only (a prefill needs one).
+            taps: what the caller records of this forward, handed to the block forward (the model's own forward
+                is recorded by the caller's hooks).
         Returns:
             logits [B, S, V] (float32), or [B, n, V].
         """
@@ -95,7 +98,7 @@ class RaggedLM:
         try:
             if self.block_forward is not None and not prefill:
                 return self.block_forward.forward(input_ids.to(self.device), position_ids, self.slot_mask, self.cache,
-                                         logits_to_keep).float()
+                                                  logits_to_keep, taps=taps).float()
             out = self.model(
                 input_ids=input_ids.to(self.device),
                 attention_mask=self.family.attention_mask(self.slot_mask, position_ids),
@@ -110,12 +113,12 @@ class RaggedLM:
 
     @torch.no_grad()
     def extend_tree(self, input_ids: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor,
-                    parents: torch.Tensor) -> torch.Tensor:
+                    parents: torch.Tensor, taps=None) -> torch.Tensor:
         """Feed N nodes of a tree after each row's sequence in one forward (the cache must hold a prefill): node i
         sees the row's valid slots, then its ancestors and itself (ancestors [B, N, N] bool), at position length +
         depth[b, i]; linear-attention layers step each node from its parent's state (parents [B, N], -1 = the root's
         parent is the sequence). Every root-to-node path computes what the same tokens fed as a chain would.
-        Returns logits [B, N, V] (float32)."""
+        taps: as `extend`'s. Returns logits [B, N, V] (float32)."""
         if self.slot_mask is None:
             raise ValueError("a tree forward needs a prefilled cache (call prefill first)")
         kernel = getattr(self.model.config, "_attn_implementation", "eager") or "eager"
@@ -129,7 +132,7 @@ class RaggedLM:
         try:
             if self.block_forward is not None:  # full attention only: one mask tensor in the form SDPA reads
                 return self.block_forward.forward(input_ids.to(self.device), position_ids, self.slot_mask, self.cache,
-                                         mask=mask).float()
+                                                  mask=mask, taps=taps).float()
             out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask, position_ids=position_ids,
                              use_cache=True, **{self.cache_arg: self.cache})
         finally:

@@ -114,7 +114,8 @@ def test_logits_over_the_live_ragged_cache_equal_a_reference_recomputed_from_scr
     _, served = target.prefill(ids, mask, request)
     gen = torch.Generator().manual_seed(0)
     bonus = torch.randint(3, 250, (len(prompts),), generator=gen)
-    drafter.begin(DraftContext(ids, mask.bool(), (mask.cumsum(-1) - 1).clamp(min=0), next_tokens=bonus, **served))
+    drafter.begin(DraftContext(ids, mask.bool(), (mask.cumsum(-1) - 1).clamp(min=0), next_tokens=bonus,
+                               **served.context()))
     sequences = [list(p) for p in prompts]
     saw_holes = False
     for step in range(len(schedule[0])):
@@ -128,7 +129,7 @@ def test_logits_over_the_live_ragged_cache_equal_a_reference_recomputed_from_scr
         mark = target.mark()
         _, served = target.extend(block, request)
         target.keep_after(mark, accepted + 1)
-        served.update(target.kv_view(request.kv_layers))
+        served = served.with_kv(target.kv_view(request.kv_layers))
         slots = target.runner.slot_mask
         saw_holes |= bool((slots[:, :-1] > slots[:, 1:]).any())  # a dropped slot followed by a kept one
         for row in range(len(prompts)):
@@ -136,7 +137,7 @@ def test_logits_over_the_live_ragged_cache_equal_a_reference_recomputed_from_scr
         valid = torch.arange(NUM_DRAFTS + 1)[None] <= accepted[:, None]
         positions = target.runner.lengths[:, None] - valid.long().sum(-1, keepdim=True) + torch.arange(NUM_DRAFTS + 1)
         bonus = torch.randint(3, 250, (len(prompts),), generator=gen)
-        drafter.commit(accepted, DraftContext(block, valid, positions, next_tokens=bonus, **served))
+        drafter.commit(accepted, DraftContext(block, valid, positions, next_tokens=bonus, **served.context()))
     assert saw_holes, "the schedule must leave holes in the ragged cache"
 
 
@@ -149,7 +150,7 @@ def test_propose_never_changes_the_live_target_cache():
     mask = (prompt != 0).long()
     _, served = target.prefill(prompt, mask, request)
     drafter.begin(DraftContext(prompt, mask.bool(), (mask.cumsum(-1) - 1).clamp(min=0),
-                               next_tokens=torch.tensor([4, 5]), **served))
+                               next_tokens=torch.tensor([4, 5]), **served.context()))
     layers = target.runner.cache.layers
     before = [(layer.keys.clone(), layer.values.clone(), layer.keys._version, layer.values._version)
               for layer in layers]
@@ -176,7 +177,7 @@ def test_training_kv_capture_equals_the_engine_cache(arch):
     for row, length in enumerate((6, 3)):
         _, engine = target.prefill(ids[row : row + 1, :length], mask[row : row + 1, :length], request)
         for layer in (0, 3):
-            for ours, theirs in zip(served[layer], engine["target_kv"][layer]):
+            for ours, theirs in zip(served[layer], engine.target_kv[layer]):
                 torch.testing.assert_close(ours[row, :, :length], theirs[0].float(), rtol=1e-6, atol=1e-6)
                 assert not ours[row, :, length:].any()
 
@@ -282,7 +283,7 @@ def test_gemma4_assistant_drafts_equal_transformers_forward(tmp_path):
     _, served = target.prefill(prompt, torch.ones_like(prompt), drafter.feature_request())
     next_token = torch.tensor([50])
     drafter.begin(DraftContext(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.arange(9)[None],
-                               next_tokens=next_token, **served))
+                               next_tokens=next_token, **served.context()))
     drafts, logits, _ = drafter.draft_logits(NUM_DRAFTS)
 
     out = target.model(input_ids=prompt, output_hidden_states=True, return_shared_kv_states=True)

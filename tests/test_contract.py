@@ -191,7 +191,7 @@ def decode_with_forced_accepts(target, drafter, prompts, schedules, seed=0):
     _, served = target.prefill(ids, mask, request)
     bonus = torch.randint(3, 250, (len(prompts),), generator=gen)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    drafter.begin(DraftContext(ids, mask.bool(), positions, next_tokens=bonus, **served))
+    drafter.begin(DraftContext(ids, mask.bool(), positions, next_tokens=bonus, **served.context()))
     sequences = [list(p) for p in prompts]
     rounds = [[] for _ in prompts]
     for step in range(len(schedules[0])):
@@ -208,7 +208,7 @@ def decode_with_forced_accepts(target, drafter, prompts, schedules, seed=0):
                 rounds[row].append((len(sequences[row]), proposal.tokens[row].tolist(), int(accepted[row])))
                 sequences[row] += block[row, : int(accepted[row]) + 1].tolist()
         bonus = torch.where(active, new_bonus, bonus)
-        drafter.commit(accepted, commit_context(target, block, accepted, active, next_tokens=bonus, **served))
+        drafter.commit(accepted, commit_context(target, block, accepted, active, next_tokens=bonus, **served.context()))
     for row in range(len(prompts)):  # the last bonus, then room for the deepest prediction of the last round
         sequences[row] += [int(bonus[row])] + torch.randint(3, 250, (NUM_DRAFTS + 1,), generator=gen).tolist()
     return sequences, rounds
@@ -317,7 +317,7 @@ def test_save_load_gives_identical_proposals_and_logits(kind, tmp_path):
     for candidate in (drafter, loaded):
         _, served = target.prefill(prompt, mask, candidate.feature_request())
         candidate.begin(DraftContext(prompt, mask.bool(), torch.arange(prompt.shape[1])[None],
-                                     next_tokens=torch.tensor([33]), **served))
+                                     next_tokens=torch.tensor([33]), **served.context()))
         proposals.append(candidate.propose(NUM_DRAFTS))
     assert torch.equal(proposals[0].tokens, proposals[1].tokens)
     if trainable(drafter):
@@ -356,7 +356,7 @@ def test_propose_refuses_more_than_max_draft_tokens(kind):
     prompt = torch.tensor([[5, 17, 33, 9]])
     _, served = target.prefill(prompt, torch.ones_like(prompt), drafter.feature_request())
     drafter.begin(DraftContext(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.arange(4)[None],
-                               next_tokens=torch.tensor([7]), **served))
+                               next_tokens=torch.tensor([7]), **served.context()))
     assert drafter.propose(limit).tokens.shape == (1, limit)
     with pytest.raises(ValueError, match=str(limit)):
         drafter.propose(limit + 1)

@@ -183,7 +183,7 @@ def test_teacher_forced_heads_equal_the_sequential_loop(head):
     _, served = target.prefill(ids, valid.long(), drafter.feature_request())
     generator = torch.Generator().manual_seed(0)
     drafter.begin(DraftContext(ids, valid, positions, next_tokens=torch.tensor(anchors), generator=generator,
-                               temperature=1.0, **served))
+                               temperature=1.0, **served.context()))
     proposal = drafter.propose(5)
     assert proposal.probs.shape == (2, 5, VOCAB) and proposal.confidence_logits.shape == (2, 5)
     for b in range(2):
@@ -238,7 +238,7 @@ def test_scheduled_round_is_exactly_lossless():
     _, served = target.prefill(prompt, torch.ones_like(prompt), drafter.feature_request())
     drafter.begin(DraftContext(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.arange(5)[None],
                                next_tokens=torch.tensor([2]), temperature=1.0,
-                               generator=torch.Generator().manual_seed(0), **served))
+                               generator=torch.Generator().manual_seed(0), **served.context()))
     captured = {}
     draw = drafter.draw_block
     drafter.draw_block = lambda hidden, anchor, *rest: captured.update(hidden=hidden) or draw(hidden, anchor, *rest)

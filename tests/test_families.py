@@ -206,7 +206,7 @@ def test_gemma4_assistant_past_four_windows_drafts_as_transformers_and_is_greedy
     _, served = target.prefill(prompt, torch.ones_like(prompt), drafter.feature_request())
     next_token = torch.tensor([50])
     drafter.begin(DraftContext(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.arange(length)[None],
-                               next_tokens=next_token, **served))
+                               next_tokens=next_token, **served.context()))
     drafts, logits, _ = drafter.draft_logits(3)
     out = target.model(input_ids=prompt, output_hidden_states=True, return_shared_kv_states=True)
     shared = dict(out.shared_kv_states)

@@ -45,12 +45,12 @@ def test_lean_blocks_and_features_are_within_float32_rounding_of_float64(arch, c
     torch.testing.assert_close(got, out.logits[:, 29:], rtol=TOL, atol=TOL * scale)
     for layer_id in (0, 1):  # layer i's input is hidden_states[i]
         want = out.hidden_states[layer_id][:, 30:]
-        got = torch.cat([f["hidden"][layer_id] for f in served], dim=1).double()
+        got = torch.cat([f.hidden[layer_id] for f in served], dim=1).double()
         torch.testing.assert_close(got, want, rtol=TOL, atol=TOL * float(want.abs().max()))
-    before_norm = torch.cat([f["hidden"][2] for f in served], dim=1)  # id 2 = the final norm's input
-    torch.testing.assert_close(lean.final_norm(before_norm), torch.cat([f["final_hidden"] for f in served], dim=1),
+    before_norm = torch.cat([f.hidden[2] for f in served], dim=1)  # id 2 = the final norm's input
+    torch.testing.assert_close(lean.final_norm(before_norm), torch.cat([f.final_hidden for f in served], dim=1),
                                rtol=TOL, atol=TOL)
-    final = torch.cat([f["final_hidden"] for f in served], dim=1).double()
+    final = torch.cat([f.final_hidden for f in served], dim=1).double()
     torch.testing.assert_close(final, out.hidden_states[-1][:, 30:], rtol=TOL,
                                atol=TOL * float(out.hidden_states[-1].abs().max()))
 

@@ -81,9 +81,9 @@ def test_depth_k_reads_the_hidden_state_before_the_anchor_and_predicts_k_plus_on
     _, served = target.prefill(prompt, torch.ones_like(prompt), drafter.feature_request())
     anchor_token = 77
     drafter.begin(DraftContext(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.arange(6)[None],
-                               next_tokens=torch.tensor([anchor_token]), **served))
+                               next_tokens=torch.tensor([anchor_token]), **served.context()))
     proposal = drafter.propose(3)
-    last_hidden = served["final_hidden"][0, -1]  # position 5, the one before the anchor (position 6)
+    last_hidden = served.final_hidden[0, -1]  # position 5, the one before the anchor (position 6)
     for k in range(3):
         assert int(proposal.tokens[0, k]) == int(naive_head(drafter, k, last_hidden).argmax())
     sequence = torch.cat([prompt, torch.tensor([[anchor_token]]), proposal.tokens], dim=1)  # drafts as ground truth

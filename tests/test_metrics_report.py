@@ -226,3 +226,31 @@ def test_weight_bytes_count_tied_weights_once_and_skip_an_untied_input_embedding
     assert weight_bytes(model) == sum(p.numel() * p.element_size() for p in model.parameters())
     assert weight_bytes(model) == every - embed.numel() * 8  # the head is the embedding now, counted once
     assert stream_bandwidth(nbytes=1 << 20, repeats=1) > 0
+
+
+def test_tau_interval_is_a_bootstrap_over_questions():
+    """Questions that all read the same tau give a zero-width interval at that tau; the interval holds the pooled tau
+    and stays inside the range of the questions' own taus; it narrows as questions are added; it is seeded (the same
+    report each run); under two questions there is none."""
+    from inference.evaluation.metrics import tau_interval
+
+    assert tau_interval([(10, 5), (20, 10), (4, 2)]) == [1.5, 1.5]
+    per_question = [(10, 2), (10, 9), (8, 1), (12, 10), (10, 5)]
+    low, high = tau_interval(per_question)
+    pooled = 1 + sum(a for _, a in per_question) / sum(r for r, _ in per_question)
+    assert 1 + 1 / 8 <= low < pooled < high <= 1 + 10 / 12
+    assert tau_interval(per_question) == [low, high]
+    wide = high - low
+    low4, high4 = tau_interval(per_question * 4)
+    assert high4 - low4 < wide
+    assert tau_interval([(10, 5)]) is None and tau_interval([(10, 5), (0, 0)]) is None
+
+
+def test_question_counts_follow_the_rows_of_each_call():
+    from inference.engine.run import GenerateOutput
+    from inference.evaluation.metrics import merge_counts, question_counts
+
+    first = GenerateOutput([[1], [2]], [[1, 2], [0]], [[3, 3], [3]], 3)  # rows answer questions 4 and 7
+    second = GenerateOutput([[1]], [[3, 3, 0]], [[3, 3, 3]], 3)  # question 4's second turn
+    assert question_counts(first, [4, 7]) == {4: [2, 3], 7: [1, 0]}
+    assert merge_counts([question_counts(first, [4, 7]), question_counts(second, [4])]) == {4: [5, 9], 7: [1, 0]}

@@ -154,7 +154,8 @@ def test_native_format_carries_the_vocabulary_and_other_layouts_refuse_it_naming
     for candidate in (drafter, loaded):
         _, served = target.prefill(prompt, torch.ones_like(prompt), candidate.feature_request())
         candidate.begin(DraftContext(prompt, torch.ones_like(prompt, dtype=torch.bool),
-                                     torch.arange(prompt.shape[1])[None], next_tokens=torch.tensor([33]), **served))
+                                     torch.arange(prompt.shape[1])[None], next_tokens=torch.tensor([33]),
+                                     **served.context()))
         proposals.append(candidate.propose(NUM_DRAFTS).tokens)
     assert torch.equal(proposals[0], proposals[1])
     for fmt, reader in (("speculators", "vLLM's speculators mtp reader"), ("deepseek_v3", "DeepSeek-V3 MTP loader")):

@@ -22,7 +22,7 @@ from drafters.base import DraftContext
 from inference.engine.api import speculative_generate, tree_speculative_generate
 from inference.engine.tree.draft import DraftTree, chain_tree, ddtree, dynamic_tree
 from inference.engine.tree.rounds import grow_tree
-from inference.engine.tree.target import path_features, tree_extend
+from inference.engine.tree.target import tree_extend
 from inference.engine.tree.verify import greedy_tree_verify, sample_tree_verify
 
 KINDS = sorted(FACTORIES)
@@ -92,7 +92,7 @@ def begun(kind: str, target, prompts: torch.Tensor, mask: torch.Tensor, sampling
     logits, served = target.prefill(prompts, mask, drafter.feature_request())
     next_tokens = logits[:, -1].argmax(-1)
     drafter.begin(DraftContext(prompts, mask.bool(), (mask.cumsum(-1) - 1).clamp(min=0), next_tokens=next_tokens,
-                               **served))
+                               **served.context()))
     return drafter, next_tokens
 
 
@@ -282,14 +282,14 @@ def test_commit_after_a_non_first_branch_equals_a_chain_commit(kind):
     next_tokens = logits[torch.arange(2)[:, None], path.clamp(min=0)].argmax(-1).gather(1, (keep - 1)[:, None])[:, 0]
     valid = path >= 0
     positions = (PROMPT_MASK.sum(-1)[:, None] + torch.arange(path.shape[1])).long()
-    features = path_features(served, path)
+    features = served.along(path)
     if request.kv_layers:  # as the engine serves them: read after compaction
-        features.update(trees.kv_view(request.kv_layers))
-    drafter.commit(keep - 1, DraftContext(block, valid, positions, next_tokens=next_tokens, **features))
+        features = features.with_kv(trees.kv_view(request.kv_layers))
+    drafter.commit(keep - 1, DraftContext(block, valid, positions, next_tokens=next_tokens, **features.context()))
     limit = twin.max_draft_tokens()
     twin.propose(tree.num_nodes - 1 if limit is None else min(tree.num_nodes - 1, limit))  # a chain round: propose,
     _, chain_served = chains.extend(block, request, valid=valid)  # verify the block plainly, commit
-    twin.commit(keep - 1, DraftContext(block, valid, positions, next_tokens=next_tokens, **chain_served))
+    twin.commit(keep - 1, DraftContext(block, valid, positions, next_tokens=next_tokens, **chain_served.context()))
     ours, theirs = drafter.propose(NUM_DRAFTS), twin.propose(NUM_DRAFTS)
     assert torch.equal(ours.tokens, theirs.tokens)
     if ours.log_probs is not None:

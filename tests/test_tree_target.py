@@ -13,7 +13,7 @@ from conftest import make_tiny_model
 from drafters.base import FeatureRequest
 from inference.engine.target import TargetModel
 from inference.engine.tree.draft import DraftTree
-from inference.engine.tree.target import path_features, tree_extend
+from inference.engine.tree.target import tree_extend
 
 # node:     0   1   2   3   4   5   6
 PARENTS = [-1, 0, 0, 1, 1, 3, 2]
@@ -89,9 +89,9 @@ def test_tree_logits_equal_each_path_fed_as_a_chain(arch, kernel):
                                                    request)
         torch.testing.assert_close(logits[:, node], chain_logits[:, -1], **logits_tolerance(kernel))
         for layer_id in (1, 2):
-            torch.testing.assert_close(served["hidden"][layer_id][:, node], chain_served["hidden"][layer_id][:, -1],
+            torch.testing.assert_close(served.hidden[layer_id][:, node], chain_served.hidden[layer_id][:, -1],
                                        **logits_tolerance(kernel))
-        torch.testing.assert_close(served["final_hidden"][:, node], chain_served["final_hidden"][:, -1],
+        torch.testing.assert_close(served.final_hidden[:, node], chain_served.final_hidden[:, -1],
                                    **logits_tolerance(kernel))
 
 
@@ -107,7 +107,7 @@ def test_compaction_leaves_the_cache_of_the_accepted_path(kernel):
     path = torch.tensor([[0, 1, 3, 5], [0, 2, -1, -1]])
     keep = torch.tensor([4, 2])
     target.keep_path(mark, path, keep)
-    features = path_features(served, path)
+    features = served.along(path)
     probe = torch.tensor([[40], [41]])
     logits, _ = target.extend(probe)
     for row, prompt in enumerate(prompts_for(kernel)):
@@ -116,7 +116,7 @@ def test_compaction_leaves_the_cache_of_the_accepted_path(kernel):
         plain_logits, plain_served = plain.extend(torch.tensor([prompt + kept]), request)
         expected, _ = plain.extend(probe[row : row + 1])
         torch.testing.assert_close(logits[row], expected[0], **logits_tolerance(kernel))
-        torch.testing.assert_close(features["hidden"][2][row, : keep[row]], plain_served["hidden"][2][0, len(prompt):],
+        torch.testing.assert_close(features.hidden[2][row, : keep[row]], plain_served.hidden[2][0, len(prompt):],
                                    **logits_tolerance(kernel))
     assert target.runner.lengths.tolist() == [len(p) + k + 1 for p, k in zip(prompts_for(kernel), keep.tolist())]
 
@@ -146,4 +146,4 @@ def test_a_tree_over_the_lean_forward_equals_each_path_fed_as_a_chain(arch, cpu_
                                                    request)
         scale = max(float(chain_logits.abs().max()), 1.0)
         torch.testing.assert_close(logits[:, node], chain_logits[:, -1], rtol=tol["rtol"], atol=tol["atol"] * scale)
-        torch.testing.assert_close(served["final_hidden"][:, node], chain_served["final_hidden"][:, -1], **tol)
+        torch.testing.assert_close(served.final_hidden[:, node], chain_served.final_hidden[:, -1], **tol)

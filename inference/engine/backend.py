@@ -10,7 +10,7 @@ graphs) is a sibling of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -20,13 +20,33 @@ OFF = "the lean forward is off"  # why no block forward, where the backend build
 
 
 @dataclass
+class Taps:
+    """The features one target forward records, whichever forward runs: the input hidden state of each layer id in
+    `ids` (vLLM's convention: id = number of layers is the final norm's input) and, when `last`, the normed final
+    hidden state. The model's own forward fills it through hooks (TargetModel.capture); a backend's block forward,
+    which calls no layer module, fills it through its `taps` argument. One record, one reader (TargetModel)."""
+
+    ids: frozenset
+    last: bool = False
+    values: dict = field(default_factory=dict)
+
+    def layer_input(self, layer_id: int, hidden) -> None:
+        if layer_id in self.ids:
+            self.values[layer_id] = hidden
+
+    def final(self, hidden) -> None:
+        if self.last:
+            self.values["last"] = hidden
+
+
+@dataclass
 class Prepared:
     """What a backend changed on a model; this base changed nothing (the model's own forward runs everything).
 
     path: which linears run ("hf", or the backend's name). block_forward: the forward of a block after the prefill,
-    `forward(input_ids, position_ids, slot_mask, cache, logits_to_keep=0, mask=None) -> logits` with `taps` it fills
-    (inference/engine/cpu/lean.py), or None. block_refused: why there is none (None when there is one). kernels: the
-    backend's record of what it chose, as data (None: nothing chosen)."""
+    `forward(input_ids, position_ids, slot_mask, cache, logits_to_keep=0, mask=None, taps=None) -> logits`, filling
+    `taps` (a `Taps`) as it goes (inference/engine/cpu/lean.py), or None. block_refused: why there is none (None
+    when there is one). kernels: the backend's record of what it chose, as data (None: nothing chosen)."""
 
     path: str = HF_PATH
     block_forward: Any = None

@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from drafters.base import DraftContext, select_rows
+from drafters.base import DraftContext, Served, select_rows
 from inference.engine.run import Draft, Verdict
 from inference.engine.verify import GREEDY, Sampling, greedy_verify, sample_verify
 
@@ -35,12 +35,13 @@ def commit_context(target, block: torch.Tensor, num_accepted: torch.Tensor, acti
     return DraftContext(block, valid, target.block_positions(valid), **features)
 
 
-def roll_back(target, mark: int, num_accepted: torch.Tensor, active: torch.Tensor, request, served: dict) -> dict:
+def roll_back(target, mark: int, num_accepted: torch.Tensor, active: torch.Tensor, request,
+              served: Served) -> Served:
     """Row b keeps its last emitted token and its accepted drafts of what was fed since `mark`, a finished row
     nothing; the served KV view is re-read, since the rollback changed the cache the drafter reads."""
     target.keep_after(mark, torch.where(active, num_accepted + 1, torch.zeros_like(num_accepted)))
     if request.kv_layers:
-        served.update(target.kv_view(request.kv_layers))
+        served = served.with_kv(target.kv_view(request.kv_layers))
     return served
 
 
@@ -102,7 +103,7 @@ class ChainRounds:
     def commit(self, run, draft: Draft, verdict: Verdict, was_active: torch.Tensor) -> None:
         context = commit_context(run.target, verdict.block, verdict.num_accepted, was_active,
                                  next_tokens=verdict.new_tokens, generator=run.draft_generator,
-                                 temperature=run.sampling.temperature, **verdict.served)
+                                 temperature=run.sampling.temperature, **verdict.served.context())
         if draft.width > 0:
             run.clock.run("draft", run.drafter.commit, verdict.num_accepted, context)
         else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.base import DraftContext, FeatureRequest
+from drafters.base import DraftContext, FeatureRequest, Served
 from inference.engine.target import synchronize
 from inference.engine.verify import Sampling
 
@@ -94,13 +94,13 @@ class Draft:
 class Verdict:
     """The target's answer: num_accepted [B]; new_tokens [B] (correction or bonus); drafts [B, W] the accepted
     drafts in order (a tree: along the accepted path); block [B, W + 1] what the target now holds of the round (the
-    last token, then `drafts`); served: the target's features of `block` as DraftContext keyword arguments."""
+    last token, then `drafts`); served: the target's features of `block` (drafters/base.py `Served`)."""
 
     num_accepted: torch.Tensor
     new_tokens: torch.Tensor
     drafts: torch.Tensor
     block: torch.Tensor
-    served: dict
+    served: Served
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +174,7 @@ class Run:
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             context = DraftContext(input_ids, attention_mask.bool(), positions, next_tokens=self.next_tokens,
                                    generator=self.draft_generator, temperature=self.sampling.temperature,
-                                   **served)
+                                   **served.context())
             self.clock.run("prefill", self.drafter.begin, context)
             self.policy.start(batch)
         rounds.begin(self)

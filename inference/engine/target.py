@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from drafters.base import FeatureRequest, TargetInfo
+from drafters.base import FeatureRequest, Served, TargetInfo
 from drafters.ragged_lm import RaggedLM
 from drafters.ragged_state import FamilyState
 from inference.assets.store import resolve_target
-from inference.engine.backend import HfBackend, Prepared
+from inference.engine.backend import HfBackend, Prepared, Taps
 
 LOGIT_CHUNK_VALUES = 1 << 26  # logits `features` holds at once without return_logits: 256 MiB in fp32
 
@@ -228,14 +228,16 @@ class TargetModel:
 
     @contextmanager
     def capture(self, layer_ids, want_last_hidden: bool = False):
-        """Yield a dict that fills with {id: [B, S, D]} (and "last" -> normed output) during forwards in the block."""
+        """Yield the Taps (inference/engine/backend.py) of the forwards in the block: {id: [B, S, D]} and, with
+        want_last_hidden, "last" -> the normed output. The model's own modules fill it through hooks; a block
+        forward, which calls none of them, is handed it by the caller (`extend`, `extend_tree`)."""
         self.check_layer_ids(layer_ids)
-        captured: dict = {}
+        taps = Taps(frozenset(int(i) for i in layer_ids), want_last_hidden)
         handles = []
 
-        def grab(key):
+        def grab(layer_id):
             def hook(module, args, kwargs):
-                captured[key] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                taps.layer_input(layer_id, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
 
             return hook
 
@@ -243,17 +245,12 @@ class TargetModel:
             module = self.layers[layer_id] if layer_id < self.num_layers else self.final_norm
             handles.append(module.register_forward_pre_hook(grab(int(layer_id)), with_kwargs=True))
         if want_last_hidden:
-            handles.append(self.final_norm.register_forward_hook(lambda m, a, out: captured.__setitem__("last", out)))
-        lean = self.prepared.block_forward  # it calls no layer module: it fills the same dict itself
-        if lean is not None:
-            lean.taps, lean.tap_ids, lean.tap_last = captured, frozenset(int(i) for i in layer_ids), want_last_hidden
+            handles.append(self.final_norm.register_forward_hook(lambda m, a, out: taps.final(out)))
         try:
-            yield captured
+            yield taps
         finally:
             for handle in handles:
                 handle.remove()
-            if lean is not None:
-                lean.taps = None
 
     @torch.no_grad()
     def features(self, input_ids, attention_mask, layer_ids, return_logits: bool = False,
@@ -270,9 +267,10 @@ class TargetModel:
         self.check_request(FeatureRequest(layer_ids=tuple(layer_ids), kv_layers=tuple(kv_layers)))
         cache = {self.runner.cache_arg: self.runner.family.new_cache()} if kv_layers else {}  # every slot kept
         keep = {} if return_logits else {"logits_to_keep": 1}
-        with self.capture(layer_ids, want_last_hidden=True) as captured:
+        with self.capture(layer_ids, want_last_hidden=True) as taps:
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=bool(kv_layers),
                                 **cache, **keep).logits
+        captured = taps.values
         hidden = {layer_id: captured[layer_id] for layer_id in layer_ids}
         kv = None
         if kv_layers:
@@ -291,7 +289,8 @@ class TargetModel:
         return argmax.view(last_hidden.shape[:-1])
 
     # ---- engine: KV-cached forwards ------------------------------------------------------------------------
-    def prefill(self, input_ids, attention_mask, request: FeatureRequest | None = None) -> tuple[torch.Tensor, dict]:
+    def prefill(self, input_ids, attention_mask,
+                request: FeatureRequest | None = None) -> tuple[torch.Tensor, Served]:
         """Start a generation: input_ids [B, S] left-padded, attention_mask [B, S].
         Returns logits [B, 1, V] at the last position (the only ones a generation needs) and the served features
         (see `extend`)."""
@@ -302,42 +301,38 @@ class TargetModel:
         return logits[:, -1:], served
 
     def extend(self, input_ids, request: FeatureRequest | None = None, valid=None,
-               logits_to_keep=0) -> tuple[torch.Tensor, dict]:
+               logits_to_keep=0) -> tuple[torch.Tensor, Served]:
         """Verify forward over a block [B, S] appended after each row's sequence.
 
         Returns:
-            logits [B, S, V] and the features `request` asks for, as DraftContext keyword arguments: hidden
-            {id: [B, S, D]}, final_hidden [B, S, D], top_k (values, ids) [B, S, k], target_kv {layer: (keys,
-            values)} with target_kv_valid [B, L]. The KV tensors are the live cache: read them before the next
-            forward.
+            logits [B, S, V] and the features `request` asks for (drafters/base.py `Served`: hidden {id: [B, S,
+            D]}, final_hidden [B, S, D], top_k (values, ids) [B, S, k], target_kv {layer: (keys, values)} with
+            target_kv_valid [B, L]). The KV tensors are the live cache: read them before the next forward.
         """
         request = request or FeatureRequest()
-        with self.capture(request.layer_ids, want_last_hidden=request.final_hidden) as captured:
-            logits = self.runner.extend(input_ids, valid, logits_to_keep)
-        served = self._served(request, captured, logits)
+        with self.capture(request.layer_ids, want_last_hidden=request.final_hidden) as taps:
+            logits = self.runner.extend(input_ids, valid, logits_to_keep, taps=taps)
+        served = self._served(request, taps.values, logits)
         if request.kv_layers:
-            served.update(self.kv_view(request.kv_layers))
+            served = served.with_kv(self.kv_view(request.kv_layers))
         return logits, served
 
     def extend_tree(self, input_ids, ancestors, depth, parents,
-                    request: FeatureRequest | None = None) -> tuple[torch.Tensor, dict]:
+                    request: FeatureRequest | None = None) -> tuple[torch.Tensor, Served]:
         """Verify forward over the N nodes of a tree [B, N] after each row's sequence (RaggedLM.extend_tree: node i
         sees its ancestors, at position length + depth). Returns logits [B, N, V] (row i: the target's distribution
         after the root-to-i path) and the features `request` asks for over the nodes, as `extend` serves them (no
         KV view: a tree's slots are not a sequence until `keep_path`)."""
         request = request or FeatureRequest()
-        with self.capture(request.layer_ids, want_last_hidden=request.final_hidden) as captured:
-            logits = self.runner.extend_tree(input_ids, ancestors, depth, parents)
-        return logits, self._served(request, captured, logits)
+        with self.capture(request.layer_ids, want_last_hidden=request.final_hidden) as taps:
+            logits = self.runner.extend_tree(input_ids, ancestors, depth, parents, taps=taps)
+        return logits, self._served(request, taps.values, logits)
 
     @staticmethod
-    def _served(request: FeatureRequest, captured: dict, logits: torch.Tensor) -> dict:
-        served: dict = {"hidden": {layer_id: captured[layer_id] for layer_id in request.layer_ids}}
-        if request.final_hidden:
-            served["final_hidden"] = captured["last"]
-        if request.top_k_logits:
-            served["top_k"] = tuple(logits.topk(request.top_k_logits, dim=-1))
-        return served
+    def _served(request: FeatureRequest, captured: dict, logits: torch.Tensor) -> Served:
+        return Served({layer_id: captured[layer_id] for layer_id in request.layer_ids},
+                      captured["last"] if request.final_hidden else None,
+                      tuple(logits.topk(request.top_k_logits, dim=-1)) if request.top_k_logits else None)
 
     def kv_view(self, kv_layers) -> dict:
         """The live KV cache of decoder layers `kv_layers`: target_kv {layer: (keys, values) [B, H_kv, L, d]} and

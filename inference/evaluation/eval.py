@@ -48,7 +48,13 @@ from inference.evaluation.chat_template import (
 )
 from inference.evaluation.lossless import divergence_gaps, summarize
 from inference.evaluation.methods import Method, generate, load_methods
-from inference.evaluation.metrics import annotate_recommendations, build_record, merge_outputs
+from inference.evaluation.metrics import (
+    annotate_recommendations,
+    build_record,
+    merge_counts,
+    merge_outputs,
+    question_counts,
+)
 from inference.evaluation.profile import profile_costs
 from inference.evaluation.prompts import load_questions, select_spread
 from inference.evaluation.report import format_table, read_appendable, write_report
@@ -165,6 +171,7 @@ class RunResult:
     by_category: dict[str, list[GenerateOutput]] = field(default_factory=dict)
     tokens: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     prompts: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    counts: list[dict] = field(default_factory=list)  # per call: {question index: [rounds, accepted]}
 
 
 def run_methods(target, methods: list[Method], questions: list, settings: EvalSettings, temperature: float,
@@ -192,6 +199,7 @@ def run_methods(target, methods: list[Method], questions: list, settings: EvalSe
                                    temperature=temperature, top_p=settings.top_p, top_k=settings.top_k,
                                    seed=settings.seed + calls, eos_token_ids=eos)
                     result.by_category.setdefault(category, []).append(out)
+                    result.counts.append(question_counts(out, batch))
                     for index, prompt, tokens in zip(batch, prompts, out.tokens):
                         text = target.tokenizer.decode(tokens, skip_special_tokens=True)
                         history[index].append(text)
@@ -227,10 +235,11 @@ def dataset_records(target, dataset: str, questions: list, runs: list[tuple[Meth
             out = merge_outputs([o for name in chosen for o in run.by_category[name]])
             match = exact_match(run, ar, keys) if temperature == 0 else None
             divergence = summarize([g for k, g in gaps[id(run)].items() if k in keys]) if temperature == 0 else None
+            per_question = [tuple(c) for q, c in merge_counts(run.counts).items() if q in indices]
             records.append(build_record(out, ar=ar_out, drafter_name=method.name, greedy_exact_match=match,
                                         max_draft_tokens=method.drafter.max_draft_tokens(), drafter=method.drafter,
                                         divergence=divergence, cost_profile=profiles.get(id(method.drafter)),
-                                        **common))
+                                        per_question=per_question, **common))
             # which linears the drafter's steps ran (TargetModel.serve): the fast path's kernels or its own
             records[-1]["drafter_path"] = target.path if target.drafter_kernels(method.drafter) is not None else "hf"
             if method.tree_budget is not None:

@@ -133,6 +133,47 @@ def accept_length_mean(rounds: int, accepted: int) -> float | None:
     return None if rounds == 0 else 1.0 + accepted / rounds
 
 
+TAU_RESAMPLES = 2000  # bootstrap resamples of the questions for tau's interval (seeded: the same report each run)
+
+
+def question_counts(out: GenerateOutput, rows: list) -> dict:
+    """{question: [rounds, accepted]} of one engine call whose row r answered question rows[r] (several calls and
+    turns of one question add up: `merge_counts`)."""
+    counts: dict = {}
+    for question, lengths in zip(rows, out.accept_lengths):
+        entry = counts.setdefault(question, [0, 0])
+        entry[0] += len(lengths)
+        entry[1] += sum(lengths)
+    return counts
+
+
+def merge_counts(parts) -> dict:
+    """{question: [rounds, accepted]} summed over several `question_counts`."""
+    merged: dict = {}
+    for part in parts:
+        for question, (rounds, accepted) in part.items():
+            entry = merged.setdefault(question, [0, 0])
+            entry[0] += rounds
+            entry[1] += accepted
+    return merged
+
+
+def tau_interval(per_question: list[tuple[int, int]], level: float = 0.95, resamples: int = TAU_RESAMPLES,
+                 seed: int = 0) -> list[float] | None:
+    """[low, high]: the percentile bootstrap interval of tau = 1 + accepted / rounds over the questions (each
+    question's (rounds, accepted) summed over its turns, resampled with replacement, pooled as tau pools them).
+    Questions, not rounds, are the unit: rounds of one answer are not independent. None under two questions."""
+    counts = [(r, a) for r, a in per_question if r > 0]
+    if len(counts) < 2:
+        return None
+    table = torch.tensor(counts, dtype=torch.float64)  # [Q, 2]
+    picks = torch.randint(0, len(counts), (resamples, len(counts)), generator=torch.Generator().manual_seed(seed))
+    taus = 1.0 + table[picks, 1].sum(-1) / table[picks, 0].sum(-1)
+    tail = (1.0 - level) / 2
+    low, high = torch.quantile(taus, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+    return [low, high]
+
+
 def drafter_placement(drafter) -> dict:
     """drafter_device and drafter_dtype: where the drafter's weights sit and their floating dtype, to read beside
     the target's (the record's env.device, env.dtype); None for no drafter or one without weights (n-gram)."""
@@ -145,7 +186,8 @@ def drafter_placement(drafter) -> dict:
 def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str, category: str, drafter_name: str,
                  temperature: float, batch_size: int, num_prompts: int, greedy_exact_match: float | None,
                  env: dict, max_draft_tokens: int | None = None, roofline: dict | None = None,
-                 cost_profile: dict | None = None, drafter=None, divergence: dict | None = None) -> dict:
+                 cost_profile: dict | None = None, drafter=None, divergence: dict | None = None,
+                 per_question: list[tuple[int, int]] | None = None) -> dict:
     """One report record (a JSON-ready dict) for one dataset x category x drafter x k x temperature.
 
     Args:
@@ -162,6 +204,7 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
             recommended k never exceeds it.
         roofline: {"target_path", "weight_bytes", "stream_gb_per_s"} of the target (see `roofline_keys`).
         cost_profile: the drafter's profiled costs (engine/costs.CostProfile.to_dict), kept in the record.
+        per_question: (rounds, accepted) per question, for tau_ci95 (`tau_interval`); None leaves it None.
     """
     k = out.num_draft_tokens  # with adaptive k: the largest width it could choose
     counts = acceptance_counts(out)
@@ -182,7 +225,8 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
         "num_draft_tokens_histogram": chosen_histogram(out) if out.adaptive else None,
         "num_sequences": len(out.tokens), "new_tokens": sum(len(row) for row in out.tokens),
         "rounds": rounds, "accepted": counts["accepted"], "proposed": counts["proposed"],
-        "tau": tau, "acceptance_rate": _ratio(counts["accepted"], counts["proposed"]),
+        "tau": tau, "tau_ci95": tau_interval(per_question) if k and per_question else None,
+        "acceptance_rate": _ratio(counts["accepted"], counts["proposed"]),
         "per_position_acceptance_conditional": [_ratio(s, o) for s, o in zip(counts["survived"], counts["offered"])],
         "per_position_acceptance_unconditional": [_ratio(s, rounds) for s in counts["survived"]],
         "accept_length_histogram": counts["accept_length_histogram"],
@@ -278,8 +322,9 @@ def annotate_recommendations(records: list[dict]) -> None:
     Records are grouped by (dataset, category, drafter, temperature, batch size); each group uses p from its fixed-k
     record with the largest k, and d(k), v(k) from the drafter's cost profile (measured on this machine at every
     width at this batch size, `cost_profile`, inference/evaluation/profile.profile_costs) when the records carry
-    one, else from the group's own records. predicted_speedup is the calibration's prediction for the record's k, to set beside the
-    measured speedup; an adaptive record gets the prediction of the recommended k (the best fixed k, 1.0 for k = 0).
+    one, else from the group's own records. predicted_speedup is the calibration's prediction for the record's k,
+    to set beside the measured speedup; an adaptive record gets the prediction of the recommended k (the best fixed
+    k, 1.0 for k = 0).
     """
     groups: dict[tuple, list[dict]] = {}
     for record in records:

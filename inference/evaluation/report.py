@@ -28,6 +28,7 @@ TABLE_COLUMNS = (
     ("k", "num_draft_tokens", "{}"),
     ("B", "batch_size", "{}"),
     ("tau", "tau", "{:.2f}"),
+    ("tau 95% CI", "tau_ci95", "{0[0]:.2f}-{0[1]:.2f}"),
     ("accept rate", "acceptance_rate", "{:.3f}"),
     ("tok/s", "tokens_per_s", "{:.1f}"),
     ("AR tok/s", "tokens_per_s_ar", "{:.1f}"),

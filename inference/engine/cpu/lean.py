@@ -33,11 +33,9 @@ PROBE_TOKENS = 6
 
 
 class LeanDecoder:
-    """Forwards a block of tokens after a prefilled cache (`forward`), over the HF model `model`'s weights.
-
-    `taps` (a dict, or None) fills during a forward with {layer id: [B, S, D] input hidden state of that layer (id =
-    number of layers: the input of the final norm)} for the ids in `tap_ids`, and "last": the normed final hidden
-    state when `tap_last`: what TargetModel.capture's hooks collect on the HF forward."""
+    """Forwards a block of tokens after a prefilled cache (`forward`), over the HF model `model`'s weights; the
+    features a forward is asked for go into its `taps` (inference/engine/backend.Taps), as the HF forward's hooks
+    record them."""
 
     def __init__(self, model):
         decoder = model.get_decoder()
@@ -46,9 +44,6 @@ class LeanDecoder:
         self.embed, self.norm, self.rotary = decoder.embed_tokens, decoder.norm, decoder.rotary_emb
         self.norm_eps = _eps(decoder.norm)
         self.head = model.get_output_embeddings()
-        self.taps: dict | None = None
-        self.tap_ids: frozenset = frozenset()
-        self.tap_last = False
         self.stacked_groups: list = []  # the FastLinears `stack` stacked (their weights are views until unstacked)
         self.stacked_kernels: dict = {}  # the kernels chosen per stacked shape (KernelRecord.stacked)
 
@@ -81,27 +76,27 @@ class LeanDecoder:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, slot_mask: torch.Tensor, cache,
-                logits_to_keep: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+                logits_to_keep: int = 0, mask: torch.Tensor | None = None, taps=None) -> torch.Tensor:
         """input_ids, position_ids [B, S] appended after the cache's slots; slot_mask [B, L] (L includes the S new
         slots, 1 = a token of the row's sequence). Returns logits [B, S, V] (or the last logits_to_keep). `mask`
         [B, 1, S, L] (bool, or additive float as SDPA reads it): who sees whom where it is not the block's causal
-        order (a tree's nodes see their ancestors)."""
+        order (a tree's nodes see their ancestors). `taps` (backend.Taps or None): the layer inputs and the normed
+        final hidden state it asks for, recorded on the way."""
         num_new = input_ids.shape[1]
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, position_ids)  # [B, S, d], the model's own rotary (scaling types included)
         half = cos.shape[-1] // 2
         cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
         mask = block_mask(slot_mask, num_new) if mask is None else mask
-        taps = self.taps
         for index, layer in enumerate(self.layers):
-            if taps is not None and index in self.tap_ids:
-                taps[index] = hidden
+            if taps is not None:
+                taps.layer_input(index, hidden)
             hidden = layer.forward(hidden, cos, sin, half, cache.layers[index], mask)
-        if taps is not None and len(self.layers) in self.tap_ids:
-            taps[len(self.layers)] = hidden
+        if taps is not None:
+            taps.layer_input(len(self.layers), hidden)
         hidden = F.rms_norm(hidden, hidden.shape[-1:], self.norm.weight, self.norm_eps)
-        if taps is not None and self.tap_last:
-            taps["last"] = hidden
+        if taps is not None:
+            taps.final(hidden)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return self.head(hidden)

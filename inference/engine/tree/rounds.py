@@ -28,7 +28,7 @@ from drafters.base import Drafter
 from inference.engine.rounds import commit_context
 from inference.engine.run import Draft, Verdict
 from inference.engine.tree.draft import DraftTree, chain_tree, ddtree, dynamic_tree
-from inference.engine.tree.target import path_features, tree_extend
+from inference.engine.tree.target import tree_extend
 from inference.engine.tree.verify import greedy_tree_verify, sample_tree_verify
 
 
@@ -73,14 +73,14 @@ class TreeRounds:
         else:
             path, num_accepted, new_tokens = sample_tree_verify(tree, run.sampling.probs(logits), run.generator)
         target.keep_path(mark, path, torch.where(run.active, num_accepted + 1, torch.zeros_like(num_accepted)))
-        features = path_features(served, path)
+        features = served.along(path)
         if request.kv_layers:  # read after compaction: the cache a chain accepting the same path would leave
-            features.update(target.kv_view(request.kv_layers))
+            features = features.with_kv(target.kv_view(request.kv_layers))
         drafts = tree.tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, W - 1]
         return Verdict(num_accepted, new_tokens, drafts, tree.tokens.gather(1, path.clamp(min=0)), features)
 
     def commit(self, run, draft: Draft, verdict: Verdict, was_active: torch.Tensor) -> None:
         context = commit_context(run.target, verdict.block, verdict.num_accepted, was_active,
                                  next_tokens=verdict.new_tokens, generator=run.draft_generator,
-                                 temperature=run.sampling.temperature, **verdict.served)
+                                 temperature=run.sampling.temperature, **verdict.served.context())
         run.clock.run("draft", run.drafter.commit, verdict.num_accepted, context)

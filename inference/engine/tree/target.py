@@ -1,4 +1,5 @@
-"""The tree loop's view of the target: one forward over every tree node, and the nodes' features along a path.
+"""The tree loop's view of the target: one forward over every tree node (its features gathered along a path by
+drafters/base.py `Served.along`).
 
 The target does the work behind its own API (inference/engine/target.TargetModel.extend_tree and keep_path, over
 drafters/ragged_lm.RaggedLM): the forward passes transformers a 4-D mask [B, 1, N, L + N] (each node sees the row's
@@ -13,30 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from drafters.base import FeatureRequest
+from drafters.base import FeatureRequest, Served
 from inference.engine.tree.draft import DraftTree
 
+
 @torch.no_grad()
-def tree_extend(target, tree: DraftTree, request: FeatureRequest | None = None) -> tuple[torch.Tensor, dict]:
+def tree_extend(target, tree: DraftTree, request: FeatureRequest | None = None) -> tuple[torch.Tensor, Served]:
     """Feed every node of `tree` after each row's sequence in one forward (the cache must hold a prefill).
 
     Returns: logits [B, N, V] (row i: the target's distribution after the root-to-i path) and the features `request`
-    asks for over the N nodes, as DraftContext keyword arguments (as TargetModel.extend serves them).
+    asks for over the N nodes (drafters/base.py `Served`, as TargetModel.extend serves them; `Served.along(path)`
+    gathers them along a path).
     """
     return target.extend_tree(tree.tokens, tree.ancestor_mask(), tree.depth, tree.parents, request)
-
-
-def path_features(served: dict, path: torch.Tensor) -> dict:
-    """The served node features [B, N, ...] gathered along path [B, W] -> [B, W, ...] (padding reads node 0)."""
-    index = path.clamp(min=0)
-
-    def take(tensor: torch.Tensor) -> torch.Tensor:
-        rows = torch.arange(tensor.shape[0], device=tensor.device)[:, None]
-        return tensor[rows, index.to(tensor.device)]
-
-    gathered: dict = {"hidden": {layer_id: take(value) for layer_id, value in served["hidden"].items()}}
-    if "final_hidden" in served:
-        gathered["final_hidden"] = take(served["final_hidden"])
-    if "top_k" in served:
-        gathered["top_k"] = tuple(take(part) for part in served["top_k"])
-    return gathered
