@@ -149,7 +149,7 @@ class FeatureRequest:
 
     layer_ids:     hidden states by vLLM layer id (id k = input of decoder layer k, id N = final pre-norm output).
     final_hidden:  the last hidden state after the target's final norm (an MTP head's input; in training it is
-                   always served as `target_last_hidden`, since every loss derives the teacher from it).
+                   always served as `final_hidden`, since every loss derives the teacher from it).
     top_k_logits:  k > 0 asks for the target's k largest logits and their ids at every position (distillation
                    without storing V logits per token); 0 = none.
     kv_layers:     target decoder layer indices whose KV cache the drafter reads (a Gemma-4-style assistant).
@@ -257,9 +257,9 @@ class Drafter(nn.Module):
         loss-masked positions of the training data. A drafter with a reduced vocabulary picks it here."""
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> DraftOutput:
-        """batch: input_ids [B, T], attention_mask [B, T], loss_mask [B, T], target_hidden {id: [B, T, D]},
-        target_last_hidden [B, T, D] (after the target's final norm), target_argmax [B, T], and when asked for,
-        target_top_k_values / target_top_k_ids [B, T, k]. In training it also carries sample_index [B], `epoch` and
+        """batch: input_ids [B, T], attention_mask [B, T], loss_mask [B, T], hidden {id: [B, T, D]}, final_hidden
+        [B, T, D] (after the target's final norm), target_argmax [B, T], and when asked for, top_k (values, ids)
+        [B, T, k]: the engine's names (`Served`). In training it also carries sample_index [B], `epoch` and
         `seed` (ints: a drafter redraws random choices per epoch from (seed, epoch, sample index)) and, with several
         processes, `sum_over_processes` (a callable summing a tensor over all training processes) and
         `num_processes`, for losses normalised globally (drafters/losses.global_mean)."""

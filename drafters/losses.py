@@ -212,7 +212,7 @@ def chained_depths(batch: Mapping[str, Any], num_depths: int,
     depth k - 1's hidden state there (depth 0: the target's final hidden state), MTP modules and the assistant alike.
 
     Args:
-        batch: input_ids, attention_mask, loss_mask [B, T], target_last_hidden [B, T, D].
+        batch: input_ids, attention_mask, loss_mask [B, T], final_hidden [B, T, D].
         step: (depth, tokens [B, T], hidden [B, T, D]) -> (hidden for the next depth, normed output [B, T, D]).
         head: normed rows [n, K, D] -> logits [n, K, V]; only the rows with a loss (position_cells) reach it, a chunk
             of rows at a time when the loss reads them (`full_vocab_cross_entropy`), under the forward's autocast.
@@ -220,7 +220,7 @@ def chained_depths(batch: Mapping[str, Any], num_depths: int,
     seq_len = batch["input_ids"].shape[1]
     batch_index, position, label_position, depth_valid = position_cells(batch, num_depths)
     tokens = F.pad(batch["input_ids"], (0, num_depths + 1))  # depth k at position i reads tokens[i + k + 1]
-    hidden, rows = batch["target_last_hidden"], []
+    hidden, rows = batch["final_hidden"], []
     for depth in range(num_depths):
         hidden, normed = step(depth, tokens[:, depth + 1 : depth + 1 + seq_len], hidden)
         rows.append(normed[batch_index, position])
@@ -232,7 +232,7 @@ def chained_depths(batch: Mapping[str, Any], num_depths: int,
 def full_vocab_cross_entropy(output, batch: Mapping[str, Any], lm_head_weight: torch.Tensor,
                              soft: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-cell cross-entropy of target-vocabulary draft logits: "soft" against the target's distribution at the
-    position before each label (softmax of its lm_head over target_last_hidden there), else against the data token.
+    position before each label (softmax of its lm_head over final_hidden there), else against the data token.
     `distilled_cells` with loss "soft" or "hard": (cell loss [N, K], draft argmax [N, K])."""
     cell_loss, predicted, _ = distilled_cells(output, batch, lm_head_weight, "soft" if soft else "hard")
     return cell_loss, predicted
@@ -251,7 +251,7 @@ def distilled_cells(output, batch: Mapping[str, Any], lm_head_weight: torch.Tens
 
     Args:
         output: a DraftOutput with logits (or a head) [N, K, V_d], batch_index [N], label_position [N, K], draft_ids.
-        batch: input_ids [B, T] and target_last_hidden [B, T, D]. lm_head_weight: [V, D] the target's frozen head,
+        batch: input_ids [B, T] and final_hidden [B, T, D]. lm_head_weight: [V, D] the target's frozen head,
             in the target's dtype: the teacher's product runs in it, its softmax in at least float32.
     Returns:
         cell loss [N, K] (>= fp32), the draft argmax [N, K] (draft indices), alpha [N, K] for an LK loss, else None.
@@ -286,9 +286,9 @@ def _teacher_cells(batch: Mapping[str, Any], rows: torch.Tensor, label_position:
                    lm_head_weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[n, K, V] in dtype: the target's distribution at the position before each cell's label (rows, label_position
     [n, K]). Cells (i, k) and (i + 1, k - 1) read one teacher position: its head runs once."""
-    seq_len = batch["target_last_hidden"].shape[1]
+    seq_len = batch["final_hidden"].shape[1]
     cells, cell_of = torch.unique(rows * seq_len + label_position - 1, return_inverse=True)
-    hidden = batch["target_last_hidden"][cells // seq_len, cells % seq_len].to(lm_head_weight.dtype)
+    hidden = batch["final_hidden"][cells // seq_len, cells % seq_len].to(lm_head_weight.dtype)
     return torch.softmax(F.linear(hidden, lm_head_weight).to(dtype), dim=-1)[cell_of]
 
 

@@ -139,7 +139,7 @@ def test_full_vocab_teacher_runs_in_the_targets_dtype():
     assert head.dtype == torch.bfloat16
     cell_loss, _ = full_vocab_cross_entropy(output, batch, head, soft=True)
     rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
-    hidden = batch["target_last_hidden"][rows, output.label_position - 1]
+    hidden = batch["final_hidden"][rows, output.label_position - 1]
     in_bf16 = torch.softmax(F.linear(hidden.bfloat16(), head).float(), dim=-1)
     in_fp32 = torch.softmax(F.linear(hidden, head.float()), dim=-1)
     torch.testing.assert_close(cell_loss, soft_cross_entropy(output.logits, in_bf16), rtol=1e-6, atol=1e-6)

@@ -57,7 +57,7 @@ def make_batch(target: TargetModel, drafter: DFlashDrafter, seq_len: int = 14, s
     loss_mask[:, :3] = 0
     features = target.features(input_ids, attention_mask, drafter.target_layer_ids())
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-            "target_hidden": features.hidden, "target_last_hidden": features.last_hidden,
+            "hidden": features.hidden, "final_hidden": features.last_hidden,
             "target_argmax": features.argmax, "sample_index": torch.tensor([7, 3]), "epoch": 0, "seed": 0}
 
 
@@ -152,7 +152,7 @@ def naive_block(drafter, batch, b: int, anchor: int) -> torch.Tensor:
     heads, kv_heads, head_dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     size = drafter.config.block_size
     embed = drafter.target_info.embed_weight.double()
-    context = [drafter.hidden_norm(drafter.fc(torch.cat([batch["target_hidden"][i][b, j] for i in drafter.layer_ids])))
+    context = [drafter.hidden_norm(drafter.fc(torch.cat([batch["hidden"][i][b, j] for i in drafter.layer_ids])))
                for j in range(anchor) if batch["attention_mask"][b, j]]
     context_positions = [j for j in range(anchor) if batch["attention_mask"][b, j]]
     tokens = [int(batch["input_ids"][b, anchor])] + [drafter.mask_token_id] * (size - 1)
@@ -216,7 +216,7 @@ def naive_loss(drafter, batch, anchors, anchor_valid):
                 if drafter.config.loss == "soft":  # the target's distribution before the label, on the draft vocab
                     head = drafter.target_info.lm_head_weight.double()
                     head = head if draft_ids is None else head[draft_ids]
-                    teacher = torch.softmax(head @ batch["target_last_hidden"][b, position - 1].double(), dim=0)
+                    teacher = torch.softmax(head @ batch["final_hidden"][b, position - 1].double(), dim=0)
                     total = total - w * (teacher * log_q).sum()
                 else:
                     total = total - w * log_q[label]
@@ -265,7 +265,7 @@ def test_loss_is_normalised_over_processes():
     batch = make_batch(target, drafter)
     full = torch.autograd.grad(drafter.loss(drafter(batch), batch)[0], list(drafter.parameters()))
     halves = [{k: (v[r:r + 1] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()} for r in (0, 1)]
-    halves = [{**h, "target_hidden": {i: t[r:r + 1] for i, t in batch["target_hidden"].items()}}
+    halves = [{**h, "hidden": {i: t[r:r + 1] for i, t in batch["hidden"].items()}}
               for r, h in enumerate(halves)]
     weights = []
     for half in halves:
@@ -292,7 +292,7 @@ def trained_block_argmax(drafter, target, committed: list[int], bonus: int) -> l
     ids = torch.tensor([committed + [bonus]])
     features = target.features(ids, torch.ones_like(ids), drafter.target_layer_ids())
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
-             "target_hidden": features.hidden}
+             "hidden": features.hidden}
     out = drafter.block_logits(batch, torch.tensor([[len(committed)]]))
     return out.target_ids(out.logits[0].argmax(-1)).tolist()
 

@@ -82,7 +82,7 @@ def train_briefly(target: TargetModel, drafter: DFlashDrafter, prompts, steps: i
     mask = torch.ones_like(sequences)
     features = target.features(sequences, mask, drafter.target_layer_ids())
     batch = {"input_ids": sequences, "attention_mask": mask, "loss_mask": mask, "target_argmax": features.argmax,
-             "target_hidden": {i: h.float() for i, h in features.hidden.items()}}
+             "hidden": {i: h.float() for i, h in features.hidden.items()}}
     drafter = drafter.float().train()
     optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
     for step in range(steps):
@@ -97,7 +97,7 @@ def make_batch(target: TargetModel, drafter: DFlashDrafter, seq_len: int = 14, s
     input_ids = torch.randint(3, drafter.mask_token_id, (1, seq_len), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(input_ids)
     features = target.features(input_ids, mask, drafter.target_layer_ids())
-    return {"input_ids": input_ids, "attention_mask": mask, "loss_mask": mask, "target_hidden": features.hidden}
+    return {"input_ids": input_ids, "attention_mask": mask, "loss_mask": mask, "hidden": features.hidden}
 
 
 def our_logits(drafter: DFlashDrafter, batch: dict, anchors=ANCHORS) -> torch.Tensor:

@@ -71,7 +71,7 @@ def make_batch(target: TargetModel, drafter, seq_len: int = 14, seed: int = 3) -
     loss_mask[:, :3] = 0
     features = target.features(input_ids, attention_mask, drafter.target_layer_ids(), return_logits=True)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-            "target_hidden": features.hidden, "target_last_hidden": features.last_hidden,
+            "hidden": features.hidden, "final_hidden": features.last_hidden,
             "target_argmax": features.argmax, "target_logits": features.logits, "sample_index": torch.tensor([7, 3]),
             "epoch": 0, "seed": 0}
 
@@ -150,7 +150,7 @@ def test_loss_is_normalised_over_processes():
     halves = []
     for r in (0, 1):
         half = {k: (v[r:r + 1] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-        half["target_hidden"] = {i: t[r:r + 1] for i, t in batch["target_hidden"].items()}
+        half["hidden"] = {i: t[r:r + 1] for i, t in batch["hidden"].items()}
         halves.append(half)
     weights = []
     for half in halves:
@@ -190,7 +190,7 @@ def test_teacher_forced_heads_equal_the_sequential_loop(head):
         sequence = committed[b] + [anchors[b]] + proposal.tokens[b].tolist()
         batch = {"input_ids": torch.tensor([sequence]), "attention_mask": torch.ones(1, len(sequence)),
                  "loss_mask": torch.ones(1, len(sequence))}
-        batch["target_hidden"] = target.features(batch["input_ids"], batch["attention_mask"],
+        batch["hidden"] = target.features(batch["input_ids"], batch["attention_mask"],
                                                  drafter.target_layer_ids()).hidden
         output = drafter.block_outputs(batch, torch.tensor([[len(committed[b])]]))
         torch.testing.assert_close(torch.softmax(output.logits[0], dim=-1), proposal.probs[b], rtol=1e-9, atol=1e-12)
@@ -512,7 +512,7 @@ def test_deepspec_model_reproduces_our_logits_and_confidences(tmp_path, head):
     with torch.no_grad():
         states = target.model(input_ids=ids, output_hidden_states=True).hidden_states
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
-             "target_hidden": {i: states[i] for i in drafter.layer_ids}}
+             "hidden": {i: states[i] for i in drafter.layer_ids}}
     logits, confidences = our_block(drafter, batch)
     size = model.block_size
     for n, anchor in enumerate(PEER_ANCHORS):
@@ -562,7 +562,7 @@ def test_speculators_model_reproduces_our_logits_and_confidences(tmp_path, head)
         logits = logits + peer.markov_head.block_bias(prev_token_ids=blocks, hidden_states=hidden, prev_emb=embedding)
         confidence = peer.confidence_head(torch.cat([hidden, embedding], dim=-1))
     batch = {"input_ids": ids, "attention_mask": ones, "loss_mask": ones,
-             "target_hidden": {i: states[i] for i in drafter.layer_ids}}
+             "hidden": {i: states[i] for i in drafter.layer_ids}}
     ours, our_confidence = our_block(drafter, batch, anchors)
     assert float((logits - ours).abs().max()) < 1e-4
     assert float((confidence - our_confidence).abs().max()) < 1e-4

@@ -51,7 +51,7 @@ def make_batch(target: TargetModel, drafter: Eagle3Drafter, seq_len: int = 11, s
     features = target.features(input_ids, attention_mask, drafter.target_layer_ids(), return_logits=True)
     return {
         "input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-        "target_hidden": features.hidden, "target_last_hidden": features.last_hidden,
+        "hidden": features.hidden, "final_hidden": features.last_hidden,
         "target_argmax": features.argmax, "target_logits": features.logits,
     }
 
@@ -109,7 +109,7 @@ def naive_ttt(drafter, batch, steps):
             for t in range(seq_len - 1):
                 token = int(ids[b, t + 1 + step]) if t + 1 + step < seq_len else 0
                 hidden = out[(b, step - 1, t)] if step else drafter.fc(
-                    torch.cat([batch["target_hidden"][i][b, t] for i in drafter.layer_ids]))
+                    torch.cat([batch["hidden"][i][b, t] for i in drafter.layer_ids]))
                 for index, layer in enumerate(drafter.layers):
                     visible = [keys[(index, 0, s)] for s in range(t) if real[b, s] and real[b, s + 1]]
                     if step:
@@ -198,7 +198,7 @@ def ttt_chain(drafter, target, committed: list[int], next_token: int, drafts: li
     ids = torch.tensor([tokens])
     features = target.features(ids, torch.ones_like(ids), drafter.target_layer_ids())
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
-             "target_hidden": features.hidden, "target_last_hidden": features.last_hidden,
+             "hidden": features.hidden, "final_hidden": features.last_hidden,
              "target_argmax": torch.full_like(ids, int(drafter.draft_ids()[0]))}
     out = drafter(batch)
     last = len(committed) - 1  # depth k reads it from target position last + 1 + k

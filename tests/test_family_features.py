@@ -57,10 +57,10 @@ def test_online_offline_hybrid_features_equal_the_transformers_forward(name, tmp
     valid = batch["attention_mask"].bool()
     for mode, features in served.items():
         for i in ids:  # one forward of the same model on the same tokens: bitwise, whichever mode served it
-            assert torch.equal(features["target_hidden"][i][valid], expected[i][valid]), (mode, i)
-            assert not features["target_hidden"][i][~valid].any(), (mode, i)  # padding zeroed in every mode
-        assert torch.equal(features["target_last_hidden"][valid], normed[valid]), mode
-        assert torch.equal(features["target_top_k_ids"][..., 0][valid], features["target_argmax"][valid]), mode
+            assert torch.equal(features["hidden"][i][valid], expected[i][valid]), (mode, i)
+            assert not features["hidden"][i][~valid].any(), (mode, i)  # padding zeroed in every mode
+        assert torch.equal(features["final_hidden"][valid], normed[valid]), mode
+        assert torch.equal(features["top_k"][1][..., 0][valid], features["target_argmax"][valid]), mode
 
 
 @pytest.mark.parametrize("name", list(DEBUG_TARGETS))

@@ -311,7 +311,7 @@ def test_a_cache_without_checksums_stays_readable_with_a_warning(workdir, tmp_pa
     index.write_text(json.dumps({"shards": [{"file": s["file"], "samples": s["samples"]} for s in shards]}))
     with pytest.warns(UserWarning, match="written without shard checksums, so it is read unverified"):
         got = FeatureProvider("offline", target, request, FeatureCache(str(tmp_path / "c"), meta))(batch)
-    assert torch.equal(got["target_hidden"][3], expected["target_hidden"][3])
+    assert torch.equal(got["hidden"][3], expected["hidden"][3])
     index.write_text('{"shards": [')
     with pytest.raises(ValueError, match=f"feature cache index {index} is unreadable"):
         FeatureCache(str(tmp_path / "c"), meta)

@@ -208,9 +208,9 @@ def test_streamed_features_equal_offline_bit_for_bit_and_disk_stays_in_the_windo
     for batch, features, _ in served:
         (index,) = batch["sample_index"].tolist()
         stored = reference.read(index)
-        assert torch.equal(features["target_last_hidden"][0], stored["last"].float())
-        for layer_id, hidden in features["target_hidden"].items():
-            assert torch.equal(hidden[0], stored[f"h{layer_id}"].float())
+        assert torch.equal(features["final_hidden"][0], stored["final_hidden"].float())
+        for layer_id, hidden in features["hidden"].items():
+            assert torch.equal(hidden[0], stored[f"hidden.{layer_id}"].float())
     assert losses(str(tmp_path / "on")) == losses(str(tmp_path / "off"))
     expected, got = weights(off_final), weights(on_final)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
@@ -289,8 +289,8 @@ def test_the_trainer_waits_for_a_shard_being_written_and_checks_it(workdir, tmp_
     assert len(polls) == 3 and provider.current == 0 and polls[0] == [".tmp-000000-rank0"]
     features, online = provider(batch), provider.online(batch)
     assert torch.equal(features["target_argmax"], online["target_argmax"])
-    for layer_id, hidden in online["target_hidden"].items():
-        assert torch.equal(features["target_hidden"][layer_id], hidden)  # the same micro-batch, the same forward
+    for layer_id, hidden in online["hidden"].items():
+        assert torch.equal(features["hidden"][layer_id], hidden)  # the same micro-batch, the same forward
     assert isinstance(plan, StreamPlan) and plan.samples_of(0) == batch["sample_index"].tolist()
     # a complete shard whose bytes changed afterwards is refused by its sha256, naming the file
     write_shard(stream, plan, 1, provider.meta, trainer.data.train, extract, rank=0)

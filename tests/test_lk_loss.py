@@ -115,7 +115,7 @@ def test_eagle3_lk_is_the_decayed_per_depth_mean_of_minus_log_acceptance_on_the_
         valid = output.depth_valid[:, depth]
         rows, positions = output.batch_index[valid], output.label_position[valid, depth] - 1
         # the target's distribution renormalised on the draft vocabulary: its mass outside is left out
-        teacher = torch.softmax(batch["target_last_hidden"][rows, positions] @ head.T, dim=-1)
+        teacher = torch.softmax(batch["final_hidden"][rows, positions] @ head.T, dim=-1)
         alpha = torch.minimum(torch.softmax(output.logits[valid, depth], dim=-1), teacher).sum(-1)
         alphas.append(alpha)
         total = total + 0.8**depth * (-alpha.log()).mean()

@@ -69,9 +69,9 @@ def make_batch(drafter, lengths=(LENGTH, LENGTH - 37)) -> dict:
     return {"input_ids": torch.randint(4, VOCAB, (batch_size, width), generator=generator),
             "attention_mask": real.long(), "loss_mask": loss_mask.long(),
             "target_argmax": torch.randint(4, VOCAB, (batch_size, width), generator=generator),
-            "target_hidden": {i: torch.randn(batch_size, width, HIDDEN, generator=generator)
+            "hidden": {i: torch.randn(batch_size, width, HIDDEN, generator=generator)
                               for i in drafter.feature_request().layer_ids},
-            "target_last_hidden": torch.randn(batch_size, width, HIDDEN, generator=generator),
+            "final_hidden": torch.randn(batch_size, width, HIDDEN, generator=generator),
             "target_kv": {i: (torch.randn(batch_size, 2, width, 4, generator=generator),
                               torch.randn(batch_size, 2, width, 4, generator=generator))
                           for i in drafter.feature_request().kv_layers},
@@ -218,7 +218,7 @@ def test_full_vocab_one_shot_loss_is_the_whole_tensor_loss(kind):
     cell_loss, predicted = full_vocab_cross_entropy(output, batch, head, soft=True)
     rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
     cells, cell_of = torch.unique(rows * LENGTH + output.label_position - 1, return_inverse=True)
-    teacher = torch.softmax(F.linear(batch["target_last_hidden"][cells // LENGTH, cells % LENGTH], head), dim=-1)
+    teacher = torch.softmax(F.linear(batch["final_hidden"][cells // LENGTH, cells % LENGTH], head), dim=-1)
     assert torch.equal(cell_loss, soft_cross_entropy(output.logits, teacher[cell_of]))
     assert torch.equal(predicted, output.logits.argmax(dim=-1))
 

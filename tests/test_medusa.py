@@ -66,7 +66,7 @@ def test_training_forward_equals_naive_reference(target):
             assert bool(output.depth_valid[n, k]) == valid
             if valid:
                 assert int(output.label_position[n, k]) == label
-                expected = naive_head(drafter, k, batch["target_last_hidden"][row, t])
+                expected = naive_head(drafter, k, batch["final_hidden"][row, t])
                 torch.testing.assert_close(output.logits[n, k], expected, rtol=1e-10, atol=1e-10)
                 expected_cells += 1
     assert expected_cells == int(output.depth_valid.sum()) > 0

@@ -181,7 +181,7 @@ def test_training_forward_equals_naive_per_cell_reference(layout, reuse):
             if not expected_valid:
                 continue
             assert int(output.label_position[n, depth]) == label
-            expected = naive_cell_logits(drafter, input_ids, batch["target_last_hidden"], row, position, depth)
+            expected = naive_cell_logits(drafter, input_ids, batch["final_hidden"], row, position, depth)
             torch.testing.assert_close(output.logits[n, depth], expected, rtol=1e-9, atol=1e-9)
             checked += 1
     assert checked == sum(1 for r in range(2) for p in range(11) for d in range(3)
@@ -252,7 +252,7 @@ def test_native_module_logits_equal_the_reference_forward(native, layout):
     with torch.no_grad():
         output = drafter(batch)
         for depth in range(2):
-            expected = reference_logits(layout, donor, mtp, input_ids, batch["target_last_hidden"],
+            expected = reference_logits(layout, donor, mtp, input_ids, batch["final_hidden"],
                                         target.model.lm_head.weight, depth)
             valid = output.depth_valid[:, depth]
             rows, positions = output.batch_index[valid], output.label_position[valid, depth] - 2 - depth

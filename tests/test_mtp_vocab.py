@@ -73,7 +73,7 @@ def test_losses_run_on_the_renormalised_teacher_and_draft_indices(loss_kind):
         valid = output.depth_valid[:, depth]
         rows, labels = output.batch_index[valid], output.label_position[valid, depth]
         logits = output.logits[valid, depth]
-        teacher = torch.softmax(batch["target_last_hidden"][rows, labels - 1].to(head.dtype) @ head[ids].T, dim=-1)
+        teacher = torch.softmax(batch["final_hidden"][rows, labels - 1].to(head.dtype) @ head[ids].T, dim=-1)
         if loss_kind == "soft":
             cells = -(teacher * torch.log_softmax(logits, dim=-1)).sum(-1)
         elif loss_kind == "hard":

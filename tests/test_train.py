@@ -189,10 +189,10 @@ def test_offline_cache_equals_online_and_trains_the_same(workdir, tmp_path):
         online, cached = trainer.train_features.online(batch), trainer.train_features(batch)
         mask = batch["attention_mask"].bool()
         assert torch.equal(online["target_argmax"][mask], cached["target_argmax"][mask])
-        for key in ("target_last_hidden",):
+        for key in ("final_hidden",):
             torch.testing.assert_close(cached[key][mask], online[key][mask], rtol=1e-5, atol=1e-5)
-        for layer_id, hidden in online["target_hidden"].items():
-            torch.testing.assert_close(cached["target_hidden"][layer_id][mask], hidden[mask], rtol=1e-5, atol=1e-5)
+        for layer_id, hidden in online["hidden"].items():
+            torch.testing.assert_close(cached["hidden"][layer_id][mask], hidden[mask], rtol=1e-5, atol=1e-5)
     trainer.accelerator.end_training()
     _, offline_final = run(workdir, str(tmp_path / "off"), "features.mode=offline", f"features.cache_dir={cache}")
     _, online_final = run(workdir, str(tmp_path / "on"))
@@ -228,21 +228,22 @@ def test_cache_checksum_and_stale_data_are_detected(workdir, tmp_path):
     first = hybrid(batch)  # computed online, written
     cache.flush()
     again = FeatureProvider("offline", target, request, FeatureCache(str(tmp_path / "c"), meta))(batch)
-    assert torch.equal(first["target_hidden"][3], again["target_hidden"][3])
-    assert first["target_top_k_ids"].shape == (2, 4, 4)
-    assert torch.equal(first["target_top_k_ids"], again["target_top_k_ids"])
-    torch.testing.assert_close(first["target_top_k_values"], again["target_top_k_values"])
-    assert torch.equal(first["target_top_k_ids"][..., 0], first["target_argmax"])
+    assert torch.equal(first["hidden"][3], again["hidden"][3])
+    assert first["top_k"][1].shape == (2, 4, 4)
+    assert torch.equal(first["top_k"][1], again["top_k"][1])
+    torch.testing.assert_close(first["top_k"][0], again["top_k"][0])
+    assert torch.equal(first["top_k"][1][..., 0], first["target_argmax"])
     stale = dict(batch, input_ids=torch.tensor([[5, 6, 7, 9], [9, 10, 0, 0]]))
     with pytest.raises(ValueError, match="sample 0 holds other tokens"):
         FeatureProvider("offline", target, request, FeatureCache(str(tmp_path / "c"), meta))(stale)
-    old_meta = {key: value for key, value in meta.items() if key != "top_k_logits"}
     old_dir = tmp_path / "old"
     old_dir.mkdir()
-    (old_dir / "meta.json").write_text(json.dumps({"format": 1, **old_meta}))  # a cache from before top-k logits
-    FeatureCache(str(old_dir), {**meta, "top_k_logits": 0})  # still readable by a run that asks for none
-    with pytest.raises(ValueError, match="top_k_logits is 0"):
+    (old_dir / "meta.json").write_text(json.dumps({"format": 1, **meta}))  # records named h{id}, last, topv, topi
+    with pytest.raises(ValueError, match=r"written by another draftsmith version \(format 1, this one reads 2\); "
+                                         r"rebuild it: .* rerun `draftsmith prepare RECIPE`"):
         FeatureCache(str(old_dir), meta)
+    with pytest.raises(ValueError, match="top_k_logits is 4 but this run needs 0"):
+        FeatureCache(str(tmp_path / "c"), {**meta, "top_k_logits": 0})
     with pytest.raises(ValueError, match="layer ids \\[2\\] were not stored"):
         FeatureCache(str(tmp_path / "c"), {**meta, "layer_ids": [1, 2, 3]})
     shard = tmp_path / "c" / "rank0-00000.safetensors"

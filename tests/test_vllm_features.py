@@ -155,6 +155,6 @@ def test_vllm_features_equal_hf_features_on_smollm2(tmp_path, monkeypatch):
     for index in range(len(tokens)):
         a, b = hf.read(index), vl.read(index)
         assert torch.equal(a["input_ids"], b["input_ids"])
-        for key in ("h2", "h15", "h27", "last"):
+        for key in ("hidden.2", "hidden.15", "hidden.27", "final_hidden"):
             torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-4)  # fp32, other kernels' sum orders
 

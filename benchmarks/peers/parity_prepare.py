@@ -101,8 +101,8 @@ def target_batches(args, recipe, target, data, drafter, layer_ids) -> list[dict]
         batches.append({
             "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
             "loss_mask": batch["loss_mask"], "sample_index": batch["sample_index"],
-            "features": torch.cat([features["target_hidden"][i] for i in layer_ids], dim=-1).to(torch.bfloat16),
-            "last_hidden": features["target_last_hidden"].to(torch.bfloat16),
+            "features": torch.cat([features["hidden"][i] for i in layer_ids], dim=-1).to(torch.bfloat16),
+            "last_hidden": features["final_hidden"].to(torch.bfloat16),
             "target_argmax": features["target_argmax"]})
     torch.save(batches, path + ".tmp")
     os.replace(path + ".tmp", path)

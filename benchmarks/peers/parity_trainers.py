@@ -84,7 +84,7 @@ class Ours:
     def _batch(self, batch):
         dim = batch["last_hidden"].shape[-1]
         hidden = {i: chunk for i, chunk in zip(self.layer_ids, batch["features"].float().split(dim, dim=-1))}
-        return {**batch, "target_hidden": hidden, "target_last_hidden": batch["last_hidden"].float()}
+        return {**batch, "hidden": hidden, "final_hidden": batch["last_hidden"].float()}
 
     def step(self, batch, anchors, valid):
         batch = self._batch(batch)

@@ -78,8 +78,8 @@ def make_batch(torch, drafter, length: int, draft_vocab: int) -> dict:
              "attention_mask": torch.ones(1, length, dtype=torch.long),
              "loss_mask": torch.ones(1, length, dtype=torch.long),
              "target_argmax": torch.randint(4, draft_vocab, (1, length), generator=generator),
-             "target_hidden": {i: torch.randn(1, length, HIDDEN, generator=generator) for i in request.layer_ids},
-             "target_last_hidden": torch.randn(1, length, HIDDEN, generator=generator),
+             "hidden": {i: torch.randn(1, length, HIDDEN, generator=generator) for i in request.layer_ids},
+             "final_hidden": torch.randn(1, length, HIDDEN, generator=generator),
              "sample_index": torch.tensor([0]), "epoch": 0, "seed": 0}
     return batch
 

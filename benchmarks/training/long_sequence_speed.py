@@ -43,8 +43,8 @@ drafter = DRAFTERS[kind](DRAFTERS[kind].Config(num_layers=1, **fields), info)
 vocab = fields.get("draft_vocab_size") or V
 batch = {"input_ids": torch.randint(4, vocab, (B, L), generator=g), "attention_mask": torch.ones(B, L, dtype=torch.long),
          "loss_mask": torch.ones(B, L, dtype=torch.long), "target_argmax": torch.randint(4, vocab, (B, L), generator=g),
-         "target_hidden": {i: torch.randn(B, L, D, generator=g) for i in drafter.feature_request().layer_ids},
-         "target_last_hidden": torch.randn(B, L, D, generator=g), "sample_index": torch.arange(B), "epoch": 0, "seed": 0}
+         "hidden": {i: torch.randn(B, L, D, generator=g) for i in drafter.feature_request().layer_ids},
+         "final_hidden": torch.randn(B, L, D, generator=g), "sample_index": torch.arange(B), "epoch": 0, "seed": 0}
 optimizer = build_optimizer(drafter, OptimConfig(lr=1e-4))
 times = []
 for step in range(spec["steps"] + 1):

@@ -47,7 +47,7 @@ def compare(hf_dir: str, vllm_dir: str, dataset_ids: dict[int, list[int]]) -> di
     hf, vl = open_cache(hf_dir), open_cache(vllm_dir)
     if sorted(hf.location) != sorted(vl.location):
         raise SystemExit(f"the caches hold different samples: {sorted(hf.location)} vs {sorted(vl.location)}")
-    keys = [f"h{i}" for i in hf.meta["layer_ids"]] + ["last"]
+    keys = [f"hidden.{i}" for i in hf.meta["layer_ids"]] + ["final_hidden"]
     worst = {key: [0.0, 0.0] for key in keys}
     tokens = argmax_equal = 0
     for index in sorted(hf.location):

@@ -72,14 +72,14 @@ class BlockBackbone(Drafter):
     def block_states(self, batch: Mapping[str, Any], anchors: torch.Tensor, anchor_valid: torch.Tensor | None):
         """All blocks of a row in one forward against the full-sequence context (anchors.block_attention_mask).
 
-        Args: batch input_ids, attention_mask [B, T], target_hidden {id: [B, T, D]}; anchors [B, A];
+        Args: batch input_ids, attention_mask [B, T], hidden {id: [B, T, D]}; anchors [B, A];
         anchor_valid [B, A] bool (None = all), False = a padding block.
         Returns: (anchors on the batch's device, anchor_valid as bool, pre-norm block states [B, A, S, D]).
         """
         input_ids = batch["input_ids"]
         anchors = anchors.to(input_ids.device)
         anchor_valid = torch.ones_like(anchors, dtype=torch.bool) if anchor_valid is None else anchor_valid.bool()
-        context = fuse_context(batch["target_hidden"], self.layer_ids, self.fc, self.hidden_norm)  # [B, T, D]
+        context = fuse_context(batch["hidden"], self.layer_ids, self.fc, self.hidden_norm)  # [B, T, D]
         h = anchored_blocks(self.layers, self.rotary, context, self._block_embeds(input_ids.gather(1, anchors)),
                             anchors, anchor_valid, batch["attention_mask"].bool(), self.activation_checkpointing)
         return anchors, anchor_valid, h

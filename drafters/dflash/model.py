@@ -75,7 +75,7 @@ class DFlashDrafter(DraftHead, BlockBackbone):
         """Draft logits of the blocks at the given anchors, all blocks of a row in one forward.
 
         Args:
-            batch: input_ids, attention_mask, loss_mask [B, T] (right padding), target_hidden {id: [B, T, D]}.
+            batch: input_ids, attention_mask, loss_mask [B, T] (right padding), hidden {id: [B, T, D]}.
             anchors: [B, A] anchor positions; anchor_valid: [B, A] bool (default all), False = a padding block.
         Returns:
             DraftOutput over the N kept anchors (row-major): logits [N, S-1, V_d], batch_index [N], label_position
@@ -108,7 +108,7 @@ class DFlashDrafter(DraftHead, BlockBackbone):
         head = self._target_tensor("lm_head_weight")
         if self.draft_ids() is not None:
             head = head.index_select(0, self.draft_ids())
-        hidden = batch["target_last_hidden"][rows, (positions - 1).clamp(min=0)].to(head.dtype)
+        hidden = batch["final_hidden"][rows, (positions - 1).clamp(min=0)].to(head.dtype)
         return torch.softmax(F.linear(hidden, head).to(dtype), dim=-1)
 
     def depth_weights(self, num_depths: int, device=None, dtype=torch.float32) -> torch.Tensor:

@@ -76,7 +76,7 @@ class DSparkDrafter(BlockBackbone):
         """Teacher-forced DSpark logits of the blocks at the given anchors, all blocks of a row in one forward.
 
         Args:
-            batch: input_ids, attention_mask, loss_mask [B, T] (right padding), target_hidden {id: [B, T, D]}.
+            batch: input_ids, attention_mask, loss_mask [B, T] (right padding), hidden {id: [B, T, D]}.
             anchors: [B, A] anchor positions; anchor_valid: [B, A] bool (default all), False = a padding block.
         Returns:
             DraftOutput over the N kept anchors: logits [N, S, V] (base + sequential bias), batch_index [N],
@@ -114,7 +114,7 @@ class DSparkDrafter(BlockBackbone):
         rows, positions = row_index[valid], output.label_position[valid]
         depth = valid.nonzero(as_tuple=True)[1]
         labels = batch["input_ids"][row_index, output.label_position]  # [N, S]
-        teacher_hidden = batch["target_last_hidden"][row_index, output.label_position - 1]  # [N, S, D]
+        teacher_hidden = batch["final_hidden"][row_index, output.label_position - 1]  # [N, S, D]
         lm_head = self._target_tensor("lm_head_weight")
 
         def cells(chunk):  # one chunk of rows: its logits and teacher [m, V] exist only here

@@ -180,7 +180,7 @@ class Eagle3Drafter(DraftHead, Drafter):
 
         tokens = F.pad(input_ids[:, 1:], (0, steps - 1))  # step k at t reads tokens[t + k] = x_{t+1+k}
         embeds = self._frozen.embedding("embed_weight", tokens, self.fc.weight)  # [B, L + K - 1, D]
-        features = torch.cat([batch["target_hidden"][i][:, :length] for i in self.layer_ids], dim=-1)
+        features = torch.cat([batch["hidden"][i][:, :length] for i in self.layer_ids], dim=-1)
         hidden = self.fc(features.to(self.fc.weight.dtype))  # [B, L, D]
         positions = torch.arange(length, device=input_ids.device).expand(batch_size, length)
         key_valid = None if bool(pair_valid.all()) else pair_valid  # None: plain causal attention (one host sync)
@@ -239,14 +239,14 @@ class Eagle3Drafter(DraftHead, Drafter):
         """sum_k step_decay**k * L_k, L_k = mean soft CE at depth k over its valid positions (EAGLE-3 averages over
         all B*T positions instead; a per-depth mean keeps loss_k comparable across batches and padding).
 
-        The teacher is softmax(target_last_hidden @ lm_head[draft ids].T), i.e. the target distribution
+        The teacher is softmax(final_hidden @ lm_head[draft ids].T), i.e. the target distribution
         renormalised on the draft vocab (config.loss "hard": its argmax, one-hot); "lk" / "lk_hybrid" replace the CE
         by the LK loss against that teacher (losses.lk_cell_loss). acc_k is top-1 agreement with the target's own
         argmax (losses.output_metrics).
         """
         batch_index, target_position = output.batch_index, output.label_position[:, 0] - 1
         head = self._target_tensor("lm_head_weight").index_select(0, self.draft_ids())  # [V_d, D]
-        teacher_hidden = batch["target_last_hidden"][batch_index, target_position].to(head.dtype)  # [N, D]
+        teacher_hidden = batch["final_hidden"][batch_index, target_position].to(head.dtype)  # [N, D]
 
         lk = self.config.loss in LK_LOSSES
 

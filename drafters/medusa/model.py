@@ -89,7 +89,7 @@ class MedusaDrafter(Drafter):
             (clamped to T - 1 past the end), depth_valid [N, K] = label inside the sequence and in loss_mask.
         """
         batch_index, position, label_position, depth_valid = position_cells(batch, self.config.num_heads)
-        hidden = batch["target_last_hidden"][batch_index, position].to(next(self.parameters()).dtype)
+        hidden = batch["final_hidden"][batch_index, position].to(next(self.parameters()).dtype)
         head = with_autocast_of_now(lambda rows: self.head_logits(hidden[rows]), hidden.device)  # chunks of N
         return DraftOutput(batch_index=batch_index, label_position=label_position, depth_valid=depth_valid, head=head)
 

@@ -197,7 +197,7 @@ class MTPDrafter(DraftHead, Drafter):
         batch_size, seq_len = batch["input_ids"].shape
         device = batch["input_ids"].device
         positions = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-        position_embeddings = self.rotary(batch["target_last_hidden"].to(self.layers[0].eh_proj.weight.dtype),
+        position_embeddings = self.rotary(batch["final_hidden"].to(self.layers[0].eh_proj.weight.dtype),
                                           positions, *self._rope_kind)
         mask = causal_mask(seq_len, device)
         output = chained_depths(batch, self.num_steps, lambda depth, tokens, hidden: self._step(

@@ -2,15 +2,19 @@
 
 The drafter batch always carries the same keys, wherever they came from (drafters/base.py), serving the drafter's
 FeatureRequest:
-    target_hidden {layer_id: [B, T, D]} float32, target_last_hidden [B, T, D] float32, target_argmax [B, T] long,
-    and with request.top_k_logits = k > 0: target_top_k_values [B, T, k] float32, target_top_k_ids [B, T, k] long,
-    and with request.kv_layers (online only): target_kv {layer: (keys, values) [B, H_kv, T, d]} float32.
+    hidden {layer_id: [B, T, D]} float32, final_hidden [B, T, D] float32, target_argmax [B, T] long, and with
+    request.top_k_logits = k > 0: top_k (values [B, T, k] float32, ids [B, T, k] long), and with request.kv_layers
+    (online only): target_kv {layer: (keys, values) [B, H_kv, T, d]} float32. The names are the engine's
+    (drafters/base.py `Served`), so a drafter reads one name in training and in inference.
 
 Offline cache layout, one directory per split (`<features.cache_dir>/train`, `.../eval`):
-    meta.json                       target name, hidden size, number of layers, layer ids, dtype, number of samples
+    meta.json                       format (2), target name, hidden size, number of layers, layer ids, dtype, number
+                                    of samples, top-k logits
     rank{r}-{n:05d}.safetensors     shards written by rank r; per sample `s{i}.input_ids` [T] int32,
-                                    `s{i}.h{id}` [T, D], `s{i}.last` [T, D], `s{i}.argmax` [T] int32,
-                                    with top-k logits `s{i}.topv` [T, k] and `s{i}.topi` [T, k] int32
+                                    `s{i}.hidden.{id}` [T, D], `s{i}.final_hidden` [T, D], `s{i}.argmax` [T] int32,
+                                    with top-k logits `s{i}.top_k.values` [T, k] and `s{i}.top_k.ids` [T, k] int32
+A cache of another format (format 1 named its records h{id}, last, topv, topi) is refused in one line that says
+how to rebuild it.
     index-rank{r}.json              per shard: file name, size in bytes, sha256 and the sample indices it holds
 Each rank writes only its own shards and index, shard files and indexes are written under temporary names and
 renamed into place, so an interrupted `draftsmith prepare` resumes where its index ends. The first time a process
@@ -40,7 +44,7 @@ from drafters.files import disk_full_reported, write_atomic, write_json_atomic
 from train.data.dataset import collate
 from train.features.placement import release_gathered
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: records named as the engine serves them (hidden.{id}, final_hidden, top_k.values / .ids)
 DEFAULT_SHARD_BYTES = 256 << 20
 _REBUILD = "delete this split's cache directory (or choose a new features.cache_dir) and rerun draftsmith prepare"
 
@@ -71,8 +75,11 @@ class FeatureCache:
             write_json_atomic(path, meta)
         with open(path) as f:
             stored = json.load(f)
-        stored.setdefault("top_k_logits", 0)  # caches written before top-k logits existed store none
-        for key in ("format", "target", "hidden_size", "num_layers", "dtype", "num_samples", "top_k_logits"):
+        if stored.get("format") != CACHE_FORMAT:
+            raise ValueError(f"feature cache {self.directory} was written by another draftsmith version (format "
+                             f"{stored.get('format')!r}, this one reads {CACHE_FORMAT}); rebuild it: delete the "
+                             "directory (or choose a new features.cache_dir) and rerun `draftsmith prepare RECIPE`")
+        for key in ("target", "hidden_size", "num_layers", "dtype", "num_samples", "top_k_logits"):
             if stored.get(key) != meta.get(key):
                 raise ValueError(f"feature cache {self.directory}: {key} is {stored.get(key)!r} but this run needs "
                                  f"{meta.get(key)!r}; point features.cache_dir elsewhere or delete the cache")
@@ -108,10 +115,11 @@ class FeatureCache:
         """Buffer one sample (input_ids [T], hidden {id: [T, D]}, last_hidden [T, D], argmax [T], and top_k
         (values, ids) [T, k] when the cache stores them); flush when full."""
         record = {"input_ids": input_ids.to("cpu", torch.int32), "argmax": argmax.to("cpu", torch.int32),
-                  "last": last_hidden.to("cpu", self.dtype)}
+                  "final_hidden": last_hidden.to("cpu", self.dtype)}
         if self.meta.get("top_k_logits"):
-            record.update(topv=top_k[0].to("cpu", self.dtype), topi=top_k[1].to("cpu", torch.int32))
-        record.update({f"h{layer_id}": hidden[layer_id].to("cpu", self.dtype) for layer_id in self.meta["layer_ids"]})
+            record.update({"top_k.values": top_k[0].to("cpu", self.dtype), "top_k.ids": top_k[1].to("cpu", torch.int32)})
+        record.update({f"hidden.{layer_id}": hidden[layer_id].to("cpu", self.dtype)
+                       for layer_id in self.meta["layer_ids"]})
         self.buffer[index] = {key: value.contiguous() for key, value in record.items()}
         self.buffer_bytes += sum(t.numel() * t.element_size() for t in record.values())
         if self.buffer_bytes >= self.shard_bytes:
@@ -170,15 +178,16 @@ class FeatureCache:
             raise ValueError(f"feature cache shard {path} fails its sha256 check (corrupt or replaced); {_REBUILD}")
 
     def read(self, index: int) -> dict[str, torch.Tensor]:
-        """One sample: input_ids [T], argmax [T], last [T, D], h{id} [T, D] (the stored dtype)."""
+        """One sample: input_ids [T], argmax [T], final_hidden [T, D], hidden.{id} [T, D] (the stored dtype), and
+        top_k.values, top_k.ids [T, k] when stored."""
         if index in self.buffer:
             return self.buffer[index]
         if index not in self.location:
             raise ValueError(f"sample {index} is not in the feature cache {self.directory}; run "
                              "`draftsmith prepare RECIPE` first (or use features.mode=hybrid)")
         handle = self._open(self.location[index])
-        keys = ["input_ids", "argmax", "last"] + [f"h{layer_id}" for layer_id in self.meta["layer_ids"]]
-        keys += ["topv", "topi"] if self.meta.get("top_k_logits") else []
+        keys = ["input_ids", "argmax", "final_hidden"] + [f"hidden.{layer_id}" for layer_id in self.meta["layer_ids"]]
+        keys += ["top_k.values", "top_k.ids"] if self.meta.get("top_k_logits") else []
         return {key: handle.get_tensor(f"s{index}.{key}") for key in keys}
 
 
@@ -243,14 +252,14 @@ class FeatureProvider:
                                    kv_layers=self.request.kv_layers)
         release_gathered(self.target)
         keep = mask.unsqueeze(-1).float()  # [B, T, 1]
-        features = {"target_hidden": {i: out.hidden[i].float() * keep for i in self.layer_ids},
-                    "target_last_hidden": out.last_hidden.float() * keep, "target_argmax": out.argmax.long() * mask}
+        features = {"hidden": {i: out.hidden[i].float() * keep for i in self.layer_ids},
+                    "final_hidden": out.last_hidden.float() * keep, "target_argmax": out.argmax.long() * mask}
         if self.request.kv_layers:  # {layer: (keys, values) [B, H_kv, T, d]}, padding slots zeroed
             slot = keep.unsqueeze(1)  # [B, 1, T, 1]
             features["target_kv"] = {i: (k.float() * slot, v.float() * slot) for i, (k, v) in out.kv.items()}
         if top_k:
             values, ids = out.logits.float().topk(top_k, dim=-1)
-            features.update(target_top_k_values=values * keep, target_top_k_ids=ids * mask.unsqueeze(-1))
+            features["top_k"] = (values * keep, ids * mask.unsqueeze(-1))
         return features
 
     def from_cache(self, batch: dict[str, Any], indices: list[int]) -> dict[str, Any]:
@@ -272,17 +281,17 @@ class FeatureProvider:
                 raise ValueError(f"feature cache {self.cache.directory}: sample {index} holds other tokens than the "
                                  "dataset gives now (the data changed); rerun draftsmith prepare into a new cache_dir")
             for i in self.layer_ids:
-                hidden[i][row, :size] = record[f"h{i}"].float()
-            last_hidden[row, :size] = record["last"].float()
+                hidden[i][row, :size] = record[f"hidden.{i}"].float()
+            last_hidden[row, :size] = record["final_hidden"].float()
             argmax[row, :size] = record["argmax"].long()
             if top_k:
-                top_values[row, :size] = record["topv"][:, :top_k].float()
-                top_ids[row, :size] = record["topi"][:, :top_k].long()
+                top_values[row, :size] = record["top_k.values"][:, :top_k].float()
+                top_ids[row, :size] = record["top_k.ids"][:, :top_k].long()
         device = input_ids.device
-        features = {"target_hidden": {i: h.to(device) for i, h in hidden.items()},
-                    "target_last_hidden": last_hidden.to(device), "target_argmax": argmax.to(device)}
+        features = {"hidden": {i: h.to(device) for i, h in hidden.items()},
+                    "final_hidden": last_hidden.to(device), "target_argmax": argmax.to(device)}
         if top_k:
-            features.update(target_top_k_values=top_values.to(device), target_top_k_ids=top_ids.to(device))
+            features["top_k"] = (top_values.to(device), top_ids.to(device))
         return features
 
     def at_step(self, step: int) -> None:
@@ -305,11 +314,11 @@ def store_rows(cache: FeatureCache, batch: dict[str, Any], features: dict[str, A
     for row in rows:
         length = int(batch["attention_mask"][row].sum())
         top_k = None
-        if "target_top_k_values" in features:
-            top_k = (features["target_top_k_values"][row, :length], features["target_top_k_ids"][row, :length])
+        if "top_k" in features:
+            top_k = tuple(part[row, :length] for part in features["top_k"])
         cache.add(int(batch["sample_index"][row]), batch["input_ids"][row, :length],
-                  {i: h[row, :length] for i, h in features["target_hidden"].items()},
-                  features["target_last_hidden"][row, :length], features["target_argmax"][row, :length], top_k)
+                  {i: h[row, :length] for i, h in features["hidden"].items()},
+                  features["final_hidden"][row, :length], features["target_argmax"][row, :length], top_k)
 
 
 def sample_lengths(dataset) -> list[int]:
