@@ -57,7 +57,7 @@ def make_batch(target: TargetModel, drafter: DFlashDrafter, seq_len: int = 14, s
     loss_mask[:, :3] = 0
     features = target.features(input_ids, attention_mask, drafter.target_layer_ids())
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-            "hidden": features.hidden, "final_hidden": features.last_hidden,
+            "hidden": features.hidden, "final_hidden": features.final_hidden,
             "target_argmax": features.argmax, "sample_index": torch.tensor([7, 3]), "epoch": 0, "seed": 0}
 
 

@@ -37,7 +37,7 @@ def overfit(target: TargetModel, drafter, steps: int, lr: float = 1e-2):
     drafter.init_from_data(torch.bincount(ids[mask.bool()], minlength=target.target_info().vocab_size).float())
     features = target.features(ids, mask, drafter.target_layer_ids())
     batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, "hidden": features.hidden,
-             "final_hidden": features.last_hidden, "target_argmax": features.argmax}
+             "final_hidden": features.final_hidden, "target_argmax": features.argmax}
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
     for step in range(steps):
         loss, _ = drafter.loss(drafter({**batch, "epoch": step}), batch)

@@ -51,7 +51,7 @@ def make_batch(target: TargetModel, drafter: Eagle3Drafter, seq_len: int = 11, s
     features = target.features(input_ids, attention_mask, drafter.target_layer_ids(), return_logits=True)
     return {
         "input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-        "hidden": features.hidden, "final_hidden": features.last_hidden,
+        "hidden": features.hidden, "final_hidden": features.final_hidden,
         "target_argmax": features.argmax, "target_logits": features.logits,
     }
 
@@ -198,7 +198,7 @@ def ttt_chain(drafter, target, committed: list[int], next_token: int, drafts: li
     ids = torch.tensor([tokens])
     features = target.features(ids, torch.ones_like(ids), drafter.target_layer_ids())
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
-             "hidden": features.hidden, "final_hidden": features.last_hidden,
+             "hidden": features.hidden, "final_hidden": features.final_hidden,
              "target_argmax": torch.full_like(ids, int(drafter.draft_ids()[0]))}
     out = drafter(batch)
     last = len(committed) - 1  # depth k reads it from target position last + 1 + k

@@ -290,7 +290,7 @@ def ttt_logits(drafter: Eagle3Drafter, target, ids: torch.Tensor) -> torch.Tenso
     token t + 1 + k at step k); NaN where our forward computes no cell (position T - 2 and the first k steps)."""
     features = target.features(ids, torch.ones_like(ids), drafter.target_layer_ids())
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
-             "hidden": features.hidden, "final_hidden": features.last_hidden,
+             "hidden": features.hidden, "final_hidden": features.final_hidden,
              "target_argmax": torch.full_like(ids, int(drafter.draft_ids()[0]))}
     with torch.no_grad():
         out = drafter(batch)

@@ -97,8 +97,8 @@ def test_hidden_capture_follows_vllm_layer_ids():
     reference = model(input_ids=ids, output_hidden_states=True).hidden_states
     for layer_id in (0, 1, 2):
         assert torch.allclose(features.hidden[layer_id], reference[layer_id])
-    assert torch.allclose(model.model.norm(features.hidden[3]), features.last_hidden)
-    assert torch.allclose(features.last_hidden, reference[-1])
+    assert torch.allclose(model.model.norm(features.hidden[3]), features.final_hidden)
+    assert torch.allclose(features.final_hidden, reference[-1])
     with pytest.raises(ValueError, match="out of range"):
         target.features(ids, mask, layer_ids=(4,))
 

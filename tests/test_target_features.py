@@ -30,7 +30,7 @@ def test_features_without_logits_equal_the_full_forward(monkeypatch):
     for layer_id in (0, 2):
         torch.testing.assert_close(features.hidden[layer_id], hidden_states[layer_id], rtol=0, atol=0)
     assert torch.equal(features.argmax, logits.argmax(-1))
-    torch.testing.assert_close(features.last_hidden, hidden_states[3], rtol=0, atol=0)  # HF's last entry is normed
+    torch.testing.assert_close(features.final_hidden, hidden_states[3], rtol=0, atol=0)  # HF's last entry is normed
     with_logits = target.features(input_ids, attention_mask, (0, 2, 3), return_logits=True)
     assert torch.equal(with_logits.logits, logits) and torch.equal(with_logits.argmax, features.argmax)
     torch.testing.assert_close(with_logits.hidden[3], features.hidden[3], rtol=0, atol=0)

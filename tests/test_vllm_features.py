@@ -98,7 +98,7 @@ def test_head_target_holds_only_the_head_and_computes_what_the_full_target_does(
     ids = torch.randint(0, 256, (1, 23))
     out = full.features(ids, torch.ones_like(ids), (1, full.num_layers), return_logits=True)
     last, argmax, (values, top) = head_outputs(head, out.hidden[full.num_layers][0], top_k=4)
-    assert torch.equal(last, out.last_hidden[0]) and torch.equal(argmax, out.argmax[0])
+    assert torch.equal(last, out.final_hidden[0]) and torch.equal(argmax, out.argmax[0])
     expected_values, expected_ids = out.logits[0].float().topk(4, dim=-1)
     torch.testing.assert_close(values, expected_values, rtol=0, atol=1e-5)  # one matmul, blocked differently
     assert torch.equal(top, expected_ids)

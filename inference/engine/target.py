@@ -32,11 +32,12 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass
 class TargetFeatures:
-    """hidden {id: [B, T, D]}; last_hidden [B, T, D] after the final norm; argmax [B, T]; logits [B, T, V] or None;
-    kv: the K/V the requested layers computed (RoPE applied, as a cache holds them), or None."""
+    """One training forward's features, under the engine's names (drafters/base.py `Served`): hidden {id: [B, T, D]};
+    final_hidden [B, T, D] after the final norm; argmax [B, T]; logits [B, T, V] or None; kv: the K/V the requested
+    layers computed (RoPE applied, as a cache holds them), or None."""
 
     hidden: dict[int, torch.Tensor]
-    last_hidden: torch.Tensor
+    final_hidden: torch.Tensor
     argmax: torch.Tensor
     logits: torch.Tensor | None = None
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # {layer: (keys, values) [B, H_kv, T, d]}

@@ -253,7 +253,7 @@ class FeatureProvider:
         release_gathered(self.target)
         keep = mask.unsqueeze(-1).float()  # [B, T, 1]
         features = {"hidden": {i: out.hidden[i].float() * keep for i in self.layer_ids},
-                    "final_hidden": out.last_hidden.float() * keep, "target_argmax": out.argmax.long() * mask}
+                    "final_hidden": out.final_hidden.float() * keep, "target_argmax": out.argmax.long() * mask}
         if self.request.kv_layers:  # {layer: (keys, values) [B, H_kv, T, d]}, padding slots zeroed
             slot = keep.unsqueeze(1)  # [B, 1, T, 1]
             features["target_kv"] = {i: (k.float() * slot, v.float() * slot) for i, (k, v) in out.kv.items()}
