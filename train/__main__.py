@@ -14,7 +14,13 @@ from __future__ import annotations
 import sys
 import time
 
+from inference.evaluation.prompts import load_questions
+from train.build import build_trainer
+from train.cli import run_reporting_errors
 from train.config import Recipe, recipe_from_argv, recipe_parser
+from train.fit.checkpoint import resolve_resume
+from train.fit.loop import PREEMPTED_EXIT_CODE, Preempted
+from train.fit.metrics import check_trackers
 
 DESCRIPTION = "Train a drafter from a recipe."
 PROG = "draftsmith train"
@@ -27,10 +33,6 @@ def build_parser():
 def check_before_loading(recipe: Recipe) -> None:
     """What the run would refuse only after loading the target and the data: the checkpoint to resume from, the
     prompt set of the decoding probe, and trackers accelerate would drop without a word when not installed."""
-    from inference.evaluation.prompts import load_questions
-    from train.fit.checkpoint import resolve_resume
-    from train.fit.metrics import check_trackers
-
     resolve_resume(recipe.output.dir, recipe.train.resume_from)
     if recipe.eval.num_prompts > 0:
         load_questions(recipe.eval.prompts)
@@ -40,9 +42,6 @@ def check_before_loading(recipe: Recipe) -> None:
 def main(argv: list[str] | None = None) -> int:
     recipe = recipe_from_argv(PROG, DESCRIPTION, argv)
     check_before_loading(recipe)
-    from train.build import build_trainer  # after the recipe is known to be valid: torch/accelerate import is slow
-    from train.fit.loop import PREEMPTED_EXIT_CODE, Preempted
-
     started = time.perf_counter()
     trainer = build_trainer(recipe)
     try:
@@ -57,6 +56,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from train.cli import run_reporting_errors
-
     sys.exit(run_reporting_errors("train", main, None, build_parser))
