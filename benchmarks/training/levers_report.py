@@ -1,0 +1,107 @@
+"""The lever screen's result file and table: every lever of `benchmarks/training/levers.sh` that finished, its
+held-out tau beside its group's base at equal steps, and what the screen ran on.
+
+    python benchmarks/training/levers_report.py --runs runs/levers --out docs/results/levers_screen.json \
+        --md docs/results/levers_screen.md --commit 146d16e --note "beside other work, load 3-4"
+
+Reads <runs>/<lever>/heldout.json (benchmarks/training/heldout_tau.py) and the lever's last trainer_state.json; the
+lever's recipe and overrides come from `levers.sh plan`. tau is a count over the held-out answers, exact whatever
+the load; training seconds are wall time, which a loaded machine inflates (the note says what else ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+
+from benchmarks.measure import write_measurement  # noqa: E402
+
+LEVERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "levers.sh")
+
+
+def plan() -> list[tuple[str, str, str]]:
+    """(lever, recipe, overrides) in levers.sh's order."""
+    lines = subprocess.run(["bash", LEVERS, "plan"], capture_output=True, text=True, check=True).stdout.splitlines()
+    rows = []
+    for line in lines:
+        name, _, rest = line.partition(": ")
+        recipe, _, overrides = rest.partition(" ")
+        rows.append((name, recipe, re.sub(r"\s*\(k = \d+\)$", "", overrides).strip()))
+    return rows
+
+
+def read(runs: str) -> list[dict]:
+    rows = []
+    for name, recipe, overrides in plan():
+        tau_file = os.path.join(runs, name, "heldout.json")
+        states = sorted(glob.glob(os.path.join(runs, name, "checkpoints", "step_*", "trainer_state.json")),
+                        key=lambda p: int(re.search(r"step_(\d+)", p).group(1)))
+        if not (os.path.isfile(tau_file) and states):
+            continue
+        held = json.load(open(tau_file))["rows"][0]
+        state = json.load(open(states[-1]))
+        rows.append({"lever": name, "group": name.split("_")[0], "recipe": recipe, "overrides": overrides,
+                     "steps": state["step"], "train_seconds": round(state.get("elapsed_seconds", 0.0), 1),
+                     "heldout_tau": held["heldout_tau"], "heldout_k": held["heldout_k"],
+                     "heldout_rounds": held["heldout_rounds"],
+                     "accepted_per_position": held["heldout_accepted_per_position"],
+                     "heldout_prompts": held["heldout_prompts"]})
+    bases = {row["group"]: row["heldout_tau"] for row in rows if row["lever"].endswith("_base")}
+    bases.setdefault("mtp", next((r["heldout_tau"] for r in rows if r["lever"] == "mtp_vocab8k"), None))
+    for row in rows:
+        base = bases.get(row["group"])
+        row["delta_vs_base"] = None if base is None else round(row["heldout_tau"] - base, 4)
+    return rows
+
+
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    lines = [f"# Lever screen: {result['steps']} steps each, batch 4, on the first {result['conversations']} training "
+             "conversations of the 10k data", "",
+             f"{env['cpu']} ({', '.join(env['cpu_flags'])}), {result['threads']} threads, {result['note']}; tree "
+             f"{result['commit']}; held-out tau: {result['rows'][0]['heldout_prompts'] if result['rows'] else '-'}, "
+             "greedy; the base of each group is the long recipe as written (MTP: the 8k-vocab head).", "",
+             "| lever | overrides | steps | train s | held-out tau (k) | vs base | accepted per position |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in result["rows"]:
+        delta = "-" if row["delta_vs_base"] is None else f"{row['delta_vs_base']:+.3f}"
+        lines.append(f"| {row['lever']} | {row['overrides'] or '(the recipe)'} | {row['steps']} | "
+                     f"{row['train_seconds']:.0f} | {row['heldout_tau']:.3f} ({row['heldout_k']}) | {delta} | "
+                     f"{row['accepted_per_position']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", default="runs/levers")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--md", required=True)
+    parser.add_argument("--commit", required=True, help="the tree the screen ran")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=180)
+    parser.add_argument("--note", default="", help="what else ran on the machine")
+    args = parser.parse_args(argv)
+    rows = read(args.runs)
+    if not rows:
+        print(f"levers_report: error: no finished lever under {args.runs}", file=sys.stderr)
+        return 2
+    result = {"steps": args.steps, "conversations": args.steps * 4, "threads": args.threads, "commit": args.commit,
+              "note": args.note, "rows": rows}
+    write_measurement(args.out, result)
+    with open(args.out) as f:
+        result = json.load(f)
+    with open(args.md, "w") as f:
+        f.write(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
