@@ -185,6 +185,29 @@ def test_a_backend_is_imported_only_through_its_face():
     assert "inference.engine.cpu" in graph["inference.evaluation.eval"]  # the rule sees the face's users
 
 
+# What the engine's pieces may not import: the loop does not know the tree strategy (the facades in api.py do), the
+# cost profile the policies read does not run the loop (evaluation/profile.py measures it), the accept rules and the
+# policies import no model code, and nothing in the library imports the benchmarks' helpers.
+ENGINE_MAY_NOT = {
+    "inference.engine.generate": ("inference.engine.tree", "inference.engine.api"),
+    "inference.engine.costs": ("inference.engine.generate", "inference.engine.api", "inference.engine.rounds",
+                               "inference.engine.run", "inference.engine.target"),
+    "inference.engine.adaptive": ("inference.engine.generate", "inference.engine.api", "inference.engine.target"),
+    "inference.engine.verify": ("inference.engine", "drafters"),
+}
+
+
+def test_the_engine_loop_and_its_policies_stay_below_what_uses_them():
+    paths = [path for floor in ("drafters", "inference") for path in sorted((ROOT / floor).rglob("*.py"))]
+    graph = import_graph(paths)
+    reached = sorted(f"{module} -> {other}" for module, banned in ENGINE_MAY_NOT.items()
+                     for other in graph[module] for package in banned if inside(other, package))
+    assert reached == []
+    assert "inference.engine.tree.rounds" in graph["inference.engine.api"]  # the rule sees the facades' imports
+    library = [path for floor in ("drafters", "inference", "train") for path in sorted((ROOT / floor).rglob("*.py"))]
+    assert not [path for path in library if "benchmarks" in imported_packages(path)]
+
+
 # A function-local import of a project module hides a dependency from the import graph; with no circle left, none is
 # needed except where it buys something named here (docs/ARCHITECTURE.md, "Folders and imports"). Optional
 # dependencies (vllm, torch.distributed, ...) are not project modules: they stay lazy without an entry.
