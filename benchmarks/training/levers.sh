@@ -49,7 +49,8 @@ STEPS=${STEPS:-180}
 THREADS=${THREADS:-2}
 HELD=recipes/smollm2/data/sharegpt_smollm2_10k.heldout.jsonl
 ALL_GROUPS="eagle3 dflash dspark mtp"
-LEVERS_eagle3="eagle3_base eagle3_ttt_start eagle3_ttt_03 eagle3_taps5 eagle3_lk eagle3_lk_hybrid"
+LEVERS_eagle3="eagle3_base eagle3_ttt_start eagle3_ttt_03 eagle3_taps5 eagle3_lk eagle3_lk_hybrid
+               eagle3_warm_layer eagle3_fc_identity"
 LEVERS_dflash="dflash_base dflash_2layers dflash_3layers dflash_auf dflash_dpace"
 LEVERS_dspark="dspark_base dspark_2layers dspark_3layers dspark_auf"
 LEVERS_mtp="mtp_vocab8k mtp_vocab16k mtp_full_vocab mtp_vocab8k_lk"
@@ -63,6 +64,8 @@ variant() {  # lever name -> KIND (its long recipe), K (drafts a round when eval
     eagle3_taps5) KIND=eagle3; OVERRIDES=("drafter.layer_ids=[2, 9, 15, 21, 27]") ;;
     eagle3_lk) KIND=eagle3; OVERRIDES=("drafter.loss=lk") ;;
     eagle3_lk_hybrid) KIND=eagle3; OVERRIDES=("drafter.loss=lk_hybrid") ;;
+    eagle3_warm_layer) KIND=eagle3; OVERRIDES=("drafter.init_layer_from_target=29") ;;  # the target's last layer
+    eagle3_fc_identity) KIND=eagle3; OVERRIDES=("drafter.fc_init=identity_high") ;;  # fc starts as the top tap
     dflash_base) KIND=dflash ;;  # 1 draft layer, decay weights
     dflash_2layers) KIND=dflash; OVERRIDES=("drafter.num_layers=2") ;;
     dflash_3layers) KIND=dflash; OVERRIDES=("drafter.num_layers=3") ;;
