@@ -254,3 +254,21 @@ def test_question_counts_follow_the_rows_of_each_call():
     second = GenerateOutput([[1]], [[3, 3, 0]], [[3, 3, 3]], 3)  # question 4's second turn
     assert question_counts(first, [4, 7]) == {4: [2, 3], 7: [1, 0]}
     assert merge_counts([question_counts(first, [4, 7]), question_counts(second, [4])]) == {4: [5, 9], 7: [1, 0]}
+
+
+def test_the_paired_difference_interval_cancels_what_the_questions_share():
+    """Two drafters on the same questions whose per-question taus differ by about the same amount: the paired
+    interval of the difference holds it and is narrower than either tau's own interval; identical drafters give
+    [0, 0]; lists of other lengths give none."""
+    from inference.evaluation.metrics import tau_difference_interval, tau_interval
+
+    base = [(40, 4), (40, 30), (40, 10), (40, 24), (40, 16), (40, 36), (40, 2), (40, 20)]
+    better = [(rounds, accepted + 4) for rounds, accepted in base]  # +0.1 tau on every question
+    low, high = tau_difference_interval(better, base)
+    assert low <= 0.1 + 1e-12 and high >= 0.1 - 1e-12 and high - low < 1e-9  # a constant shift: no spread at all
+    own_low, own_high = tau_interval(base)
+    noisy = [(r, a + (6 if i % 2 else 2)) for i, (r, a) in enumerate(base)]
+    low, high = tau_difference_interval(noisy, base)
+    assert 0.05 - 1e-12 <= low < high <= 0.15 + 1e-12 and high - low < own_high - own_low
+    assert tau_difference_interval(base, base) == [0.0, 0.0]
+    assert tau_difference_interval(base, base[:-1]) is None

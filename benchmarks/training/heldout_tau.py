@@ -6,8 +6,9 @@ parity"), on any drafter directory or training checkpoint.
 
 Each drafter decodes the first turn of `--num-prompts` questions of `--prompts` (greedy, `--max-new-tokens` new
 tokens, k drafts a round) with our engine against the target; heldout_tau = 1 + accepted / rounds over all prompts,
-with the accepted drafts per position and heldout_tau_ci95, the bootstrap interval over the questions
-(inference/evaluation/metrics.tau_interval). A training checkpoint (<output.dir>/checkpoints/step_N) is read through its
+with the accepted drafts per position, heldout_tau_ci95 (the bootstrap interval over the questions,
+inference/evaluation/metrics.tau_interval) and heldout_per_question ([rounds, accepted] per question, in prompt
+order: two drafters' files compare question by question, metrics.tau_difference_interval). A training checkpoint (<output.dir>/checkpoints/step_N) is read through its
 recipe and weights (train/fit/checkpoint.py), any other directory through our readers (drafters.load_drafter).
 """
 
@@ -39,10 +40,12 @@ def decode(target, drafter, prompts: list[str], k: int, max_new_tokens: int) -> 
 
     out = speculative_generate(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=max_new_tokens)
     counts = acceptance_counts(out)
-    interval = tau_interval(list(question_counts(out, list(range(len(prompts)))).values()))
+    per_question = question_counts(out, list(range(len(prompts))))
+    interval = tau_interval(list(per_question.values()))
     return {"heldout_tau": round(1 + counts["accepted"] / counts["rounds"], 4), "heldout_k": k,
             "heldout_tau_ci95": None if interval is None else [round(x, 4) for x in interval],
-            "heldout_rounds": counts["rounds"], "heldout_accepted_per_position": counts["survived"]}
+            "heldout_rounds": counts["rounds"], "heldout_accepted_per_position": counts["survived"],
+            "heldout_per_question": [per_question[i] for i in range(len(prompts))]}
 
 
 def main(argv: list[str] | None = None) -> int:

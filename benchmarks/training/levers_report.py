@@ -4,8 +4,9 @@ held-out tau beside its group's base at equal steps, and what the screen ran on.
     python benchmarks/training/levers_report.py --runs runs/levers --out docs/results/levers_screen.json \
         --md docs/results/levers_screen.md --commit 146d16e --note "beside other work, load 3-4"
 
-Reads <runs>/<lever>/heldout.json (benchmarks/training/heldout_tau.py) and the lever's last trainer_state.json; the
-lever's recipe and overrides come from `levers.sh plan`. tau is a count over the held-out answers, exact whatever
+Reads <runs>/<lever>/heldout.json (benchmarks/training/heldout_tau.py), or heldout_pq.json where the same decode was
+rerun with per-question counts (the paired interval of each lever's difference from its group's base over the same
+questions), and the lever's last trainer_state.json; the lever's recipe and overrides come from `levers.sh plan`. tau is a count over the held-out answers, exact whatever
 the load; training seconds are wall time, which a loaded machine inflates (the note says what else ran).
 """
 
@@ -22,6 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 from benchmarks.measure import write_measurement  # noqa: E402
+from inference.evaluation.metrics import tau_difference_interval  # noqa: E402
 
 LEVERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "levers.sh")
 
@@ -46,18 +48,29 @@ def read(runs: str) -> list[dict]:
         if not (os.path.isfile(tau_file) and states):
             continue
         held = json.load(open(tau_file))["rows"][0]
+        paired = os.path.join(runs, name, "heldout_pq.json")  # the same decode with per-question counts
+        if os.path.isfile(paired):
+            again = json.load(open(paired))["rows"][0]
+            if again["heldout_tau"] != held["heldout_tau"]:
+                raise ValueError(f"{paired}: tau {again['heldout_tau']} differs from {tau_file}'s {held['heldout_tau']}")
+            held = again
         state = json.load(open(states[-1]))
         rows.append({"lever": name, "group": name.split("_")[0], "recipe": recipe, "overrides": overrides,
                      "steps": state["step"], "train_seconds": round(state.get("elapsed_seconds", 0.0), 1),
                      "heldout_tau": held["heldout_tau"], "heldout_k": held["heldout_k"],
                      "heldout_rounds": held["heldout_rounds"],
                      "accepted_per_position": held["heldout_accepted_per_position"],
-                     "heldout_prompts": held["heldout_prompts"]})
-    bases = {row["group"]: row["heldout_tau"] for row in rows if row["lever"].endswith("_base")}
-    bases.setdefault("mtp", next((r["heldout_tau"] for r in rows if r["lever"] == "mtp_vocab8k"), None))
+                     "heldout_prompts": held["heldout_prompts"],
+                     "heldout_tau_ci95": held.get("heldout_tau_ci95"),
+                     "heldout_per_question": held.get("heldout_per_question")})
+    bases = {row["group"]: row for row in rows if row["lever"].endswith("_base") or row["lever"] == "mtp_vocab8k"}
     for row in rows:
         base = bases.get(row["group"])
-        row["delta_vs_base"] = None if base is None else round(row["heldout_tau"] - base, 4)
+        row["delta_vs_base"] = None if base is None else round(row["heldout_tau"] - base["heldout_tau"], 4)
+        interval = None
+        if base is not None and row is not base and row["heldout_per_question"] and base["heldout_per_question"]:
+            interval = tau_difference_interval(row["heldout_per_question"], base["heldout_per_question"])
+        row["delta_ci95"] = None if interval is None else [round(x, 4) for x in interval]
     return rows
 
 
@@ -68,12 +81,16 @@ def markdown(result: dict) -> str:
              f"{env['cpu']} ({', '.join(env['cpu_flags'])}), {result['threads']} threads, {result['note']}; tree "
              f"{result['commit']}; held-out tau: {result['rows'][0]['heldout_prompts'] if result['rows'] else '-'}, "
              "greedy; the base of each group is the long recipe as written (MTP: the 8k-vocab head).", "",
-             "| lever | overrides | steps | train s | held-out tau (k) | vs base | accepted per position |",
+             "| lever | overrides | steps | train s | held-out tau (k) [95% CI] | vs base [paired 95% CI] | "
+             "accepted per position |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in result["rows"]:
         delta = "-" if row["delta_vs_base"] is None else f"{row['delta_vs_base']:+.3f}"
+        if row.get("delta_ci95"):
+            delta += " [{0[0]:+.3f}, {0[1]:+.3f}]".format(row["delta_ci95"])
+        own = "" if not row.get("heldout_tau_ci95") else " [{0[0]:.2f}, {0[1]:.2f}]".format(row["heldout_tau_ci95"])
         lines.append(f"| {row['lever']} | {row['overrides'] or '(the recipe)'} | {row['steps']} | "
-                     f"{row['train_seconds']:.0f} | {row['heldout_tau']:.3f} ({row['heldout_k']}) | {delta} | "
+                     f"{row['train_seconds']:.0f} | {row['heldout_tau']:.3f} ({row['heldout_k']}){own} | {delta} | "
                      f"{row['accepted_per_position']} |")
     return "\n".join(lines) + "\n"
 

@@ -174,6 +174,22 @@ def tau_interval(per_question: list[tuple[int, int]], level: float = 0.95, resam
     return [low, high]
 
 
+def tau_difference_interval(first: list[tuple[int, int]], second: list[tuple[int, int]], level: float = 0.95,
+                            resamples: int = TAU_RESAMPLES, seed: int = 0) -> list[float] | None:
+    """[low, high]: the paired percentile bootstrap interval of tau(first) - tau(second) over the same questions
+    (per question (rounds, accepted), in the same order): each resample draws questions once for both drafters, so
+    what the questions share (their length, their difficulty) cancels and the interval is narrower than the two
+    taus' own intervals suggest. None under two questions or when the lists differ in length."""
+    if len(first) != len(second) or len(first) < 2:
+        return None
+    a, b = torch.tensor(first, dtype=torch.float64), torch.tensor(second, dtype=torch.float64)  # [Q, 2] each
+    picks = torch.randint(0, len(first), (resamples, len(first)), generator=torch.Generator().manual_seed(seed))
+    tau_a = 1.0 + a[picks, 1].sum(-1) / a[picks, 0].sum(-1).clamp(min=1)
+    tau_b = 1.0 + b[picks, 1].sum(-1) / b[picks, 0].sum(-1).clamp(min=1)
+    tail = (1.0 - level) / 2
+    return torch.quantile(tau_a - tau_b, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+
+
 def drafter_placement(drafter) -> dict:
     """drafter_device and drafter_dtype: where the drafter's weights sit and their floating dtype, to read beside
     the target's (the record's env.device, env.dtype); None for no drafter or one without weights (n-gram)."""
