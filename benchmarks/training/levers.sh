@@ -6,9 +6,9 @@
 #
 #   bash benchmarks/training/levers.sh plan              # the variants and their overrides
 #   bash benchmarks/training/levers.sh levers [GROUP..]  # cache, every lever (or the groups eagle3 dflash dspark mtp),
-#                                                        # each one's held-out tau, then levers.tsv
+#                                                        # each one's held-out tau, then the report
 #   bash benchmarks/training/levers.sh long KIND [k=v..] # recipes/smollm2/KIND_long.yaml, then its held-out tau
-#   bash benchmarks/training/levers.sh report            # levers.tsv from what has finished
+#   bash benchmarks/training/levers.sh report            # levers_screen.json / .md from what has finished
 #   bash benchmarks/training/levers.sh curves            # tau vs CPU time of the DFlash / DSpark layer variants
 #   bash benchmarks/training/levers.sh smoke [LEVER..]   # 2 steps of each lever on 8 conversations, online features,
 #                                                        # and the shared cache read by a 5-tap and an MTP lever
@@ -117,23 +117,10 @@ train_lever() {  # $1 = lever; the shared cache, STEPS steps, no in-run probe (h
   heldout "$out/final" "$K" "$out/heldout.json"
 }
 
-report() {  # levers.tsv: lever, kind, overrides, steps, training seconds, held-out tau, accepted drafts per position
-  python - "$RUNS" $(levers_of) <<'EOF'
-import glob, json, os, re, sys
-runs, rows = sys.argv[1], ["lever\tsteps\ttrain_seconds\theldout_tau\tk\taccepted_per_position"]
-for name in sys.argv[2:]:
-    tau = os.path.join(runs, name, "heldout.json")
-    states = sorted(glob.glob(os.path.join(runs, name, "checkpoints", "step_*", "trainer_state.json")),
-                    key=lambda p: int(re.search(r"step_(\d+)", p).group(1)))
-    if not (os.path.isfile(tau) and states):
-        continue
-    row = json.load(open(tau))["rows"][0]
-    state = json.load(open(states[-1]))
-    rows.append(f"{name}\t{state.get('step', '')}\t{state.get('elapsed_seconds', 0):.0f}\t{row['heldout_tau']}\t"
-                f"{row['heldout_k']}\t{row['heldout_accepted_per_position']}")
-open(os.path.join(runs, "levers.tsv"), "w").write("\n".join(rows) + "\n")
-print("\n".join(rows))
-EOF
+report() {  # levers_screen.json / .md under $RUNS: every finished lever's held-out tau beside its group's base
+  python benchmarks/training/levers_report.py --runs "$RUNS" --out "$RUNS/levers_screen.json" \
+    --md "$RUNS/levers_screen.md" --commit "$(git rev-parse --short HEAD)" --threads "$THREADS" --steps "$STEPS" \
+    --note "${NOTE:-nothing else noted}"
 }
 
 case "${1:-plan}" in

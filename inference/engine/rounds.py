@@ -19,7 +19,8 @@ import dataclasses
 
 import torch
 
-from drafters.base import DraftContext, Served, select_rows
+from drafters.base import DraftContext, select_rows
+from drafters.served import Served
 from inference.engine.run import Draft, Verdict
 from inference.engine.verify import GREEDY, Sampling, greedy_verify, sample_verify
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.base import DraftContext, FeatureRequest, Served
+from drafters.base import DraftContext, FeatureRequest
+from drafters.served import Served
 from inference.engine.target import synchronize
 from inference.engine.verify import Sampling
 
@@ -94,7 +95,7 @@ class Draft:
 class Verdict:
     """The target's answer: num_accepted [B]; new_tokens [B] (correction or bonus); drafts [B, W] the accepted
     drafts in order (a tree: along the accepted path); block [B, W + 1] what the target now holds of the round (the
-    last token, then `drafts`); served: the target's features of `block` (drafters/base.py `Served`)."""
+    last token, then `drafts`); served: the target's features of `block` (drafters/served.py `Served`)."""
 
     num_accepted: torch.Tensor
     new_tokens: torch.Tensor

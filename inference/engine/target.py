@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from drafters.base import FeatureRequest, Served, TargetInfo
+from drafters.base import FeatureRequest, TargetInfo
 from drafters.ragged_lm import RaggedLM
 from drafters.ragged_state import FamilyState
+from drafters.served import Served
 from inference.assets.store import resolve_target
 from inference.engine.backend import HfBackend, Prepared, Taps
 
@@ -32,7 +33,7 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass
 class TargetFeatures:
-    """One training forward's features, under the engine's names (drafters/base.py `Served`): hidden {id: [B, T, D]};
+    """One training forward's features, under the engine's names (drafters/served.py `Served`): hidden {id: [B, T, D]};
     final_hidden [B, T, D] after the final norm; argmax [B, T]; logits [B, T, V] or None; kv: the K/V the requested
     layers computed (RoPE applied, as a cache holds them), or None."""
 
@@ -306,7 +307,7 @@ class TargetModel:
         """Verify forward over a block [B, S] appended after each row's sequence.
 
         Returns:
-            logits [B, S, V] and the features `request` asks for (drafters/base.py `Served`: hidden {id: [B, S,
+            logits [B, S, V] and the features `request` asks for (drafters/served.py `Served`: hidden {id: [B, S,
             D]}, final_hidden [B, S, D], top_k (values, ids) [B, S, k], target_kv {layer: (keys, values)} with
             target_kv_valid [B, L]). The KV tensors are the live cache: read them before the next forward.
         """

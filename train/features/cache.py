@@ -5,7 +5,7 @@ FeatureRequest:
     hidden {layer_id: [B, T, D]} float32, final_hidden [B, T, D] float32, target_argmax [B, T] long, and with
     request.top_k_logits = k > 0: top_k (values [B, T, k] float32, ids [B, T, k] long), and with request.kv_layers
     (online only): target_kv {layer: (keys, values) [B, H_kv, T, d]} float32. The names are the engine's
-    (drafters/base.py `Served`), so a drafter reads one name in training and in inference.
+    (drafters/served.py `Served`), so a drafter reads one name in training and in inference.
 
 Offline cache layout, one directory per split (`<features.cache_dir>/train`, `.../eval`):
     meta.json                       format (2), target name, hidden size, number of layers, layer ids, dtype, number

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from drafters.base import FeatureRequest, Served
+from drafters.base import FeatureRequest
+from drafters.served import Served
 from inference.engine.tree.draft import DraftTree
 
 
@@ -23,7 +24,7 @@ def tree_extend(target, tree: DraftTree, request: FeatureRequest | None = None) 
     """Feed every node of `tree` after each row's sequence in one forward (the cache must hold a prefill).
 
     Returns: logits [B, N, V] (row i: the target's distribution after the root-to-i path) and the features `request`
-    asks for over the N nodes (drafters/base.py `Served`, as TargetModel.extend serves them; `Served.along(path)`
+    asks for over the N nodes (drafters/served.py `Served`, as TargetModel.extend serves them; `Served.along(path)`
     gathers them along a path).
     """
     return target.extend_tree(tree.tokens, tree.ancestor_mask(), tree.depth, tree.parents, request)
