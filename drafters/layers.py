@@ -42,6 +42,11 @@ class FrozenTargetTensors:
         self._copies.clear()
         self._served.clear()
 
+    def copies(self) -> list[torch.Tensor]:
+        """The copies made so far in another device or dtype than the target's (what memory counts as the drafter's
+        own weights; the target's tensors themselves are not here)."""
+        return list(self._copies.values())
+
     def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """TargetInfo field `name` (e.g. "embed_weight", [V, D]) on like's device and in like's dtype."""
         return self._on(name, like.device, like.dtype)

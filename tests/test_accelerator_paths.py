@@ -117,6 +117,13 @@ def test_frozen_target_tensors_stay_in_the_targets_dtype(kind):
     loss, _ = drafter.loss(drafter(batch), batch)
     assert torch.isfinite(loss)
     assert {name for holder in holders for name, _, _ in holder._copies} <= {"lm_head_weight"}
+    # what the drafter declares is what a scan of its attributes finds, and `estimate` counts those copies only
+    from train.estimate import target_copy_values
+
+    assert {id(h) for h in drafter.frozen_tensors()} == {id(h) for h in holders}
+    copies = [t for holder in holders for t in holder._copies.values()]
+    assert target_copy_values(drafter) == sum(t.numel() for t in copies)
+    assert target_copy_values(torch.nn.Sequential(drafter)) == target_copy_values(drafter)  # seen through a wrapper
 
 
 def test_embedding_rows_in_the_drafters_dtype_equal_a_converted_copys():

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters.layers import FrozenTargetTensors
+from drafters.base import Drafter
 from drafters.step_memory import step_peak_parts, step_shape
 from inference.engine.target import LOGIT_CHUNK_VALUES, synchronize
 from train.build import build_drafter, build_trainer, load_data, load_target, process_state
@@ -152,17 +152,22 @@ def activation_bytes(saved: dict[int, int], *modules: torch.nn.Module) -> int:
     tensors a drafter keeps copies of (memory_plan counts those as weights)."""
     weights = {t.untyped_storage().data_ptr() for module in modules
                for t in (*module.parameters(), *module.buffers())}
-    weights |= {t.untyped_storage().data_ptr() for module in modules for sub in module.modules()
-                for attribute in vars(sub).values() if isinstance(attribute, FrozenTargetTensors)
-                for t in attribute._copies.values()}
+    weights |= {t.untyped_storage().data_ptr() for module in modules for t in frozen_copies(module)}
     return sum(size for address, size in saved.items() if address not in weights)
 
 
+def frozen_copies(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The copies of target tensors the drafters in `module` (itself, or one a launcher wrapped) made in their own
+    dtype or device: the FrozenTargetTensors each declares (Drafter.frozen_tensors); none in the target."""
+    declared = {id(frozen): frozen for sub in module.modules() if isinstance(sub, Drafter)
+                for frozen in sub.frozen_tensors()}
+    return [t for frozen in declared.values() for t in frozen.copies()]
+
+
 def target_copy_values(drafter: torch.nn.Module) -> int:
-    """Values of target tensors the drafter copied into its own dtype (drafters.layers.FrozenTargetTensors, found
-    generically; none under autocast or beside a target of its dtype; 0 before the first forward, i.e. the probe)."""
-    return sum(t.numel() for module in drafter.modules() for attribute in vars(module).values()
-               if isinstance(attribute, FrozenTargetTensors) for t in attribute._copies.values())
+    """Values of target tensors the drafter copied into its own dtype (none under autocast or beside a target of its
+    dtype; 0 before the first forward, i.e. the probe)."""
+    return sum(t.numel() for t in frozen_copies(drafter))
 
 
 @dataclass(frozen=True)
