@@ -2,7 +2,7 @@
 # The GPU check: under nine minutes on one GPU (NVIDIA with CUDA or AMD with ROCm) of a bare machine whose Python
 # has torch, accelerate, transformers and pytest, with no network and no `pip install -e .`.
 #
-#   bash benchmarks/gpu_check.sh [--cpu] [--work DIR] [--deadline S] [--sections ABCDEFG] [RESULTS_DIR]
+#   bash benchmarks/gpu_check.sh [--cpu] [--work DIR] [--deadline S] [--sections ABCDEFG] [--slack F] [RESULTS_DIR]
 #
 # On a lent GPU machine (the device tool; carry .whl, staged beforehand by benchmarks/gpu_check/stage_wheels.sh,
 # which downloads `datasets` and the pure-Python packages it needs that such an image lacks), the one command is:
