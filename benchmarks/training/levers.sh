@@ -34,8 +34,9 @@
 #       process: the producer needs 126 min for the set, so it bounds the wall time.
 # Choice, long runs: online for all four. One pass reads each sample once, so a cache only adds 11-16 GiB and a stage;
 #   streamed would buy at most ~7% more steps, and only if the thread-scaling assumption holds. Plan per run: training
-#   + 8 in-run probes (~6 min) + the held-out tau of 32 first turns (~5 min) inside 2.5 h: EAGLE-3 (~127 min), DFlash
-#   (~120), MTP-3 (~144) one epoch; DSpark 1,600 steps (~148; 6,400 conversations: its epoch alone is 173 min).
+#   + 8 in-run probes (~6 min) + the held-out tau of 32 first turns (~5 min) inside 2.5 h: EAGLE-3 (~150 min, TTT 3
+#   from the first step), DFlash (~120), MTP-3 (~144) one epoch; DSpark 1,600 steps (~148; 6,400 conversations: its
+#   epoch alone is 173 min).
 # Choice, levers: offline, one cache of the first STEPS x 4 training conversations (the layers [2, 9, 15, 21, 27]
 #   every lever reads at most, + final norm: ~7 min, 1.5 GiB at 180 steps), read by all 19 variants; online would
 #   repeat the target forward 19 times. At STEPS=180: ~108 min of training (the s/step above, per variant) + ~19 min
@@ -58,7 +59,7 @@ LEVERS_mtp="mtp_vocab8k mtp_vocab16k mtp_full_vocab mtp_vocab8k_lk"
 variant() {  # lever name -> KIND (its long recipe), K (drafts a round when evaluated), OVERRIDES (array)
   OVERRIDES=()
   case "$1" in
-    eagle3_base) KIND=eagle3 ;;  # 3 taps, TTT 3 over the last 30% of steps, soft CE: the recipe as it is
+    eagle3_base) KIND=eagle3 ;;  # the recipe as it is (5 taps, TTT 3 from the start since the 2026-12-05 screen)
     eagle3_ttt_start) KIND=eagle3; OVERRIDES=("train.phases=[]") ;;
     eagle3_ttt_03) KIND=eagle3; OVERRIDES=("train.phases=[{until_fraction: 0.3, drafter: {ttt_steps: 1}}]") ;;
     eagle3_taps5) KIND=eagle3; OVERRIDES=("drafter.layer_ids=[2, 9, 15, 21, 27]") ;;
