@@ -14,14 +14,8 @@ import torch
 from offline_tokenizers import build_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from inference.evaluation.chat_template import (
-    check_template_kwargs,
-    parse_template_kwargs,
-    render_prompt,
-    render_text,
-    thinking_mismatch,
-    trained_mode_mismatch,
-)
+from inference.evaluation.chat_template import (check_template_kwargs, parse_template_kwargs, render_prompt,
+                                                render_text, thinking_mismatch, trained_mode_mismatch)
 from train.cli import main as cli
 from train.config import load_recipe, save_recipe
 from train.data.chat import tokenize_conversation

@@ -20,15 +20,8 @@ from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel
 from inference.evaluation.eval import RunResult
 from inference.evaluation.eval import main as eval_main
-from inference.evaluation.lossless import (
-    NEAR_TIE_ULPS,
-    divergence_gap,
-    divergence_gaps,
-    first_divergence,
-    is_near_tie,
-    summarize,
-    tie_gap_ulps,
-)
+from inference.evaluation.lossless import (NEAR_TIE_ULPS, divergence_gap, divergence_gaps, first_divergence,
+                                           is_near_tie, summarize, tie_gap_ulps)
 from inference.evaluation.metrics import acceptance_counts
 
 TARGET = "debug:tiny-llama"  # hidden 64, 4 layers: the size FACTORIES builds for

@@ -15,15 +15,8 @@ import torch
 import torch.nn.functional as F
 from conftest import make_tiny_model
 from safetensors.torch import load_file, save_file
-from transformers import (
-    AutoModelForCausalLM,
-    DeepseekV3Config,
-    DeepseekV3ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3NextConfig,
-    Qwen3NextForCausalLM,
-)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3NextConfig, Qwen3NextForCausalLM)
 
 from drafters import load_drafter
 from drafters.mtp import MTPConfig, MTPDrafter

@@ -27,12 +27,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from inference.evaluation.chat_template import (
-    check_template_kwargs,
-    render_text,
-    require_chat_template,
-    thinking_mismatch,
-)
+from inference.evaluation.chat_template import (check_template_kwargs, render_text, require_chat_template,
+                                                thinking_mismatch)
 
 
 @dataclass(kw_only=True)
