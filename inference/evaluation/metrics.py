@@ -158,6 +158,22 @@ def merge_counts(parts) -> dict:
     return merged
 
 
+def _resampled_taus(per_question: list, picks: torch.Tensor) -> torch.Tensor:
+    """[R] tau = 1 + accepted / rounds pooled over each resample's questions (picks [R, Q] indexes per_question)."""
+    table = torch.tensor(per_question, dtype=torch.float64)  # [Q, 2]: rounds, accepted
+    return 1.0 + table[picks, 1].sum(-1) / table[picks, 0].sum(-1).clamp(min=1)
+
+
+def _percentile_interval(values: torch.Tensor, level: float) -> list[float]:
+    tail = (1.0 - level) / 2
+    return torch.quantile(values, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+
+
+def _picks(num_questions: int, resamples: int, seed: int) -> torch.Tensor:
+    """[R, Q] questions drawn with replacement, seeded: the same report each run."""
+    return torch.randint(0, num_questions, (resamples, num_questions), generator=torch.Generator().manual_seed(seed))
+
+
 def tau_interval(per_question: list[tuple[int, int]], level: float = 0.95, resamples: int = TAU_RESAMPLES,
                  seed: int = 0) -> list[float] | None:
     """[low, high]: the percentile bootstrap interval of tau = 1 + accepted / rounds over the questions (each
@@ -166,12 +182,7 @@ def tau_interval(per_question: list[tuple[int, int]], level: float = 0.95, resam
     counts = [(r, a) for r, a in per_question if r > 0]
     if len(counts) < 2:
         return None
-    table = torch.tensor(counts, dtype=torch.float64)  # [Q, 2]
-    picks = torch.randint(0, len(counts), (resamples, len(counts)), generator=torch.Generator().manual_seed(seed))
-    taus = 1.0 + table[picks, 1].sum(-1) / table[picks, 0].sum(-1)
-    tail = (1.0 - level) / 2
-    low, high = torch.quantile(taus, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
-    return [low, high]
+    return _percentile_interval(_resampled_taus(counts, _picks(len(counts), resamples, seed)), level)
 
 
 def tau_difference_interval(first: list[tuple[int, int]], second: list[tuple[int, int]], level: float = 0.95,
@@ -182,12 +193,8 @@ def tau_difference_interval(first: list[tuple[int, int]], second: list[tuple[int
     taus' own intervals suggest. None under two questions or when the lists differ in length."""
     if len(first) != len(second) or len(first) < 2:
         return None
-    a, b = torch.tensor(first, dtype=torch.float64), torch.tensor(second, dtype=torch.float64)  # [Q, 2] each
-    picks = torch.randint(0, len(first), (resamples, len(first)), generator=torch.Generator().manual_seed(seed))
-    tau_a = 1.0 + a[picks, 1].sum(-1) / a[picks, 0].sum(-1).clamp(min=1)
-    tau_b = 1.0 + b[picks, 1].sum(-1) / b[picks, 0].sum(-1).clamp(min=1)
-    tail = (1.0 - level) / 2
-    return torch.quantile(tau_a - tau_b, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+    picks = _picks(len(first), resamples, seed)
+    return _percentile_interval(_resampled_taus(first, picks) - _resampled_taus(second, picks), level)
 
 
 def drafter_placement(drafter) -> dict:
