@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.summary_data import (ROOT, Legend, checkpoint_of, f2, link, load, raw, record,  # noqa: E402
                                      trained_cell, trained_notes, wrap, x)
 from benchmarks.summary_tables import (DRAFTERS, LONG, RUNS, drafter_cells, drafter_numbers,  # noqa: E402
-                                       curve_table, long_row, machine_table, server_table)
+                                       curve_table, domain_table, long_row, machine_table,
+                                       server_table)
 
 
 # ---- README: the main job as run, per drafter, the long recipes --------------------------------------------------
@@ -73,9 +74,9 @@ def long_table(prefix: str = "docs/") -> str:
     """The long recipes' drafters that have an eval file (docs/results/long_KIND_eval.json[.gz], written by
     benchmarks/training/long_eval.sh), with the vLLM runs and CPU-hours beside them."""
     legend = Legend(prefix)
-    rows = ["| drafter | held-out tau, k = 1/2/3/5/7 | MT-Bench, k = 1/3 | best k | auto | "
+    rows = ["| drafter | held-out tau, k = 1/2/3/5/7 | tau at best k [95% CI] | MT-Bench, k = 1/3 | best k | auto | "
             "speedup vLLM/ours (1 thread, 2 threads) | CPU-h | trained | measured |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     checkpoints = []
     for label, kind in LONG:
         cells = long_row(kind)
@@ -200,7 +201,8 @@ def summary_table() -> str:
 
 TABLES = {  # file -> {table name: generator}
     os.path.join("docs", "benchmarks.md"): {"summary": summary_table, "machines": machine_table,
-                                            "servers": server_table, "long_curves": curve_table},
+                                            "servers": server_table, "long_curves": curve_table,
+                                            "long_domains": domain_table},
     "README.md": {"main_job": main_job_table, "measured": readme_table, "long": long_table},
 }
 

@@ -95,6 +95,11 @@ def workload(name: str) -> str:
                or (records[0].get("num_prompts") if records else None))
     tokens = config.get("max_new_tokens") or data.get("max_new_tokens") or facts.get("max_new_tokens")
     where = facts.get("prompts", "prompts")
+    per_set = {r["dataset"]: r["num_prompts"] for r in reversed(records)
+               if r.get("category") == "all" and "dataset" in r and "num_prompts" in r}
+    if len(per_set) > 1:  # a report appended from calls on several prompt sets: each set's question count
+        sets = ", ".join(f"{dataset} {count}" for dataset, count in reversed(per_set.items()))
+        return f"{where}: {sets} questions" + (f" x {tokens} tokens" if tokens else "")
     if prompts is None:
         return where if tokens is None else f"{where}, {tokens} tokens"
     count = f"{prompts} prompt{'s' if prompts != 1 else ''}"

@@ -126,10 +126,56 @@ def long_row(kind: str) -> dict | None:
     curve = [r for r in load("long_curves")["rows"] if r["run"].endswith(f"smollm2_{kind}_long")] \
         if exists("long_curves") else []
     cells = ["/".join(f2(held[k]["tau"]) if k in held else "-" for k in LONG_KS),
+             f"{f2(held[best]['tau'])} {interval(held[best])}",
              "/".join(f2(bench[k]["tau"]) for k in bench), f"{best}: {x(held[best]['speedup'])}", x(auto["speedup"]),
              "; ".join(f"k = {k}: " + ", ".join(v) for k, v in sorted(served.items())) or "-",
              f"{max(r['cpu_hours'] for r in curve):.2f}" if curve else "-"]
     return {"cells": cells, "files": files}
+
+
+def interval(r: dict) -> str:
+    """tau's 95% bootstrap interval over questions, as eval records it ("-" in records older than it)."""
+    ci = r.get("tau_ci95")
+    return f"[{f2(ci[0])}, {f2(ci[1])}]" if ci else "-"
+
+
+DOMAINS = ("humaneval", "gsm8k", "spec_bench")  # long_eval.sh's third pass: per category, at the best k and auto
+
+
+def domain_table(prefix: str = "") -> str:
+    """One row per category of the code, math and Spec-Bench sets, one column per long drafter measured on them:
+    tau [95% CI] and speedup at the held-out best k, then auto k's speedup (long_eval.sh's third pass)."""
+    legend, columns = Legend(prefix), []
+    for label, kind in LONG:
+        name = f"long_{kind}_eval"
+        records = [r for r in load(name)["records"] if r["dataset"] in DOMAINS and r["drafter"] != "none"] \
+            if exists(name) else []
+        if records:
+            columns.append((label, name, records))
+    if not columns:
+        return "No long drafter measured per category yet (benchmarks/training/long_eval.sh, its third pass)."
+    keys = list(dict.fromkeys((r["dataset"], r["category"]) for _, _, records in columns for r in records))
+    single = {d for d, _ in keys if sum(key[0] == d for key in keys) == 2}  # "all" and its one category: one row
+    keys = [key for key in keys if not (key[1] == "all" and key[0] in single)]
+    lines = ["| set | category | questions | " + " | ".join(f"{label}: tau [95% CI], k: speedup; auto"
+                                                           for label, _, _ in columns) + " |",
+             "| --- | --- | --- |" + " --- |" * len(columns)]
+    for key in keys:
+        cells, questions = [], "-"
+        for _, _, records in columns:
+            rows = [r for r in records if (r["dataset"], r["category"]) == key]
+            fixed = next((r for r in rows if r["num_draft_tokens"] != "auto"), None)
+            auto = next((r for r in rows if r["num_draft_tokens"] == "auto"), None)
+            if fixed is None or auto is None:
+                cells.append("-")
+                continue
+            questions = fixed["num_prompts"]
+            cells.append(f"{f2(fixed['tau'])} {interval(fixed)}, {fixed['num_draft_tokens']}: {x(fixed['speedup'])}; "
+                         f"{x(auto['speedup'])}")
+        lines.append(f"| {key[0]} | {key[1]} | {questions} | " + " | ".join(cells) + " |")
+    measured = ", ".join(f"{label} {legend.mark([name])}" for label, name, _ in columns)
+    raws = ", ".join(raw(name, prefix) for _, name, _ in columns)
+    return "\n".join(lines + ["", f"Measured: {measured}. Raw: {raws}."] + legend.lines())
 
 
 # ---- the machines -------------------------------------------------------------------------------------------------

@@ -335,3 +335,34 @@ def test_the_main_job_refuses_a_data_path_it_would_not_read_before_loading_anyth
     with pytest.raises(ValueError, match=r"^data\.path: '/nonexistent\.jsonl' is not the source of "
                                          r"data\.regenerated_path .*data\.regenerated_path=null"):
         recipe_from_argv("draftsmith train", "", [recipe, "data.path=/nonexistent.jsonl"])
+
+
+def test_mixed_sources_join_the_training_split_only(tmp_path):
+    """data.mix adds each source's conversations (shuffled, cut to its num_samples) to the training split, on top of
+    data.num_samples, and never to the eval holdout; a missing file or an impossible count is refused in one line
+    naming the entry."""
+    main = _chats_file(tmp_path / "main.jsonl", [f"m{i}" for i in range(6)])
+    code = _chats_file(tmp_path / "code.jsonl", [f"c{i}" for i in range(5)])
+    math = _chats_file(tmp_path / "math.jsonl", [f"g{i}" for i in range(3)])
+    tokenizer = build_tokenizer("chatml")
+    base = dict(path=main, num_eval_samples=2, num_samples=3, cache_dir=str(tmp_path / "cache"))
+    alone = build_dataset(tokenizer, DataConfig(**base))
+    config = recipe_from_argv("draftsmith train", "", [
+        os.path.join(os.path.dirname(__file__), "..", "recipes", "smollm2", "eagle3.yaml"),
+        f"data.mix=[{{path: {code}, num_samples: 2}}, {{path: {math}}}]"]).data
+    mixed = build_dataset(tokenizer, DataConfig(**base, mix=config.mix))
+    texts = [tokenizer.decode(row) for row in mixed.train["input_ids"]]
+    assert mixed.counts["mixed"] == 5 and len(texts) == 3 + 2 + 3
+    assert sum("q c" in t for t in texts) == 2 and sum("q g" in t for t in texts) == 3
+    assert mixed.eval["input_ids"] == alone.eval["input_ids"]  # the holdout does not move
+    assert mixed.train["input_ids"][:3] == alone.train["input_ids"]  # nor the main source's share
+    again = build_dataset(tokenizer, DataConfig(**base, mix=config.mix))
+    assert again.train["input_ids"] == mixed.train["input_ids"]  # seeded
+    too_many = DataConfig(**base, mix=[type(config.mix[0])(path=math, num_samples=4)])
+    with pytest.raises(ValueError, match=r"^data\.mix\[0\]\.num_samples: 4 asked of .* 3 usable"):
+        build_dataset(tokenizer, too_many)
+    for entry, expected in ((dict(path=str(tmp_path / "none.jsonl")), r"^data\.mix\[0\]\.path: .*not exist.*prepare"),
+                            (dict(path=math, num_samples=0), r"^data\.mix\[0\]\.num_samples must be at least 1")):
+        with pytest.raises(ValueError, match=expected) as err:
+            check_sources(DataConfig(path=main, mix=[type(config.mix[0])(**entry)]))
+        assert "\n" not in str(err.value)

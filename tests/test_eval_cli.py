@@ -191,6 +191,11 @@ def test_append_refuses_a_report_of_another_configuration(dirs, tmp_path, capsys
     assert run_eval(dirs, tmp_path, "--num-prompts", "1", "--num-draft-tokens", "3", "--append") == 0
     records = json.loads((tmp_path / "report.json").read_text())["records"]
     assert {r["num_draft_tokens"] for r in records} == {0, 2, 3}
+    # another question count appends too: each record says how many questions it covers
+    assert run_eval(dirs, tmp_path, "--num-prompts", "2", "--num-draft-tokens", "1", "--append") == 0
+    records = json.loads((tmp_path / "report.json").read_text())["records"]
+    assert {r["num_prompts"] for r in records if r["num_draft_tokens"] == 1 and r["category"] == "all"} == {2}
+    assert {r["num_prompts"] for r in records if r["num_draft_tokens"] == 3 and r["category"] == "all"} == {1}
     capsys.readouterr()
     rc = run_eval(dirs, tmp_path, "--num-prompts", "1", "--num-draft-tokens", "2", "--append", "--seed", "5")
     err = capsys.readouterr().err

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from accelerate import PartialState
 
+from inference.evaluation.prompts import load_questions
 from train.cli import main as cli
 from train.config import load_recipe
 from train.data.dataset import build_dataset
@@ -111,3 +112,18 @@ def test_training_refuses_a_file_unlike_its_manifest_and_never_sees_held_out_ids
 def test_histogram_bins():
     assert histogram([0, 31, 32, 255, 256, 5000]) == {"0-31": 2, "32-63": 1, "64-127": 0, "128-255": 1,
                                                       "256-511": 1, "512-1023": 0, "1024-2047": 0, "2048+": 1}
+
+
+def test_the_shipped_math_prompts_are_gsm8k_train_questions_none_of_them_evaluated():
+    """recipes/smollm2/data/gsm8k_train_questions.jsonl.gz: 7,473 single user turns with unique ids, read by the data
+    loader as conversations to answer, and no question of an evaluation set that asks GSM8K-style maths."""
+    path = Path(__file__).resolve().parents[1] / "recipes" / "smollm2" / "data" / "gsm8k_train_questions.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 7473 and len({r["id"] for r in records}) == 7473
+    assert all([m["role"] for m in r["messages"]] == ["user"] and r["messages"][0]["content"] for r in records)
+    asked = {" ".join(r["messages"][0]["content"].split()) for r in records}
+    for name, category in (("gsm8k", None), ("spec_bench", "math_reasoning")):
+        _, questions = load_questions(name, categories=[category] if category else None)
+        assert questions and not asked & {" ".join(q.turns[0].split()) for q in questions}, name
+    assert (path.parent / "gsm8k_train_questions.LICENSE").read_text().startswith("MIT License")

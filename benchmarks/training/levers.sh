@@ -49,12 +49,14 @@ RUNS=${RUNS:-runs/levers}
 STEPS=${STEPS:-180}
 THREADS=${THREADS:-2}
 HELD=recipes/smollm2/data/sharegpt_smollm2_10k.heldout.jsonl
-ALL_GROUPS="eagle3 dflash dspark mtp"
+ALL_GROUPS="eagle3 dflash dspark mtp mix"
+MIX=${MIX:-$RUNS/mix}  # the data-mix lever's answered prompts (mix_data)
 LEVERS_eagle3="eagle3_base eagle3_ttt_start eagle3_ttt_03 eagle3_taps5 eagle3_lk eagle3_lk_hybrid
                eagle3_warm_layer eagle3_fc_identity"
 LEVERS_dflash="dflash_base dflash_2layers dflash_3layers dflash_auf dflash_dpace"
 LEVERS_dspark="dspark_base dspark_2layers dspark_3layers dspark_auf"
 LEVERS_mtp="mtp_vocab8k mtp_vocab16k mtp_full_vocab mtp_vocab8k_lk"
+LEVERS_mix="mix_base mix_code_math"
 
 variant() {  # lever name -> KIND (its long recipe), K (drafts a round when evaluated), OVERRIDES (array)
   OVERRIDES=()
@@ -80,6 +82,11 @@ variant() {  # lever name -> KIND (its long recipe), K (drafts a round when eval
     mtp_vocab16k) KIND=mtp; OVERRIDES=("drafter.draft_vocab_size=16384") ;;
     mtp_full_vocab) KIND=mtp; OVERRIDES=("drafter.draft_vocab_size=null") ;;  # the target's frozen 49,152-row head
     mtp_vocab8k_lk) KIND=mtp; OVERRIDES=("drafter.loss=lk") ;;
+    # the data mix, at equal steps and online features (the mixed split is not the shared cache's): 720 ShareGPT
+    # answers, against 540 of them + 90 answers to ShareGPT code prompts + 90 to GSM8K train questions (mix_data)
+    mix_base) KIND=eagle3; OVERRIDES=("features.mode=online") ;;
+    mix_code_math) KIND=eagle3; OVERRIDES=("features.mode=online" "data.num_samples=$((STEPS * 3))"
+      "data.mix=[{path: $MIX/sharegpt_code.jsonl, num_samples: $((STEPS / 2))}, {path: $MIX/gsm8k.jsonl, num_samples: $((STEPS / 2))}]") ;;
     *) echo "levers.sh: unknown lever '$1' (bash benchmarks/training/levers.sh plan lists them)" >&2; exit 2 ;;
   esac
   case "$KIND" in eagle3 | mtp) K=3 ;; *) K=7 ;; esac
@@ -98,9 +105,10 @@ levers_of() {  # the levers of the named groups (all four by default)
   echo $names
 }
 
-heldout() {  # $1 = drafter dir, $2 = k, $3 = JSON out: tau on 16 held-out first turns x 64 tokens (skipped if done)
+heldout() {  # $1 = drafter dir, $2 = k, $3 = JSON out [, $4 = prompt set]: tau on 16 first turns x 64 tokens of the
+  # held-out slice (or of the set named; skipped if done)
   [ -f "$3" ] && return 0
-  OMP_NUM_THREADS=$THREADS python benchmarks/training/heldout_tau.py --drafter "$1" --prompts "$HELD" \
+  OMP_NUM_THREADS=$THREADS python benchmarks/training/heldout_tau.py --drafter "$1" --prompts "${4:-$HELD}" \
     --num-prompts ${NUM_PROMPTS:-16} --max-new-tokens ${MAX_NEW_TOKENS:-64} --k "$2" --threads "$THREADS" --out "$3.tmp"
   mv "$3.tmp" "$3"
 }
@@ -109,13 +117,33 @@ train_lever() {  # $1 = lever; the shared cache, STEPS steps, no in-run probe (h
   variant "$1"
   local out="$RUNS/$1" keep=2 every=60
   case "$1" in dflash_* | dspark_*) keep=null; every=30 ;; esac  # every checkpoint: tau at equal CPU time (curves)
-  if [ ! -f "$out/final/config.json" ]; then
-    OMP_NUM_THREADS=$THREADS draftsmith train "recipes/smollm2/${KIND}_long.yaml" "${OVERRIDES[@]}" \
+  if [ ! -f "$out/final/config.json" ]; then  # the lever's overrides last: they win
+    OMP_NUM_THREADS=$THREADS draftsmith train "recipes/smollm2/${KIND}_long.yaml" \
       data.num_samples=$((STEPS * 4)) features.mode=offline "features.cache_dir=$RUNS/features" \
       train.epochs=null train.max_steps=$STEPS train.save_every=$every train.keep_last=$keep train.eval_every=null \
-      eval.num_prompts=0 "output.dir=$out" train.resume_from=latest
+      eval.num_prompts=0 "output.dir=$out" train.resume_from=latest "${OVERRIDES[@]}"
   fi
   heldout "$out/final" "$K" "$out/heldout.json"
+  case "$1" in mix_*)  # what the mix adds per domain: code and math first turns (evaluation sets, never trained on)
+    for set in humaneval gsm8k; do heldout "$out/final" "$K" "$out/heldout_$set.json" "$set"; done ;;
+  esac
+}
+
+mix_data() {  # the mix lever's data: the target's answers to 110 ShareGPT code prompts and 110 GSM8K train questions
+  mkdir -p "$MIX"
+  [ -f "$MIX/sharegpt_code_prompts.jsonl" ] || python benchmarks/training/mix_prompts.py --domain code --num 110 \
+    --out "$MIX/sharegpt_code_prompts.jsonl"
+  local name prompts
+  for name in sharegpt_code gsm8k; do
+    case "$name" in
+      gsm8k) prompts=recipes/smollm2/data/gsm8k_train_questions.jsonl.gz ;;
+      *) prompts="$MIX/sharegpt_code_prompts.jsonl" ;;
+    esac
+    # HF generate (the shipped file's settings: greedy, 256 new tokens, later turns while the prompt fits 256 tokens)
+    OMP_NUM_THREADS=$THREADS draftsmith prepare recipes/smollm2/eagle3_long.yaml "data.path=$prompts" \
+      "data.regenerated_path=$MIX/$name.jsonl" "data.mix=[]" regenerate.num_conversations=110 \
+      regenerate.heldout_conversations=0 regenerate.batch_size=55 regenerate.use_vllm=false features.mode=online
+  done
 }
 
 report() {  # levers_screen.json / .md under $RUNS: every finished lever's held-out tau beside its group's base
@@ -134,6 +162,7 @@ case "${1:-plan}" in
     shift
     names=$(levers_of "$@")
     mkdir -p "$RUNS"
+    case " $names " in *" mix_"*) mix_data ;; esac
     # one cache for every lever: DFlash's request is the widest (5 taps + final norm); the others read a subset. The
     # shipped answers are complete, so prepare regenerates nothing and needs no vLLM (regenerate.use_vllm=false)
     OMP_NUM_THREADS=$THREADS draftsmith prepare recipes/smollm2/dflash_long.yaml data.num_samples=$((STEPS * 4)) \

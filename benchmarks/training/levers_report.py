@@ -48,30 +48,54 @@ def read(runs: str) -> list[dict]:
         if not (os.path.isfile(tau_file) and states):
             continue
         held = json.load(open(tau_file))["rows"][0]
-        paired = os.path.join(runs, name, "heldout_pq.json")  # the same decode with per-question counts
-        if os.path.isfile(paired):
-            again = json.load(open(paired))["rows"][0]
+        rerun = os.path.join(runs, name, "heldout_pq.json")  # the same decode with per-question counts
+        if os.path.isfile(rerun):
+            again = json.load(open(rerun))["rows"][0]
             if again["heldout_tau"] != held["heldout_tau"]:
-                raise ValueError(f"{paired}: tau {again['heldout_tau']} differs from {tau_file}'s {held['heldout_tau']}")
+                raise ValueError(f"{rerun}: tau {again['heldout_tau']} differs from {tau_file}'s {held['heldout_tau']}")
             held = again
         state = json.load(open(states[-1]))
-        rows.append({"lever": name, "group": name.split("_")[0], "recipe": recipe, "overrides": overrides,
-                     "steps": state["step"], "train_seconds": round(state.get("elapsed_seconds", 0.0), 1),
-                     "heldout_tau": held["heldout_tau"], "heldout_k": held["heldout_k"],
-                     "heldout_rounds": held["heldout_rounds"],
-                     "accepted_per_position": held["heldout_accepted_per_position"],
-                     "heldout_prompts": held["heldout_prompts"],
-                     "heldout_tau_ci95": held.get("heldout_tau_ci95"),
-                     "heldout_per_question": held.get("heldout_per_question")})
+        row = {"lever": name, "group": name.split("_")[0], "recipe": recipe, "overrides": overrides,
+               "steps": state["step"], "train_seconds": round(state.get("elapsed_seconds", 0.0), 1),
+               "heldout_tau": held["heldout_tau"], "heldout_k": held["heldout_k"],
+               "heldout_rounds": held["heldout_rounds"], "accepted_per_position": held["heldout_accepted_per_position"],
+               "heldout_prompts": held["heldout_prompts"], "heldout_tau_ci95": held.get("heldout_tau_ci95"),
+               "heldout_per_question": held.get("heldout_per_question")}
+        rows.append(row)
+        row["domains"] = {}  # heldout_<set>.json: the same decode on another prompt set (the data-mix lever)
+        for path in sorted(glob.glob(os.path.join(runs, name, "heldout_*.json"))):
+            prompt_set = os.path.basename(path)[len("heldout_"):-len(".json")]
+            if prompt_set != "pq":
+                other = json.load(open(path))["rows"][0]
+                row["domains"][prompt_set] = {key: other.get(key) for key in (
+                    "heldout_tau", "heldout_k", "heldout_tau_ci95", "heldout_prompts", "heldout_per_question")}
     bases = {row["group"]: row for row in rows if row["lever"].endswith("_base") or row["lever"] == "mtp_vocab8k"}
     for row in rows:
         base = bases.get(row["group"])
         row["delta_vs_base"] = None if base is None else round(row["heldout_tau"] - base["heldout_tau"], 4)
-        interval = None
-        if base is not None and row is not base and row["heldout_per_question"] and base["heldout_per_question"]:
-            interval = tau_difference_interval(row["heldout_per_question"], base["heldout_per_question"])
-        row["delta_ci95"] = None if interval is None else [round(x, 4) for x in interval]
+        row["delta_ci95"] = paired(row, base)
+        for prompt_set, own in row["domains"].items():
+            theirs = None if base is None else base["domains"].get(prompt_set)
+            own["delta_vs_base"] = None if theirs is None else round(own["heldout_tau"] - theirs["heldout_tau"], 4)
+            own["delta_ci95"] = None if row is base else paired(own, theirs)
     return rows
+
+
+def paired(row: dict, base: dict | None) -> list[float] | None:
+    """The paired 95% interval of row's tau less base's over the same questions (None without both counts)."""
+    if base is None or row is base or not row.get("heldout_per_question") or not base.get("heldout_per_question"):
+        return None
+    return [round(x, 4) for x in tau_difference_interval(row["heldout_per_question"], base["heldout_per_question"])]
+
+
+def delta_cell(row: dict) -> str:
+    delta = "-" if row["delta_vs_base"] is None else f"{row['delta_vs_base']:+.3f}"
+    return delta + ("" if not row.get("delta_ci95") else " [{0[0]:+.3f}, {0[1]:+.3f}]".format(row["delta_ci95"]))
+
+
+def tau_cell(row: dict) -> str:
+    own = "" if not row.get("heldout_tau_ci95") else " [{0[0]:.2f}, {0[1]:.2f}]".format(row["heldout_tau_ci95"])
+    return f"{row['heldout_tau']:.3f} ({row['heldout_k']}){own}"
 
 
 def markdown(result: dict) -> str:
@@ -85,13 +109,16 @@ def markdown(result: dict) -> str:
              "accepted per position |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in result["rows"]:
-        delta = "-" if row["delta_vs_base"] is None else f"{row['delta_vs_base']:+.3f}"
-        if row.get("delta_ci95"):
-            delta += " [{0[0]:+.3f}, {0[1]:+.3f}]".format(row["delta_ci95"])
-        own = "" if not row.get("heldout_tau_ci95") else " [{0[0]:.2f}, {0[1]:.2f}]".format(row["heldout_tau_ci95"])
         lines.append(f"| {row['lever']} | {row['overrides'] or '(the recipe)'} | {row['steps']} | "
-                     f"{row['train_seconds']:.0f} | {row['heldout_tau']:.3f} ({row['heldout_k']}){own} | {delta} | "
+                     f"{row['train_seconds']:.0f} | {tau_cell(row)} | {delta_cell(row)} | "
                      f"{row['accepted_per_position']} |")
+    domains = [(row["lever"], prompt_set, own) for row in result["rows"] for prompt_set, own in
+               row.get("domains", {}).items()]
+    if domains:
+        lines += ["", "Per prompt set (the first turns of evaluation sets, never trained on):", "",
+                  "| lever | prompt set | tau (k) [95% CI] | vs base [paired 95% CI] |", "| --- | --- | --- | --- |"]
+        lines += [f"| {lever} | {prompt_set} ({own['heldout_prompts']}) | {tau_cell(own)} | {delta_cell(own)} |"
+                  for lever, prompt_set, own in domains]
     return "\n".join(lines) + "\n"
 
 

@@ -324,11 +324,12 @@ def evaluate(settings: EvalSettings, target, methods: list[Method], prompt_sets:
 
 def run_config(settings: EvalSettings, device) -> dict:
     """What must be equal for records to sit in one report: the target and everything that changes what it emits or
-    how fast (the records themselves say dataset, drafter, k, temperature and batch size)."""
+    how fast. The records themselves say dataset, category, number of questions, drafter, k, temperature and batch
+    size, so one report can hold 32 questions of one set and 16 of another (--append with another --num-prompts); a
+    category filter stays (its "all" rows mean the kept categories)."""
     return {"target": settings.target, "max_new_tokens": settings.max_new_tokens, "top_p": settings.top_p,
             "top_k": settings.top_k, "seed": settings.seed, "chat_template": not settings.no_chat_template,
-            "target_path": settings.target_path,
-            "chat_template_kwargs": settings.chat_template_kwargs or None, "num_prompts": settings.num_prompts,
+            "target_path": settings.target_path, "chat_template_kwargs": settings.chat_template_kwargs or None,
             "categories": list(settings.categories) if settings.categories else settings.categories,
             "environment": environment(torch.device(device), settings.torch_dtype(device))}
 

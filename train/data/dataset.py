@@ -47,6 +47,17 @@ _KEPT = ("ok", "truncated")  # tokenised rows with these statuses are trained on
 
 
 @dataclass(kw_only=True)
+class MixSource:
+    """One entry of data.mix: a .json / .jsonl / .jsonl.gz of conversations (read in data.format), most usefully the
+    target's own answers to other prompts, written by `draftsmith prepare RECIPE data.path=PROMPTS
+    data.regenerated_path=FILE data.mix=[]`. A packed file (with a manifest) is checked against the tokenizer and its
+    held-out slice stays out. num_samples: how many, after shuffling with data.seed (None = every usable one)."""
+
+    path: str
+    num_samples: int | None = None
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     """The recipe's `data:` section.
 
@@ -68,6 +79,8 @@ class DataConfig:
         prepare` answers, and a `path` the regenerated file was not answered from is refused: check_sources); "merge"
         trains on `path` with every conversation that was regenerated replaced by its regenerated version (matched
         by id), the regenerated ones first: they are always inside `num_samples` (after the eval holdout).
+    mix: more conversation files whose conversations join the training split only (never the eval holdout, and on
+        top of `num_samples`), e.g. the target's answers to code or math prompts; see MixSource.
     num_proc: processes for tokenisation.
     cache_dir: where `datasets` keeps its Arrow cache (None = its default, ~/.cache/huggingface/datasets).
     """
@@ -85,6 +98,7 @@ class DataConfig:
     max_skip_fraction: float = 0.1
     regenerated_path: str | None = None
     regenerated_mode: Literal["replace", "merge"] = "replace"
+    mix: list[MixSource] = field(default_factory=list)
     num_proc: int = 1
     cache_dir: str | None = None
 
@@ -139,6 +153,10 @@ def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
     end = len(usable) if config.num_samples is None else min(len(usable), num_eval + config.num_samples)
     splits = {"eval": usable.select(range(num_eval)), "train": usable.select(range(num_eval, end))}
     counts = {"records": len(raw), "skipped": num_skipped, **({"held_out": len(held_out)} if held_out else {})}
+    if config.mix:
+        mixed = _mix_rows(config, tokenizer)
+        splits["train"] = datasets.concatenate_datasets([splits["train"], mixed])
+        counts["mixed"] = len(mixed)
     statuses: Counter[str] = Counter()
     for name, split in splits.items():
         tokenised = _tokenise(split, tokenizer, template, config)
@@ -153,6 +171,39 @@ def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
     return PreparedData(train=splits["train"], eval=splits["eval"], counts=counts, skip_reasons=skip_reasons)
 
 
+def _mix_rows(config: DataConfig, tokenizer: Any) -> datasets.Dataset:
+    """The usable conversations of every data.mix source, each shuffled with data.seed and cut to its num_samples."""
+    parts = []
+    for i, source in enumerate(config.mix):
+        check_shipped(source.path, tokenizer)
+        raw = _parse_file(source.path, config)
+        skip_reasons = dict(Counter(reason for reason in raw["skip_reason"] if reason))
+        _check_skips(len(raw), sum(skip_reasons.values()), skip_reasons, config, source.path)
+        rows = raw.filter(_is_usable, input_columns="skip_reason")
+        held_out = heldout_ids(source.path)
+        if held_out:
+            rows = rows.filter(lambda record_id, kept_out=held_out: record_id not in kept_out, input_columns="id")
+        if source.num_samples is not None and source.num_samples > len(rows):
+            raise ValueError(f"data.mix[{i}].num_samples: {source.num_samples} asked of {source.path!r}, which has "
+                             f"{len(rows)} usable conversations; lower it, or null for all of them")
+        rows = rows.shuffle(seed=config.seed)
+        parts.append(rows if source.num_samples is None else rows.select(range(source.num_samples)))
+    return datasets.concatenate_datasets(parts)
+
+
+def check_mix(config: DataConfig) -> None:
+    """ValueError naming the data.mix entry whose file is missing or whose count is impossible (cheap: no parsing)."""
+    for i, source in enumerate(config.mix):
+        if source.num_samples is not None and source.num_samples < 1:
+            raise ValueError(f"data.mix[{i}].num_samples must be at least 1, or null for every conversation; got "
+                             f"{source.num_samples}")
+        try:
+            resolve_source(source.path)
+        except ValueError as err:
+            raise ValueError(f"data.mix[{i}].path: {err}; write the target's answers there first (draftsmith "
+                             f"prepare RECIPE data.path=PROMPTS data.regenerated_path=FILE data.mix=[])") from None
+
+
 def check_sources(config: DataConfig) -> None:
     """ValueError, one line naming data.path and what to do, when the recipe would not read the data.path it names.
 
@@ -162,6 +213,7 @@ def check_sources(config: DataConfig) -> None:
     the file's manifest's (train/data/shipped.py), else a data.path holding the file's first record id. Every other
     setting reads data.path itself, which must then exist. Cheap, so the commands run it before loading any model.
     """
+    check_mix(config)
     regenerated = config.regenerated_path
     if regenerated is None or config.regenerated_mode == "merge":
         try:
@@ -208,8 +260,9 @@ def _is_usable(skip_reason: str) -> bool:
     return not skip_reason
 
 
-def _check_skips(num_records: int, num_skipped: int, skip_reasons: dict[str, int], config: DataConfig) -> None:
-    source = config.regenerated_path or config.path
+def _check_skips(num_records: int, num_skipped: int, skip_reasons: dict[str, int], config: DataConfig,
+                 source: str | None = None) -> None:
+    source = source or config.regenerated_path or config.path
     if num_records == 0:
         raise ValueError(f"data source {source!r} holds no conversation")
     if num_skipped > config.max_skip_fraction * num_records or num_skipped == num_records:
