@@ -7,9 +7,11 @@
 #   2. MT-Bench, 16 questions (two categories each), at the same k;
 #   3. per category: HumanEval (code), GSM8K (math) and Spec-Bench's 13 categories (3 questions each) at the best k of
 #      pass 1 (its fastest measured speedup) and at auto k.
-# A pass whose records are in the file already is skipped, so an interrupted run resumes with the same command.
+# The passes append to runs/long_eval/long_KIND_eval.json (a pass whose records are there is skipped, so an interrupted
+# run resumes with the same command); when all three are in, the file goes to docs/results gzipped (-9n, the archive's
+# rule for files over 250 KB) with its table (.md).
 #   KINDS="eagle3" THREADS=2 bash benchmarks/training/long_eval.sh     # about an hour per drafter on 2 quiet cores
-#   HELD_N=2 BENCH_N=1 DOMAIN_N=1 SPEC_N=1 MAX_NEW_TOKENS=8 OUT_DIR=/tmp/le ...   # a smoke run of every pass
+#   HELD_N=2 BENCH_N=1 DOMAIN_N=1 SPEC_N=1 MAX_NEW_TOKENS=8 OUT_DIR=/tmp/le WORK_DIR=/tmp/le_work ...   # a smoke run
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1
@@ -17,6 +19,7 @@ HELD=recipes/smollm2/data/sharegpt_smollm2_10k.heldout.jsonl
 THREADS=${THREADS:-2}
 OUT_DIR=${OUT_DIR:-docs/results}
 RUNS_DIR=${RUNS_DIR:-runs}
+WORK_DIR=${WORK_DIR:-$RUNS_DIR/long_eval}
 
 has() {  # $1 = eval JSON, $2 = dataset name: true when the file holds records of that dataset
   [ -f "$1" ] && python - "$1" "$2" <<'EOF'
@@ -38,7 +41,8 @@ for kind in ${KINDS:-eagle3 dflash dspark mtp}; do
   final="$RUNS_DIR/smollm2_${kind}_long/final"
   if [ ! -f "$final/config.json" ]; then echo "$kind: not trained ($final)"; continue; fi
   case "$kind" in mtp) ks=1,2,3,auto ;; *) ks=1,2,3,5,7,auto ;; esac
-  out="$OUT_DIR/long_${kind}_eval.json"
+  mkdir -p "$WORK_DIR"
+  out="$WORK_DIR/long_${kind}_eval.json"
   common=(--target smollm2-135m-instruct --drafter "$final" --max-new-tokens "${MAX_NEW_TOKENS:-96}"
           --threads "$THREADS" --out "$out")
   run() { OMP_NUM_THREADS=$THREADS draftsmith eval "${common[@]}" "$@"; }
@@ -51,4 +55,7 @@ for kind in ${KINDS:-eagle3 dflash dspark mtp}; do
     case "$set" in spec_bench) n=${SPEC_N:-39} ;; *) n=${DOMAIN_N:-16} ;; esac
     has "$out" "$set" || run --append --prompts "$set" --num-prompts "$n" --num-draft-tokens "$best,auto"
   done
+  gzip -9n -c "$out" > "$OUT_DIR/long_${kind}_eval.json.gz"
+  cp "$WORK_DIR/long_${kind}_eval.md" "$OUT_DIR/long_${kind}_eval.md"
+  echo "$kind: $OUT_DIR/long_${kind}_eval.json.gz and .md"
 done
