@@ -49,6 +49,9 @@ def bad_inputs(tmp_path) -> list[tuple[list[str], str]]:
         (["train", RECIPE, f"target.name_or_path={missing}"],
          f"draftsmith train: error: target '{missing}' is neither a known name"),
         (["prepare", RECIPE, "nosuch=1"], "draftsmith prepare: error: unknown config key(s) nosuch"),
+        (["train", RECIPE, f"data.mix=[{{path: {missing}.jsonl}}]"],
+         f"draftsmith train: error: data.mix[0].path: data file '{missing}.jsonl' does not exist; write the target's "
+         "answers there first (draftsmith prepare RECIPE data.path=PROMPTS data.regenerated_path=FILE data.mix=[])"),
         (["estimate", RECIPE, "train.batch_size=abc"],
          "draftsmith estimate: error: train.batch_size: expected int, got 'abc'"),
         (["train", RECIPE, "train.activation_checkpointing=maybe"],
