@@ -85,8 +85,9 @@ variant() {  # lever name -> KIND (its long recipe), K (drafts a round when eval
     # the data mix, at equal steps and online features (the mixed split is not the shared cache's): 720 ShareGPT
     # answers, against 540 of them + 90 answers to ShareGPT code prompts + 90 to GSM8K train questions (mix_data)
     mix_base) KIND=eagle3; OVERRIDES=("features.mode=online") ;;
-    mix_code_math) KIND=eagle3; OVERRIDES=("features.mode=online" "data.num_samples=$((STEPS * 3))"
-      "data.mix=[{path: $MIX/sharegpt_code.jsonl, num_samples: $((STEPS / 2))}, {path: $MIX/gsm8k.jsonl, num_samples: $((STEPS / 2))}]") ;;
+    mix_code_math) KIND=eagle3; local take=${MIX_TAKE:-$((STEPS / 2))}
+      OVERRIDES=("features.mode=online" "data.num_samples=$((STEPS * 3))"
+      "data.mix=[{path: $MIX/sharegpt_code.jsonl, num_samples: $take}, {path: $MIX/gsm8k.jsonl, num_samples: $take}]") ;;
     *) echo "levers.sh: unknown lever '$1' (bash benchmarks/training/levers.sh plan lists them)" >&2; exit 2 ;;
   esac
   case "$KIND" in eagle3 | mtp) K=3 ;; *) K=7 ;; esac
@@ -129,9 +130,10 @@ train_lever() {  # $1 = lever; the shared cache, STEPS steps, no in-run probe (h
   esac
 }
 
-mix_data() {  # the mix lever's data: the target's answers to 110 ShareGPT code prompts and 110 GSM8K train questions
+mix_data() {  # the mix lever's data: the target's answers to MIX_N (110) ShareGPT code prompts and GSM8K questions
+  local n=${MIX_N:-110}
   mkdir -p "$MIX"
-  [ -f "$MIX/sharegpt_code_prompts.jsonl" ] || python benchmarks/training/mix_prompts.py --domain code --num 110 \
+  [ -f "$MIX/sharegpt_code_prompts.jsonl" ] || python benchmarks/training/mix_prompts.py --domain code --num "$n" \
     --out "$MIX/sharegpt_code_prompts.jsonl"
   local name prompts
   for name in sharegpt_code gsm8k; do
@@ -141,8 +143,9 @@ mix_data() {  # the mix lever's data: the target's answers to 110 ShareGPT code 
     esac
     # HF generate (the shipped file's settings: greedy, 256 new tokens, later turns while the prompt fits 256 tokens)
     OMP_NUM_THREADS=$THREADS draftsmith prepare recipes/smollm2/eagle3_long.yaml "data.path=$prompts" \
-      "data.regenerated_path=$MIX/$name.jsonl" "data.mix=[]" regenerate.num_conversations=110 \
-      regenerate.heldout_conversations=0 regenerate.batch_size=55 regenerate.use_vllm=false features.mode=online
+      "data.regenerated_path=$MIX/$name.jsonl" "data.mix=[]" "regenerate.num_conversations=$n" \
+      regenerate.heldout_conversations=0 "regenerate.batch_size=$(((n + 1) / 2))" regenerate.use_vllm=false \
+      features.mode=online
   done
 }
 
@@ -192,6 +195,7 @@ case "${1:-plan}" in
     small=(data.num_samples=8 train.epochs=null train.max_steps=2 train.save_every=null train.eval_every=null
            eval.num_prompts=0 eval.num_batches=1)
     for name in ${*:-$(levers_of)}; do
+      case "$name" in mix_*) MIX="$smoke/mix"; STEPS=4; THREADS=1 MIX_N=3 mix_data ;; esac  # 3 answers each, 2 mixed in
       variant "$name"
       [ -f "$smoke/$name/final/config.json" ] && continue
       OMP_NUM_THREADS=1 draftsmith train "recipes/smollm2/${KIND}_long.yaml" "${OVERRIDES[@]}" "${small[@]}" \
