@@ -211,7 +211,8 @@ def check_sources(config: DataConfig) -> None:
     `draftsmith prepare` which prompts to answer, so a data.path that is not the regenerated file's source would be
     ignored: a recipe pointed at a user's own file would train on the shipped answers without a word. The source is
     the file's manifest's (train/data/shipped.py), else a data.path holding the file's first record id. Every other
-    setting reads data.path itself, which must then exist. Cheap, so the commands run it before loading any model.
+    setting reads data.path itself, which must then exist. data.mix's files are checked first (check_mix). Cheap, so
+    the commands run it before loading any model.
     """
     check_mix(config)
     regenerated = config.regenerated_path
