@@ -61,6 +61,10 @@ def fsdp(ctx: Context) -> tuple[dict, list[str]]:
         failures.append(f"FSDP resume did not continue from step {steps} to {more} (logged {resumed[:2]}...)")
     if not finite(line["train/loss"] for line in every):
         failures.append("FSDP: a non-finite loss")
+    norms = [line["train/grad_norm"] for line in every if "train/grad_norm" in line]
+    numbers["grad_norms"] = [round(v, 4) for v in norms[:1] + norms[-1:]]
+    if not norms or not any(v > 0 for v in norms):  # gradients that never reached the sharded parameters
+        failures.append(f"FSDP: the gradient norm was never above 0 ({norms[:3]}...): the optimizer stepped nothing")
     if not numbers["final"]:
         failures.append("FSDP: no gathered export in final/")
     if not ctx.cpu and not numbers["sharded_files"]:
