@@ -126,7 +126,7 @@ def long_row(kind: str) -> dict | None:
     curve = [r for r in load("long_curves")["rows"] if r["run"].endswith(f"smollm2_{kind}_long")] \
         if exists("long_curves") else []
     cells = ["/".join(f2(held[k]["tau"]) if k in held else "-" for k in LONG_KS),
-             f"{f2(held[best]['tau'])} {interval(held[best])}",
+             f"{f2(held[best]['tau'])}{interval(held[best])}",
              "/".join(f2(bench[k]["tau"]) for k in bench), f"{best}: {x(held[best]['speedup'])}", x(auto["speedup"]),
              "; ".join(f"k = {k}: " + ", ".join(v) for k, v in sorted(served.items())) or "-",
              f"{max(r['cpu_hours'] for r in curve):.2f}" if curve else "-"]
@@ -136,7 +136,7 @@ def long_row(kind: str) -> dict | None:
 def interval(r: dict) -> str:
     """tau's 95% bootstrap interval over questions, as eval records it ("-" in records older than it)."""
     ci = r.get("tau_ci95")
-    return f"[{f2(ci[0])}, {f2(ci[1])}]" if ci else "-"
+    return f" [{f2(ci[0])}, {f2(ci[1])}]" if ci else ""
 
 
 DOMAINS = ("humaneval", "gsm8k", "spec_bench")  # long_eval.sh's third pass: per category, at the best k and auto
@@ -170,7 +170,7 @@ def domain_table(prefix: str = "") -> str:
                 cells.append("-")
                 continue
             questions = fixed["num_prompts"]
-            cells.append(f"{f2(fixed['tau'])} {interval(fixed)}, {fixed['num_draft_tokens']}: {x(fixed['speedup'])}; "
+            cells.append(f"{f2(fixed['tau'])}{interval(fixed)}, {fixed['num_draft_tokens']}: {x(fixed['speedup'])}; "
                          f"{x(auto['speedup'])}")
         lines.append(f"| {key[0]} | {key[1]} | {questions} | " + " | ".join(cells) + " |")
     measured = ", ".join(f"{label} {legend.mark([name])}" for label, name, _ in columns)

@@ -72,6 +72,7 @@ class StepShape:
     width: int = 0
     modules: int = 0
     kv_features: int = 0
+    trained_head: bool = False  # MTP: a draft-vocabulary head is trained (whatever its rows)
     kv_expanded: bool = False
     checkpointing: bool = False
     bytes_per_value: int = 4
@@ -120,13 +121,14 @@ def trained_params(s: StepShape) -> int:
 
 def chain_params(s: StepShape) -> int:
     """MTP: per module enorm, hnorm, eh_proj (2D -> D), the target's decoder layer (its q/k norms aside) and
-    final_norm, and a draft-vocabulary head (V_d x D) where one is trained. The assistant (kv_features): pre_projection (2D -> W), query-only layers (q, o, the SwiGLU MLP, two
-    norms) that every step shares, the final norm, its own lm_head (V x W) and post_projection (W -> D)."""
+    final_norm, and a draft-vocabulary head (V_d x D) where one is trained (trained_head). The assistant
+    (kv_features): pre_projection (2D -> W), query-only layers (q, o, the SwiGLU MLP, two norms) that every step
+    shares, the final norm, its own lm_head (V x W) and post_projection (W -> D)."""
     h, w, qd = s.hidden, s.width or s.hidden, s.heads * s.head_dim
     if s.kv_features:
         layer = 2 * w * qd + 3 * w * s.intermediate + 2 * w
         return 2 * h * w + s.num_layers * layer + w + s.head_vocab * w + w * h
-    head = s.head_vocab * h if s.head_vocab != s.vocab else 0  # MTP's draft-vocabulary head, shared by the modules
+    head = s.head_vocab * h if s.trained_head else 0  # MTP's draft-vocabulary head, shared by the modules
     return (s.modules or s.depths) * (3 * h + 2 * h * h + s.num_layers * layer_params(s, h)) + head
 
 

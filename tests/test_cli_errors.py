@@ -51,7 +51,8 @@ def bad_inputs(tmp_path) -> list[tuple[list[str], str]]:
         (["prepare", RECIPE, "nosuch=1"], "draftsmith prepare: error: unknown config key(s) nosuch"),
         (["train", RECIPE, f"data.mix=[{{path: {missing}.jsonl}}]"],
          f"draftsmith train: error: data.mix[0].path: data file '{missing}.jsonl' does not exist; write the target's "
-         "answers there first (draftsmith prepare RECIPE data.path=PROMPTS data.regenerated_path=FILE data.mix=[])"),
+         "answers there first (draftsmith prepare RECIPE data.path=PROMPTS data.regenerated_path=FILE data.mix=[] "
+         "regenerate.num_conversations=N regenerate.heldout_conversations=0)"),
         (["estimate", RECIPE, "train.batch_size=abc"],
          "draftsmith estimate: error: train.batch_size: expected int, got 'abc'"),
         (["train", RECIPE, "train.activation_checkpointing=maybe"],

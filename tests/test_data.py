@@ -338,12 +338,14 @@ def test_the_main_job_refuses_a_data_path_it_would_not_read_before_loading_anyth
 
 
 def test_mixed_sources_join_the_training_split_only(tmp_path):
-    """data.mix adds each source's conversations (shuffled, cut to its num_samples) to the training split, on top of
-    data.num_samples, and never to the eval holdout; a missing file or an impossible count is refused in one line
-    naming the entry."""
+    """data.mix adds each source's answered conversations (shuffled, cut to its num_samples) to the training split, on
+    top of data.num_samples, and never to the eval holdout; a missing file or an impossible count is refused in one
+    line naming the entry."""
     main = _chats_file(tmp_path / "main.jsonl", [f"m{i}" for i in range(6)])
     code = _chats_file(tmp_path / "code.jsonl", [f"c{i}" for i in range(5)])
     math = _chats_file(tmp_path / "math.jsonl", [f"g{i}" for i in range(3)])
+    with open(math, "a") as f:  # a prompt regeneration left unanswered (over max_prompt_tokens): never counted
+        f.write(json.dumps({"id": "g3", "messages": [{"role": "user", "content": "q g3"}]}) + "\n")
     tokenizer = build_tokenizer("chatml")
     base = dict(path=main, num_eval_samples=2, num_samples=3, cache_dir=str(tmp_path / "cache"))
     alone = build_dataset(tokenizer, DataConfig(**base))
@@ -359,7 +361,7 @@ def test_mixed_sources_join_the_training_split_only(tmp_path):
     again = build_dataset(tokenizer, DataConfig(**base, mix=config.mix))
     assert again.train["input_ids"] == mixed.train["input_ids"]  # seeded
     too_many = DataConfig(**base, mix=[type(config.mix[0])(path=math, num_samples=4)])
-    with pytest.raises(ValueError, match=r"^data\.mix\[0\]\.num_samples: 4 asked of .* 3 usable"):
+    with pytest.raises(ValueError, match=r"^data\.mix\[0\]\.num_samples: 4 asked of .* 3 answered"):
         build_dataset(tokenizer, too_many)
     for entry, expected in ((dict(path=str(tmp_path / "none.jsonl")), r"^data\.mix\[0\]\.path: .*not exist.*prepare"),
                             (dict(path=math, num_samples=0), r"^data\.mix\[0\]\.num_samples must be at least 1")):

@@ -115,8 +115,8 @@ def test_histogram_bins():
 
 
 def test_the_shipped_math_prompts_are_gsm8k_train_questions_none_of_them_evaluated():
-    """recipes/smollm2/data/gsm8k_train_questions.jsonl.gz: 7,473 single user turns with unique ids, read by the data
-    loader as conversations to answer, and no question of an evaluation set that asks GSM8K-style maths."""
+    """recipes/smollm2/data/gsm8k_train_questions.jsonl.gz: 7,473 single non-empty user turns with unique ids (prompts
+    for `draftsmith prepare` to answer), none of them a question of an evaluation set that asks GSM8K-style maths."""
     path = Path(__file__).resolve().parents[1] / "recipes" / "smollm2" / "data" / "gsm8k_train_questions.jsonl.gz"
     with gzip.open(path, "rt") as f:
         records = [json.loads(line) for line in f]

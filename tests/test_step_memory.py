@@ -41,13 +41,14 @@ def test_parameter_count_counts_the_mtp_draft_vocabulary_head():
     """MTP with draft_vocab_size trains one V_d x D head beside its modules; the full-vocabulary MTP trains none."""
     info = target_info()
     sizes = {}
-    for vocab in (None, 40):
+    for vocab in (None, 40, info.vocab_size):  # a head of every row is trained too
         drafter = DRAFTERS["mtp"](DRAFTERS["mtp"].Config(num_modules=2, draft_vocab_size=vocab), info)
         shape = step_shape(drafter, seq_len=64, batch=1, checkpointing=False)
         counted = trained_params(StepShape(**{**shape.__dict__, "params": None}))
         assert counted == sum(p.numel() for p in drafter.parameters() if p.requires_grad)
         sizes[vocab] = counted
     assert sizes[40] - sizes[None] == 40 * info.hidden_size
+    assert sizes[info.vocab_size] - sizes[None] == info.vocab_size * info.hidden_size
 
 
 def bench_shape(variant: str, length: int, checkpointing: bool = False) -> StepShape:

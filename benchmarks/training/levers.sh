@@ -5,8 +5,8 @@
 # its newest checkpoint with train.resume_from=latest, exactly; a finished run or evaluation is skipped).
 #
 #   bash benchmarks/training/levers.sh plan              # the variants and their overrides
-#   bash benchmarks/training/levers.sh levers [GROUP..]  # cache, every lever (or the groups eagle3 dflash dspark mtp),
-#                                                        # each one's held-out tau, then the report
+#   bash benchmarks/training/levers.sh levers [GROUP..]  # cache, every lever (or the groups eagle3 dflash dspark mtp
+#                                                        # mix), each one's held-out tau, then the report
 #   bash benchmarks/training/levers.sh long KIND [k=v..] # recipes/smollm2/KIND_long.yaml, then its held-out tau
 #   bash benchmarks/training/levers.sh report            # levers_screen.json / .md from what has finished
 #   bash benchmarks/training/levers.sh curves            # tau vs CPU time of the DFlash / DSpark layer variants
@@ -41,7 +41,10 @@
 #   every lever reads at most, + final norm: ~7 min, 1.5 GiB at 180 steps), read by all 19 variants; online would
 #   repeat the target forward 19 times. At STEPS=180: ~108 min of training (the s/step above, per variant) + ~19 min
 #   of held-out tau (16 questions) + ~10 min of loading = ~145 min. GROUPS run alone take ~40 (eagle3), ~25 (dflash),
-#   ~50 (dspark), ~35 (mtp) min; STEPS scales the training part.
+#   ~50 (dspark), ~35 (mtp) min; STEPS scales the training part. The mix group (not in that sum) regenerates 110
+#   answers to ShareGPT code prompts and 110 to GSM8K train questions with HF generate (~15 min), trains its two
+#   levers online (~13 min each at 2 quiet threads: the mixed split is not the cache's) and decodes the held-out
+#   slice, HumanEval and GSM8K first turns with each (~10 min): ~50 min.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1
@@ -85,15 +88,15 @@ variant() {  # lever name -> KIND (its long recipe), K (drafts a round when eval
     # the data mix, at equal steps and online features (the mixed split is not the shared cache's): 720 ShareGPT
     # answers, against 540 of them + 90 answers to ShareGPT code prompts + 90 to GSM8K train questions (mix_data)
     mix_base) KIND=eagle3; OVERRIDES=("features.mode=online") ;;
-    mix_code_math) KIND=eagle3; local take=${MIX_TAKE:-$((STEPS / 2))}
-      OVERRIDES=("features.mode=online" "data.num_samples=$((STEPS * 3))"
+    mix_code_math) KIND=eagle3; local take=${MIX_TAKE:-$((STEPS / 2))}  # STEPS x 4 conversations in all
+      OVERRIDES=("features.mode=online" "data.num_samples=$((STEPS * 4 - 2 * take))"
       "data.mix=[{path: $MIX/sharegpt_code.jsonl, num_samples: $take}, {path: $MIX/gsm8k.jsonl, num_samples: $take}]") ;;
     *) echo "levers.sh: unknown lever '$1' (bash benchmarks/training/levers.sh plan lists them)" >&2; exit 2 ;;
   esac
   case "$KIND" in eagle3 | mtp) K=3 ;; *) K=7 ;; esac
 }
 
-levers_of() {  # the levers of the named groups (all four by default)
+levers_of() {  # the levers of the named groups (every group by default)
   local group names=""
   for group in ${*:-$ALL_GROUPS}; do
     case " $ALL_GROUPS " in
@@ -130,8 +133,9 @@ train_lever() {  # $1 = lever; the shared cache, STEPS steps, no in-run probe (h
   esac
 }
 
-mix_data() {  # the mix lever's data: the target's answers to MIX_N (110) ShareGPT code prompts and GSM8K questions
-  local n=${MIX_N:-110}
+mix_data() {  # the mix lever's data: the target's answers to MIX_N ShareGPT code prompts and GSM8K questions (20 more
+  # than the lever mixes in of each: a prompt over regenerate.max_prompt_tokens stays unanswered and is not counted)
+  local n=${MIX_N:-$((${MIX_TAKE:-$((STEPS / 2))} + 20))}
   mkdir -p "$MIX"
   [ -f "$MIX/sharegpt_code_prompts.jsonl" ] || python benchmarks/training/mix_prompts.py --domain code --num "$n" \
     --out "$MIX/sharegpt_code_prompts.jsonl"
@@ -165,11 +169,13 @@ case "${1:-plan}" in
     shift
     names=$(levers_of "$@")
     mkdir -p "$RUNS"
-    case " $names " in *" mix_"*) mix_data ;; esac
-    # one cache for every lever: DFlash's request is the widest (5 taps + final norm); the others read a subset. The
-    # shipped answers are complete, so prepare regenerates nothing and needs no vLLM (regenerate.use_vllm=false)
-    OMP_NUM_THREADS=$THREADS draftsmith prepare recipes/smollm2/dflash_long.yaml data.num_samples=$((STEPS * 4)) \
-      features.mode=offline "features.cache_dir=$RUNS/features" regenerate.use_vllm=false
+    case " $names " in *" mix_code_math "*) mix_data ;; esac
+    # one cache for every lever but the mix's (online): DFlash's request is the widest (5 taps + final norm); the
+    # others read a subset. The shipped answers are complete, so prepare regenerates nothing and needs no vLLM
+    case " $names " in *" eagle3_"* | *" dflash_"* | *" dspark_"* | *" mtp_"*)
+      OMP_NUM_THREADS=$THREADS draftsmith prepare recipes/smollm2/dflash_long.yaml data.num_samples=$((STEPS * 4)) \
+        features.mode=offline "features.cache_dir=$RUNS/features" regenerate.use_vllm=false ;;
+    esac
     for name in $names; do train_lever "$name"; done
     report ;;
   report) report ;;
@@ -194,10 +200,11 @@ case "${1:-plan}" in
     smoke=${SMOKE_DIR:-runs/levers_smoke}
     small=(data.num_samples=8 train.epochs=null train.max_steps=2 train.save_every=null train.eval_every=null
            eval.num_prompts=0 eval.num_batches=1)
+    MIX="$smoke/mix" STEPS=4  # a mix lever mixes in 2 answers of each source, of 3 regenerated
     for name in ${*:-$(levers_of)}; do
-      case "$name" in mix_*) MIX="$smoke/mix"; STEPS=4; THREADS=1 MIX_N=3 mix_data ;; esac  # 3 answers each, 2 mixed in
       variant "$name"
       [ -f "$smoke/$name/final/config.json" ] && continue
+      [ "$name" = mix_code_math ] && THREADS=1 MIX_N=3 mix_data
       OMP_NUM_THREADS=1 draftsmith train "recipes/smollm2/${KIND}_long.yaml" "${OVERRIDES[@]}" "${small[@]}" \
         features.mode=online "output.dir=$smoke/$name"
     done

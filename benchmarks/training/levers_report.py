@@ -101,7 +101,8 @@ def tau_cell(row: dict) -> str:
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [f"# Lever screen: {result['steps']} steps each, batch 4, on the first {result['conversations']} training "
-             "conversations of the 10k data", "",
+             "conversations of the 10k data (the data-mix lever: fewer of them and answers to other prompts, as its "
+             "overrides say)", "",
              f"{env['cpu']} ({', '.join(env['cpu_flags'])}), {result['threads']} threads, {result['note']}; tree "
              f"{result['commit']}; held-out tau: {result['rows'][0]['heldout_prompts'] if result['rows'] else '-'}, "
              "greedy; the base of each group is the long recipe as written (MTP: the 8k-vocab head).", "",
@@ -117,7 +118,7 @@ def markdown(result: dict) -> str:
     if domains:
         lines += ["", "Per prompt set (the first turns of evaluation sets, never trained on):", "",
                   "| lever | prompt set | tau (k) [95% CI] | vs base [paired 95% CI] |", "| --- | --- | --- | --- |"]
-        lines += [f"| {lever} | {prompt_set} ({own['heldout_prompts']}) | {tau_cell(own)} | {delta_cell(own)} |"
+        lines += [f"| {lever} | {own['heldout_prompts']} | {tau_cell(own)} | {delta_cell(own)} |"
                   for lever, prompt_set, own in domains]
     return "\n".join(lines) + "\n"
 

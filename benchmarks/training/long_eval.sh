@@ -18,6 +18,7 @@ export HF_HUB_OFFLINE=1
 HELD=recipes/smollm2/data/sharegpt_smollm2_10k.heldout.jsonl
 THREADS=${THREADS:-2}
 OUT_DIR=${OUT_DIR:-docs/results}
+mkdir -p "$OUT_DIR"
 RUNS_DIR=${RUNS_DIR:-runs}
 WORK_DIR=${WORK_DIR:-$RUNS_DIR/long_eval}
 
@@ -33,6 +34,8 @@ best_k() {  # $1 = eval JSON: the k (not auto) with the best measured speedup on
 import json, sys
 rows = [r for r in json.load(open(sys.argv[1]))["records"] if r["dataset"] == "sharegpt_smollm2_10k.heldout"
         and r["category"] == "all" and r["drafter"] != "none" and r["num_draft_tokens"] != "auto"]
+if not rows:
+    sys.exit(f"long_eval.sh: {sys.argv[1]} holds no held-out record at a fixed k (KS must name one)")
 print(max(rows, key=lambda r: r["speedup"])["num_draft_tokens"])
 EOF
 }
@@ -46,7 +49,6 @@ for kind in ${KINDS:-eagle3 dflash dspark mtp}; do
   common=(--target smollm2-135m-instruct --drafter "$final" --max-new-tokens "${MAX_NEW_TOKENS:-96}"
           --threads "$THREADS" --out "$out")
   run() { OMP_NUM_THREADS=$THREADS draftsmith eval "${common[@]}" "$@"; }
-  if [ -f "$out" ] && ! has "$out" sharegpt_smollm2_10k.heldout; then rm "$out"; fi  # an older layout: start over
   has "$out" sharegpt_smollm2_10k.heldout || run --prompts "$HELD" --num-prompts "${HELD_N:-32}" \
     --num-draft-tokens "${KS:-$ks}"
   has "$out" mt_bench || run --append --prompts mt_bench --num-prompts "${BENCH_N:-16}" --num-draft-tokens "${KS:-$ks}"

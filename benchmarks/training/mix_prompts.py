@@ -1,14 +1,15 @@
 """Prompts for the data-mix lever (issue 37): ShareGPT conversations the shipped 10k file did not answer, picked by
 domain from their first user turn, written as OpenAI-format records for `draftsmith prepare` to answer with the target.
 
-    python benchmarks/training/mix_prompts.py --domain code --num 120 --out runs/levers/mix/sharegpt_code_prompts.jsonl
+    python benchmarks/training/mix_prompts.py --domain code --num 110 --out runs/levers/mix/sharegpt_code_prompts.jsonl
 
 The rule is a plain word match on the first user turn, no model: "code" when the turn holds a code fence or names a
 programming language, a code artefact (code, function, API, JSON, regex, SQL) or a build error ("class" and
 "script" are left out: essays and films use them); "math" when it
 asks to solve, calculate or prove, names a maths object (equation, integral, derivative, probability, matrix) or holds
-an arithmetic expression; "other" is neither. A turn that matches both counts as code. Conversations whose first turn
-repeats an earlier one are dropped, as regeneration does (unique_prompts). The order is the package's, so the first N
+an arithmetic expression; "other" is neither. A turn that matches both counts as code. A conversation is left out when
+it is a part of one the shipped file holds (ShareGPT splits long conversations into ids BASE_0, BASE_1, ...: the
+held-out slice's included) or when its first turn repeats one seen before, shipped or not (unique_prompts). The order is the package's, so the first N
 of a domain are the same on every machine; regeneration then samples them with its own seed.
 """
 
@@ -37,19 +38,30 @@ def domain(text: str) -> str:
     return "code" if CODE.search(text) else "math" if MATH.search(text) else "other"
 
 
+def first_turn(record: dict) -> str | None:
+    return next((m["content"] for m in record["messages"] if m["role"] == "user"), None)
+
+
 def shipped_ids(path: str) -> set[str]:
     with gzip.open(path, "rt") as f:
         return {json.loads(line)["id"] for line in f if line.strip()}
 
 
+def base_id(record_id: str) -> str:
+    """ShareGPT's conversation id without its part number ("dxaRH3j_11" -> "dxaRH3j")."""
+    return record_id.rsplit("_", 1)[0]
+
+
 def select(wanted: str, num: int | None, exclude: set[str]) -> list[dict]:
-    """The first `num` ShareGPT conversations of domain `wanted` outside `exclude`, first user turns unique."""
-    chosen, seen = [], set()
-    for record in iter_conversations("sharegpt"):
-        if record["skip_reason"] or record["id"] in exclude:  # malformed, or answered in the shipped file
-            continue
-        first = next((m["content"] for m in record["messages"] if m["role"] == "user"), None)
-        if first is None or first in seen:
+    """The first `num` ShareGPT conversations of domain `wanted` that share no conversation with `exclude` and no
+    first user turn with anything before them (the excluded ones included)."""
+    records = [r for r in iter_conversations("sharegpt") if not r["skip_reason"]]
+    excluded = {base_id(i) for i in exclude}
+    seen = {first_turn(r) for r in records if base_id(r["id"]) in excluded}
+    chosen = []
+    for record in records:
+        first = first_turn(record)
+        if base_id(record["id"]) in excluded or first is None or first in seen:
             continue
         seen.add(first)
         if domain(first) == wanted:
@@ -71,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     records = select(args.domain, args.num, shipped_ids(args.exclude))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    with open(args.out + ".tmp", "w") as f:  # whole or absent: levers.sh keeps a file that exists
         f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(args.out + ".tmp", args.out)
     print(f"wrote {len(records)} {args.domain} conversations to {args.out}")
     return 0
 

@@ -54,4 +54,5 @@ class MTPConfig:
         every device (transformers' sdpa_attention_forward)."""
         steps = self.num_modules if self.num_steps is None else int(self.num_steps)
         return {"step": "chain", "depths": steps, "num_layers": 1, "modules": self.num_modules,
-                "head_vocab": self.draft_vocab_size or vocab, "default_features": 0, "kv_expanded": True}
+                "head_vocab": self.draft_vocab_size or vocab, "default_features": 0, "kv_expanded": True,
+                "trained_head": self.draft_vocab_size is not None}

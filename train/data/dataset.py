@@ -154,6 +154,7 @@ def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
     splits = {"eval": usable.select(range(num_eval)), "train": usable.select(range(num_eval, end))}
     counts = {"records": len(raw), "skipped": num_skipped, **({"held_out": len(held_out)} if held_out else {})}
     if config.mix:
+        check_mix(config)
         mixed = _mix_rows(config, tokenizer)
         splits["train"] = datasets.concatenate_datasets([splits["train"], mixed])
         counts["mixed"] = len(mixed)
@@ -172,7 +173,8 @@ def build_dataset(tokenizer: Any, config: DataConfig) -> PreparedData:
 
 
 def _mix_rows(config: DataConfig, tokenizer: Any) -> datasets.Dataset:
-    """The usable conversations of every data.mix source, each shuffled with data.seed and cut to its num_samples."""
+    """The usable, answered conversations of every data.mix source, each shuffled with data.seed and cut to its
+    num_samples."""
     parts = []
     for i, source in enumerate(config.mix):
         check_shipped(source.path, tokenizer)
@@ -180,12 +182,15 @@ def _mix_rows(config: DataConfig, tokenizer: Any) -> datasets.Dataset:
         skip_reasons = dict(Counter(reason for reason in raw["skip_reason"] if reason))
         _check_skips(len(raw), sum(skip_reasons.values()), skip_reasons, config, source.path)
         rows = raw.filter(_is_usable, input_columns="skip_reason")
+        # answered only: regeneration leaves a prompt longer than regenerate.max_prompt_tokens unanswered, and such a
+        # row would count toward num_samples, then be dropped by tokenisation (no assistant token to train)
+        rows = rows.filter(lambda messages: any(m["role"] == "assistant" for m in messages), input_columns="messages")
         held_out = heldout_ids(source.path)
         if held_out:
             rows = rows.filter(lambda record_id, kept_out=held_out: record_id not in kept_out, input_columns="id")
         if source.num_samples is not None and source.num_samples > len(rows):
             raise ValueError(f"data.mix[{i}].num_samples: {source.num_samples} asked of {source.path!r}, which has "
-                             f"{len(rows)} usable conversations; lower it, or null for all of them")
+                             f"{len(rows)} answered conversations; lower it, or null for all of them")
         rows = rows.shuffle(seed=config.seed)
         parts.append(rows if source.num_samples is None else rows.select(range(source.num_samples)))
     return datasets.concatenate_datasets(parts)
@@ -200,8 +205,11 @@ def check_mix(config: DataConfig) -> None:
         try:
             resolve_source(source.path)
         except ValueError as err:
-            raise ValueError(f"data.mix[{i}].path: {err}; write the target's answers there first (draftsmith "
-                             f"prepare RECIPE data.path=PROMPTS data.regenerated_path=FILE data.mix=[])") from None
+            hint = "" if os.path.exists(os.path.expanduser(source.path)) else (
+                "; write the target's answers there first (draftsmith prepare RECIPE data.path=PROMPTS "
+                "data.regenerated_path=FILE data.mix=[] regenerate.num_conversations=N "
+                "regenerate.heldout_conversations=0)")
+            raise ValueError(f"data.mix[{i}].path: {err}{hint}") from None
 
 
 def check_sources(config: DataConfig) -> None:
