@@ -116,10 +116,10 @@ def long_row(kind: str) -> dict | None:
     bench = {k: record(name, drafter, k, dataset="mt_bench") for k in (1, 3)}
     best = max(held, key=lambda k: held[k]["speedup"])
     auto = record(name, drafter, "auto", dataset=HELDOUT)
-    files, served = [name], {}  # "vLLM/ours" per k measured, 1 thread then 2
+    files, served = [name], {}  # "vLLM/ours" per k measured, 1 thread then 2, of the same checkpoint only
     for threads in (1, 2):
         server = f"server_speedup_long_{kind}_t{threads}"
-        if exists(server):
+        if exists(server) and checkpoint_of(server, "export") == checkpoint_of(name, drafter):
             files.append(server)
             for r in load(server)["rows"]:
                 served.setdefault(r["k"], []).append(f"{r['speedup_vllm']:.2f}/{r['speedup_ours']:.2f}")

@@ -8,8 +8,9 @@ Each checkpoint (<run>/checkpoints/step_N) is read through its recipe and weight
 `--num-prompts` questions of `--prompts` greedily with our engine against the target, k drafts a round (one --k per
 --run, in order; default the drafter's longest proposal, capped at 7): tau = 1 + accepted / rounds, with the
 accepted drafts per position. CPU-hours = the run's wall time at the checkpoint (trainer_state.json, across resumes)
-x the threads it trained with (--train-threads). Rows already in --out for the same checkpoint, prompts and k are
-kept, so a rerun after more steps evaluates only the new checkpoints, and so are the rows of runs not named (same
+x the threads it trained with (--train-threads). Rows already in --out for the same checkpoint (run, step and its
+trainer clock), prompts and k are kept, so a rerun after more steps evaluates only the new checkpoints, and a run
+retrained into the same directory is measured anew, and so are the rows of runs not named (same
 prompts), so runs trained in different sessions share one file (--train-threads applies to the runs named).
 """
 
@@ -102,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         for step, directory, seconds in found[run]:
             drafter = load_trained_drafter(directory, target.target_info()).eval()
             k = args.k[i] if args.k else min(drafter.max_draft_tokens() or 7, 7)
-            key = {"run": run, "step": step, "heldout_k": k, "heldout_prompts": described}
+            # the checkpoint's own clock is part of the key: a run retrained into the same directory is measured anew
+            key = {"run": run, "step": step, "heldout_k": k, "heldout_prompts": described,
+                   "cpu_hours": round(seconds * args.train_threads / 3600, 4)}
             row = next((r for r in previous if all(r.get(name) == value for name, value in key.items())), None)
             if row is None:
-                row = {**key, "cpu_hours": round(seconds * args.train_threads / 3600, 4),
-                       **decode(target, target.serve(drafter), prompts, k, args.max_new_tokens)}
+                row = {**key, **decode(target, target.serve(drafter), prompts, k, args.max_new_tokens)}
             rows.append(row)
             print(json.dumps(row), flush=True)
             write_measurement(args.out, {"rows": rows, "threads": args.threads})
