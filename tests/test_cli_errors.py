@@ -189,6 +189,7 @@ def test_a_run_or_a_drafter_for_another_target_is_refused_before_the_target_load
         ([*eval_, str(trained / "nosuch")], f"draftsmith eval: error: --drafter '{trained / 'nosuch'}': drafter "),
         (["eval", "--target", other, "--drafter", f"ngram,{final}"],
          f"draftsmith eval: error: --drafter '{final}': {final}: {another}"),
+        (["doctor", str(final), "--target", other], f"draftsmith doctor: error: DRAFTER '{final}': {final}: {another}"),
         (["calibrate", str(run), "--target", "debug:tiny-llama", "--out", str(trained / "cal")],
          f"draftsmith calibrate: error: DRAFTER '{run}': {run}: not a drafter or model directory (no config.json); "
          f"it is a training run: pass its {final}"),

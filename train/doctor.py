@@ -38,6 +38,7 @@ from drafters import DRAFTERS, checkpoint_kind, load_drafter
 from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel, default_device
 from inference.evaluation.chat_template import check_chat_template, parse_template_kwargs, render_prompt
+from inference.evaluation.eval import check_drafters
 from inference.evaluation.metrics import acceptance_counts
 from inference.evaluation.prompts import load_questions
 from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings
@@ -141,6 +142,7 @@ def run(settings: EvalSettings, serve: str | None = None) -> int:
     if kind not in DRAFTERS:
         raise ValueError(f"{directory}: drafter kind {kind!r} is not registered; known: {sorted(DRAFTERS)}")
     method = serve_check.require(serve, kind, _header(directory)) if serve else None
+    check_drafters(settings, flag="DRAFTER")  # trained for a target of other sizes: refused before the target loads
     _, questions = load_questions(prompt_set, num_prompts=settings.num_prompts)
     device = default_device()
     target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device)
