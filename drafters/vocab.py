@@ -58,9 +58,15 @@ class DraftVocab:
 
     def to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Target ids (any shape) -> draft ids, -1 where the id is outside the draft vocab."""
-        index = torch.searchsorted(self.draft_ids, target_ids.clamp(0, self.target_vocab_size - 1))
-        index = index.clamp(max=self.size - 1)
-        return torch.where(self.draft_ids[index] == target_ids, index, -1)
+        return draft_index(self.draft_ids, target_ids, self.target_vocab_size)
+
+
+def draft_index(draft_ids: torch.Tensor, target_ids: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
+    """Target ids (any shape) -> their index in the sorted `draft_ids` [V_d], -1 where absent; no check of draft_ids
+    (DraftVocab checks once; a training step calls this without a host sync)."""
+    index = torch.searchsorted(draft_ids, target_ids.clamp(0, target_vocab_size - 1))
+    index = index.clamp(max=draft_ids.numel() - 1)
+    return torch.where(draft_ids[index] == target_ids, index, -1)
 
 
 class DraftHead:

@@ -21,7 +21,7 @@ from drafters.dflash.backbone import BlockBackbone
 from drafters.dflash.config import DFlashConfig
 from drafters.dflash.layers import check_config, decay_gamma
 from drafters.losses import depth_loss_weights, global_mean, output_metrics, soft_cross_entropy
-from drafters.vocab import DraftHead, DraftVocab
+from drafters.vocab import DraftHead, draft_index
 
 
 class DFlashDrafter(DraftHead, BlockBackbone):
@@ -124,7 +124,7 @@ class DFlashDrafter(DraftHead, BlockBackbone):
         rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
         labels = self._labels(batch, rows, output.label_position)
         if self.lm_head is not None:
-            labels = DraftVocab(self.draft_ids(), self.target_info.vocab_size).to_draft(labels)
+            labels = draft_index(self.draft_ids(), labels, self.target_info.vocab_size)  # per step: no validation
         valid = output.depth_valid
         labels = torch.where(valid, labels, torch.zeros_like(labels))
 
