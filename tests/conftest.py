@@ -60,6 +60,17 @@ def joint_counts(token_rows, vocab: int) -> torch.Tensor:
     return counts
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_kernel_cache(tmp_path_factory):
+    """The default kernel-timing directory (what a command's CpuBackend() reads and writes) is this session's own:
+    a test that runs a command never touches the user's ~/.cache/draftsmith/kernels."""
+    from inference.engine.cpu import kernels
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "CACHE_DIR", str(tmp_path_factory.mktemp("default_kernels")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def cpu_backend(tmp_path_factory):
     """The CPU backend (inference/engine/cpu/) with its kernel timings kept in this session's own directory: a test

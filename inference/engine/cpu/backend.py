@@ -58,8 +58,8 @@ class CpuBackend:
 
     name = fastpath.FAST_PATH
 
-    def __init__(self, cache_dir: str = kernels.CACHE_DIR, lean: bool = True):
-        self.cache_dir, self.lean = cache_dir, lean
+    def __init__(self, cache_dir: str | None = None, lean: bool = True):
+        self.cache_dir, self.lean = kernels.CACHE_DIR if cache_dir is None else cache_dir, lean  # read when built
 
     def prepare(self, model: nn.Module) -> CpuPrepared:
         """The fast linears where `fastpath.unsupported_reason` allows (CPU, float32, oneDNN), then the lean
