@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.summary_data import (Legend, checkpoint_of, exists, f2, load, machine, raw, record, trained_cell,
-                                     trained_notes, wrap, x)
+from benchmarks.summary_data import (Legend, checkpoint_of, exists, f2, load, machine, raw, record, trained,
+                                     trained_cell, trained_notes, wrap, x)
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,8 @@ def long_row(kind: str) -> dict | None:
                 served.setdefault(r["k"], []).append(f"{r['speedup_vllm']:.2f}/{r['speedup_ours']:.2f}")
     curve = [r for r in load("long_curves")["rows"] if r["run"].endswith(f"smollm2_{kind}_long")] \
         if exists("long_curves") else []
+    if curve and max(r["step"] for r in curve) != trained(checkpoint_of(name, drafter))["steps"]:
+        curve = []  # the curve of another training of that directory: its CPU-hours are not this drafter's
     cells = ["/".join(f2(held[k]["tau"]) if k in held else "-" for k in LONG_KS),
              f"{f2(held[best]['tau'])}{interval(held[best])}",
              "/".join(f2(bench[k]["tau"]) for k in bench), f"{best}: {x(held[best]['speedup'])}", x(auto["speedup"]),
