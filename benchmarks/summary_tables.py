@@ -113,7 +113,8 @@ def long_row(kind: str) -> dict | None:
     drafter, records = long_records(kind)
     measured = {str(r["num_draft_tokens"]) for r in records}
     held = {k: record(name, drafter, k, dataset=HELDOUT) for k in LONG_KS if str(k) in measured}
-    bench = {k: record(name, drafter, k, dataset="mt_bench") for k in (1, 3)}
+    benched = {str(r["num_draft_tokens"]) for r in records if r["dataset"] == "mt_bench"}
+    bench = {k: record(name, drafter, k, dataset="mt_bench") for k in (1, 3) if str(k) in benched}
     best = max(held, key=lambda k: held[k]["speedup"])
     auto = record(name, drafter, "auto", dataset=HELDOUT)
     files, served = [name], {}  # "vLLM/ours" per k measured, 1 thread then 2, of the same checkpoint only
@@ -129,7 +130,8 @@ def long_row(kind: str) -> dict | None:
         curve = []  # the curve of another training of that directory: its CPU-hours are not this drafter's
     cells = ["/".join(f2(held[k]["tau"]) if k in held else "-" for k in LONG_KS),
              f"{f2(held[best]['tau'])}{interval(held[best])}",
-             "/".join(f2(bench[k]["tau"]) for k in bench), f"{best}: {x(held[best]['speedup'])}", x(auto["speedup"]),
+             "/".join(f2(bench[k]["tau"]) for k in bench) or "-", f"{best}: {x(held[best]['speedup'])}",
+             x(auto["speedup"]),
              "; ".join(f"k = {k}: " + ", ".join(v) for k, v in sorted(served.items())) or "-",
              f"{max(r['cpu_hours'] for r in curve):.2f}" if curve else "-"]
     return {"cells": cells, "files": files}

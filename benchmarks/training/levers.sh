@@ -35,7 +35,7 @@
 # Choice, long runs: online for all four. One pass reads each sample once, so a cache only adds 11-16 GiB and a stage;
 #   streamed would buy at most ~7% more steps, and only if the thread-scaling assumption holds. Plan per run: training
 #   + 8 in-run probes (~6 min) + the held-out tau of 32 first turns (~5 min) inside 2.5 h: EAGLE-3 (~150 min, TTT 3
-#   from the first step), DFlash (~120), MTP-3 (~144) one epoch; DSpark 1,600 steps (~148; 6,400 conversations: its
+#   from the first step; measured: 7,391 s with its probes on the Intel Xeon with AMX, 2 threads), DFlash (~120), MTP-3 (~144) one epoch; DSpark 1,600 steps (~148; 6,400 conversations: its
 #   epoch alone is 173 min).
 # Choice, levers: offline, one cache of the first STEPS x 4 training conversations (the layers [2, 9, 15, 21, 27]
 #   every lever reads at most, + final norm: ~7 min, 1.5 GiB at 180 steps), read by all 19 variants; online would
