@@ -117,16 +117,17 @@ def long_row(kind: str) -> dict | None:
     bench = {k: record(name, drafter, k, dataset="mt_bench") for k in (1, 3) if str(k) in benched}
     best = max(held, key=lambda k: held[k]["speedup"])
     auto = record(name, drafter, "auto", dataset=HELDOUT)
+    checkpoint = checkpoint_of(name, drafter)
     files, served = [name], {}  # "vLLM/ours" per k measured, 1 thread then 2, of the same checkpoint only
     for threads in (1, 2):
         server = f"server_speedup_long_{kind}_t{threads}"
-        if exists(server) and checkpoint_of(server, "export") == checkpoint_of(name, drafter):
+        if exists(server) and checkpoint_of(server, "export") == checkpoint:
             files.append(server)
             for r in load(server)["rows"]:
                 served.setdefault(r["k"], []).append(f"{r['speedup_vllm']:.2f}/{r['speedup_ours']:.2f}")
     curve = [r for r in load("long_curves")["rows"] if r["run"].endswith(f"smollm2_{kind}_long")] \
         if exists("long_curves") else []
-    if curve and max(r["step"] for r in curve) != trained(checkpoint_of(name, drafter))["steps"]:
+    if curve and max(r["step"] for r in curve) != trained(checkpoint)["steps"]:
         curve = []  # the curve of another training of that directory: its CPU-hours are not this drafter's
     cells = ["/".join(f2(held[k]["tau"]) if k in held else "-" for k in LONG_KS),
              f"{f2(held[best]['tau'])}{interval(held[best])}",
