@@ -60,3 +60,21 @@ def test_every_anchor_link_lands_on_a_heading(page):
         if not linked.exists() or anchor not in anchors(linked):
             broken.append(f"{target}#{anchor}")
     assert not broken, f"{page}: links to missing headings: {broken}"
+
+
+def test_long_curves_keep_an_earlier_training_only_when_asked():
+    """A run retrained into the same directory: its earlier rows (no checkpoint clock of the new training matches)
+    are dropped, or kept renamed with --earlier-suffix; rows of other runs and of the new training's checkpoints
+    that were already measured stay as they are; rows of other prompts go."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.training.long_curves import kept_rows
+
+    described = "held x 16 first turns, 64 new tokens"
+    old = {"run": "runs/d", "step": 250, "cpu_hours": 0.17, "heldout_prompts": described}
+    again = {"run": "runs/d", "step": 250, "cpu_hours": 0.5, "heldout_prompts": described}
+    other = {"run": "runs/e", "step": 250, "cpu_hours": 0.4, "heldout_prompts": described}
+    elsewhere = {**other, "heldout_prompts": "mt_bench x 8 first turns, 64 new tokens"}
+    found = {"runs/d": [(250, "runs/d/checkpoints/step_250", 900.0)]}  # 900 s x 2 threads = 0.5 CPU-hours
+    previous = [old, again, other, elsewhere]
+    assert kept_rows(previous, found, described, 2, None) == [other]
+    assert kept_rows(previous, found, described, 2, "_v1") == [other, {**old, "run": "runs/d_v1"}]

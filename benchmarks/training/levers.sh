@@ -8,6 +8,8 @@
 #   bash benchmarks/training/levers.sh levers [GROUP..]  # cache, every lever (or the groups eagle3 dflash dspark mtp
 #                                                        # mix), each one's held-out tau, then the report
 #   bash benchmarks/training/levers.sh long KIND [k=v..] # recipes/smollm2/KIND_long.yaml, then its held-out tau
+#   bash benchmarks/training/levers.sh full KIND [k=v..] # the same training, then long_eval.sh and long_curves.py
+#                                                        # (one working stretch: ~90 + ~55 + ~10 min)
 #   bash benchmarks/training/levers.sh report            # levers_screen.json / .md from what has finished
 #   bash benchmarks/training/levers.sh curves            # tau vs CPU time of the DFlash / DSpark layer variants
 #   bash benchmarks/training/levers.sh smoke [LEVER..]   # 2 steps of each lever on 8 conversations, online features,
@@ -34,9 +36,11 @@
 #       process: the producer needs 126 min for the set, so it bounds the wall time.
 # Choice, long runs: online for all four. One pass reads each sample once, so a cache only adds 11-16 GiB and a stage;
 #   streamed would buy at most ~7% more steps, and only if the thread-scaling assumption holds. Plan per run: training
-#   + 8 in-run probes (~6 min) + the held-out tau of 32 first turns (~5 min) inside 2.5 h: EAGLE-3 (~150 min, TTT 3
-#   from the first step; measured: 7,391 s with its probes on the Intel Xeon with AMX, 2 threads), DFlash (~120), MTP-3 (~144) one epoch; DSpark 1,600 steps (~148; 6,400 conversations: its
-#   epoch alone is 173 min).
+#   (probes included) + long_eval.sh (~55 min: held-out, MT-Bench, per category) + long_curves inside one working
+#   stretch of 3 h. EAGLE-3 ran its epoch (7,391 s with its probes on the Intel Xeon with AMX, 2 threads: 4.11
+#   CPU-hours, over the 3, and too long to leave time for its MT-Bench pass); DFlash, DSpark and MTP-3 stop at
+#   train.max_time_minutes: 90 (3 CPU-hours at 2 threads) where the epoch is longer (DFlash ~109, MTP-3 ~133, DSpark
+#   ~173 min), the cosine annealed to the budget (schedule.anneal_on: time).
 # Choice, levers: offline, one cache of the first STEPS x 4 training conversations (the layers [2, 9, 15, 21, 27]
 #   every lever reads at most, + final norm: ~7 min, 1.5 GiB at 180 steps), read by all 19 variants; online would
 #   repeat the target forward 19 times. At STEPS=180: ~108 min of training (the s/step above, per variant) + ~19 min
@@ -179,15 +183,22 @@ case "${1:-plan}" in
     for name in $names; do train_lever "$name"; done
     report ;;
   report) report ;;
-  long)
-    kind=${2:?levers.sh long KIND (eagle3, dflash, dspark or mtp)}
+  long | full)
+    stage=$1 kind=${2:?levers.sh $1 KIND (eagle3, dflash, dspark or mtp)}
     shift 2
     out=runs/smollm2_${kind}_long
     if [ ! -f "$out/final/config.json" ]; then
       OMP_NUM_THREADS=$THREADS draftsmith train "recipes/smollm2/${kind}_long.yaml" train.resume_from=latest "$@"
     fi
     case "$kind" in eagle3 | mtp) k=3 ;; *) k=7 ;; esac
-    NUM_PROMPTS=${NUM_PROMPTS:-32} heldout "$out/final" "$k" "$out/heldout.json" ;;
+    if [ "$stage" = long ]; then NUM_PROMPTS=${NUM_PROMPTS:-32} heldout "$out/final" "$k" "$out/heldout.json"; exit 0; fi
+    # full: the table's three passes (docs/results/long_KIND_eval.*: git mv an earlier version's pair to
+    # long_KIND_v1_eval.* first, with its provenance entry), then every checkpoint on the curve (an earlier
+    # training's rows of this run stay as runs/smollm2_KIND_long$EARLIER)
+    KINDS=$kind THREADS=$THREADS bash benchmarks/training/long_eval.sh
+    OMP_NUM_THREADS=$THREADS python benchmarks/training/long_curves.py --run "$out" --k "$k" --threads "$THREADS" \
+      --train-threads "$THREADS" --out docs/results/long_curves.json --png docs/results/long_curves.png \
+      --earlier-suffix "${EARLIER:-_v1}" ;;
   curves)
     args=()
     for name in $LEVERS_dflash $LEVERS_dspark; do
@@ -220,5 +231,6 @@ case "${1:-plan}" in
       THREADS=1 NUM_PROMPTS=1 MAX_NEW_TOKENS=8 heldout "$smoke/offline_mtp_vocab8k/final" 3 \
         "$smoke/offline_mtp_vocab8k/heldout.json"
     fi ;;
-  *) echo "levers.sh: plan | levers [GROUP..] | report | long KIND [k=v..] | curves | smoke [LEVER..]" >&2; exit 2 ;;
+  *) echo "levers.sh: plan | levers [GROUP..] | report | long | full KIND [k=v..] | curves | smoke [LEVER..]" >&2
+     exit 2 ;;
 esac

@@ -10,8 +10,9 @@ Each checkpoint (<run>/checkpoints/step_N) is read through its recipe and weight
 accepted drafts per position. CPU-hours = the run's wall time at the checkpoint (trainer_state.json, across resumes)
 x the threads it trained with (--train-threads). Rows already in --out for the same checkpoint (run, step and its
 trainer clock), prompts and k are kept, so a rerun after more steps evaluates only the new checkpoints, and a run
-retrained into the same directory is measured anew, and so are the rows of runs not named (same
-prompts), so runs trained in different sessions share one file (--train-threads applies to the runs named).
+retrained into the same directory is measured anew (its earlier rows dropped, or kept under the run's name +
+--earlier-suffix), and so are the rows of runs not named (same prompts), so runs trained in different sessions share
+one file (--train-threads applies to the runs named).
 """
 
 from __future__ import annotations
@@ -37,6 +38,21 @@ def checkpoints(run: str) -> list[tuple[int, str, float]]:
         with open(os.path.join(directory, "trainer_state.json")) as f:
             found.append((step, directory, float(json.load(f).get("elapsed_seconds", 0.0))))
     return found
+
+
+def kept_rows(previous: list[dict], found: dict[str, list[tuple[int, str, float]]], described: str,
+              train_threads: int, earlier_suffix: str | None) -> list[dict]:
+    """The rows of --out that stay before the named runs are (re)read: those of runs not named this time, measured
+    on the same prompts (runs trained in different sessions, on machines that no longer hold the other runs'
+    checkpoints, share one curve file); with `earlier_suffix`, also a named run's rows that none of its checkpoints
+    matches (an earlier training into the same directory), renamed run + suffix."""
+    rows = [r for r in previous if r["run"] not in found and r["heldout_prompts"] == described]
+    if earlier_suffix:
+        clocks = {(run, step, round(seconds * train_threads / 3600, 4)) for run, steps in found.items()
+                  for step, _, seconds in steps}
+        rows += [{**r, "run": r["run"] + earlier_suffix} for r in previous if r["run"] in found
+                 and r["heldout_prompts"] == described and (r["run"], r["step"], r["cpu_hours"]) not in clocks]
+    return rows
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -77,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-threads", type=int, default=2, help="threads the runs trained with (CPU-hours)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--png", default=None)
+    parser.add_argument("--earlier-suffix", default=None,
+                        help="keep a named run's rows of an earlier training (no checkpoint of this one matches "
+                        "them) under the run's name + this suffix, instead of dropping them")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
@@ -96,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(args.out):
         with open(args.out) as f:
             previous = json.load(f)["rows"]
-    # the rows of runs not named this time stay (measured on the same prompts), so runs trained in different
-    # sessions, on machines that no longer hold the other runs' checkpoints, share one curve file
-    rows = [r for r in previous if r["run"] not in args.run and r["heldout_prompts"] == described]
+    rows = kept_rows(previous, found, described, args.train_threads, args.earlier_suffix)
     for i, run in enumerate(args.run):
         for step, directory, seconds in found[run]:
             drafter = load_trained_drafter(directory, target.target_info()).eval()

@@ -359,14 +359,8 @@ def _tokenise_batch(batch: dict[str, list], tokenizer: Any, template: str, max_l
 
 
 def collate(samples: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad a list of samples to the longest one.
-
-    Args:
-        samples: dicts with input_ids and loss_mask (lists or 1-D tensors of equal length per sample).
-        pad_token_id: id written into padding positions (they are masked everywhere).
-    Returns:
-        input_ids [B, T] long, attention_mask [B, T] long (1 on real tokens), loss_mask [B, T] long.
-    """
+    """Right-pad `samples` (dicts of input_ids and loss_mask, lists or 1-D tensors of equal length each) to the longest
+    one with `pad_token_id` (masked everywhere): input_ids, attention_mask (1 on real tokens), loss_mask, [B, T] long."""
     if not samples:
         raise ValueError("cannot collate an empty batch")
     lengths = [len(sample["input_ids"]) for sample in samples]
@@ -382,7 +376,6 @@ def collate(samples: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, t
         attention_mask[row, :length] = 1
         loss_mask[row, :length] = torch.as_tensor(sample["loss_mask"], dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
-
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
