@@ -15,16 +15,25 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 
 from benchmarks.gpu_check.b_train import overrides, read_metrics
 from benchmarks.gpu_check.context import CheckFailed, Context, finite
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now: each launch gets its own, so a launcher left over from a killed run (its
+    children may hold the default 29500) cannot stop the next one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def launch(ctx: Context, name: str, config: str, recipe: str, output_dir: str, *extra: str) -> tuple[int, str]:
     cpu = ["--cpu"] if ctx.cpu else []
     return ctx.run(name, ctx.python("-m", "accelerate.commands.launch", *cpu, "--config_file", ctx.repo_path(config),
-                                    "--num_processes", "1", "-m", "train", ctx.repo_path(recipe),
-                                    *overrides(ctx, output_dir, *extra)))
+                                    "--num_processes", "1", "--main_process_port", str(free_port()), "-m", "train",
+                                    ctx.repo_path(recipe), *overrides(ctx, output_dir, *extra)))
 
 
 def sharded_files(output_dir: str) -> list[str]:

@@ -17,11 +17,13 @@ OUT=${1:-/tmp/gpu_check_image_versions}
 if [ ! -f "$SITE/.done" ]; then
   rm -rf "$SITE" "$SITE.deps"
   "$PYTHON" -m pip install --quiet --no-deps --target "$SITE" transformers==5.17.0 accelerate==1.15.0 \
-    huggingface_hub==1.33.0 tokenizers==0.23.2 safetensors==0.8.0
+    huggingface_hub==1.33.0 tokenizers==0.23.2 safetensors==0.8.0 \
+    datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19  # what stage_wheels.sh carries
   "$PYTHON" -m pip install --quiet --target "$SITE.deps" httpx
   touch "$SITE/.done"
 fi
 export PYTHONPATH="$SITE:$SITE.deps${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
-"$PYTHON" -c "import transformers, accelerate; print('transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
+"$PYTHON" -c "import transformers as t, accelerate as a, datasets as d; print('transformers', t.__version__, 'accelerate', \
+  a.__version__, 'datasets', d.__version__)"
 GPU_CHECK_TIMEOUT=${GPU_CHECK_TIMEOUT:-1200} bash benchmarks/gpu_check.sh --cpu --work "${WORK:-/tmp/gpu_check_image}" \
   "$@" "$OUT"   # summary.md / summary.json / logs.tgz in OUT

@@ -5,9 +5,11 @@
 #
 # A bare GPU image has torch, accelerate, transformers, pyarrow, pandas, fsspec, xxhash and huggingface-hub, but not
 # `datasets` (the training data stage, train/data/dataset.py, keeps its Arrow cache with it) nor the two pure-Python
-# packages datasets needs beyond those: dill and multiprocess. They travel as wheels (under 1 MB together) in the
-# versions this environment uses (else the ones below), for Python 3.12 on x86-64, and are installed there with
-# `pip install --no-index --no-deps --target` (the one-line command at the top of benchmarks/gpu_check.sh).
+# packages datasets needs beyond those: dill and multiprocess. They travel as wheels (under 1 MB together) for
+# Python 3.12 on x86-64, and are installed there with `pip install --no-index --no-deps --target` (the one-line
+# command at the top of benchmarks/gpu_check.sh). datasets 4.8.5, not this environment's 5.x: 5.x asks pyarrow >= 24,
+# 4.8.5 pyarrow >= 21 (July 2025), and the image's pyarrow is not listed; a pyarrow wheel (~40 MB) would not fit
+# beside the tree in the 64 MiB a call carries. benchmarks/gpu_check/image_versions.sh runs the check with these.
 # .whl/ is git-ignored through .git/info/exclude and never committed.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,11 +19,7 @@ exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.whl/' "$exclude" 2> /dev/null || echo '/.whl/' >> "$exclude"
 
-version() {  # version NAME FALLBACK: the installed version of NAME, else FALLBACK
-    "$PYTHON" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1" 2> /dev/null || echo "$2"
-}
-PACKAGES=("datasets==$(version datasets 5.2.0)" "dill==$(version dill 0.4.1)"
-          "multiprocess==$(version multiprocess 0.70.19)")
+PACKAGES=(datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19)  # datasets 4.8.5 asks dill < 0.4.2, multiprocess < 0.70.20
 
 rm -rf .whl
 mkdir .whl

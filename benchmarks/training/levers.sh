@@ -121,12 +121,13 @@ heldout() {  # $1 = drafter dir, $2 = k, $3 = JSON out [, $4 = prompt set]: tau 
   mv "$3.tmp" "$3"
 }
 
-train_lever() {  # $1 = lever; the shared cache, STEPS steps, no in-run probe (heldout evaluates the end)
+train_lever() {  # $1 = lever; the shared cache, STEPS steps, no in-run probe (heldout evaluates the end); the
+  # recipe's math mix left out (data.mix=[]): the screen compares levers on ShareGPT, the mix lever sets its own
   variant "$1"
   local out="$RUNS/$1" keep=2 every=60
   case "$1" in dflash_* | dspark_*) keep=null; every=30 ;; esac  # every checkpoint: tau at equal CPU time (curves)
   if [ ! -f "$out/final/config.json" ]; then  # the lever's overrides last: they win
-    OMP_NUM_THREADS=$THREADS draftsmith train "recipes/smollm2/${KIND}_long.yaml" \
+    OMP_NUM_THREADS=$THREADS draftsmith train "recipes/smollm2/${KIND}_long.yaml" "data.mix=[]" \
       data.num_samples=$((STEPS * 4)) features.mode=offline "features.cache_dir=$RUNS/features" \
       train.epochs=null train.max_steps=$STEPS train.save_every=$every train.keep_last=$keep train.eval_every=null \
       eval.num_prompts=0 "output.dir=$out" train.resume_from=latest "${OVERRIDES[@]}"
@@ -137,17 +138,19 @@ train_lever() {  # $1 = lever; the shared cache, STEPS steps, no in-run probe (h
   esac
 }
 
-mix_data() {  # the mix lever's data: the target's answers to MIX_N ShareGPT code prompts and GSM8K questions (20 more
-  # than the lever mixes in of each: a prompt over regenerate.max_prompt_tokens stays unanswered and is not counted)
-  local n=${MIX_N:-$((${MIX_TAKE:-$((STEPS / 2))} + 20))}
+mix_data() {  # the mix lever's data: the target's answers to ShareGPT code prompts and GSM8K questions, more than the
+  # lever mixes in of each (TAKE): a prompt over regenerate.max_prompt_tokens stays unanswered and is not counted,
+  # and a third of the code prompts are (74 of 110 answered at TAKE 90): 2 x TAKE of those, TAKE + 20 questions
+  local take=${MIX_TAKE:-$((STEPS / 2))}
+  local code_n=${MIX_N:-$((2 * take))} math_n=${MIX_N:-$((take + 20))}
   mkdir -p "$MIX"
-  [ -f "$MIX/sharegpt_code_prompts.jsonl" ] || python benchmarks/training/mix_prompts.py --domain code --num "$n" \
-    --out "$MIX/sharegpt_code_prompts.jsonl"
-  local name prompts
+  [ -f "$MIX/sharegpt_code_prompts.jsonl" ] || python benchmarks/training/mix_prompts.py --domain code \
+    --num "$code_n" --out "$MIX/sharegpt_code_prompts.jsonl"
+  local name prompts n
   for name in sharegpt_code gsm8k; do
     case "$name" in
-      gsm8k) prompts=recipes/smollm2/data/gsm8k_train_questions.jsonl.gz ;;
-      *) prompts="$MIX/sharegpt_code_prompts.jsonl" ;;
+      gsm8k) prompts=recipes/smollm2/data/gsm8k_train_questions.jsonl.gz n=$math_n ;;
+      *) prompts="$MIX/sharegpt_code_prompts.jsonl" n=$code_n ;;
     esac
     # HF generate (the shipped file's settings: greedy, 256 new tokens, later turns while the prompt fits 256 tokens)
     OMP_NUM_THREADS=$THREADS draftsmith prepare recipes/smollm2/eagle3_long.yaml "data.path=$prompts" \
@@ -178,7 +181,7 @@ case "${1:-plan}" in
     # others read a subset. The shipped answers are complete, so prepare regenerates nothing and needs no vLLM
     case " $names " in *" eagle3_"* | *" dflash_"* | *" dspark_"* | *" mtp_"*)
       OMP_NUM_THREADS=$THREADS draftsmith prepare recipes/smollm2/dflash_long.yaml data.num_samples=$((STEPS * 4)) \
-        features.mode=offline "features.cache_dir=$RUNS/features" regenerate.use_vllm=false ;;
+        "data.mix=[]" features.mode=offline "features.cache_dir=$RUNS/features" regenerate.use_vllm=false ;;
     esac
     for name in $names; do train_lever "$name"; done
     report ;;
@@ -216,17 +219,18 @@ case "${1:-plan}" in
       variant "$name"
       [ -f "$smoke/$name/final/config.json" ] && continue
       [ "$name" = mix_code_math ] && THREADS=1 MIX_N=3 mix_data
-      OMP_NUM_THREADS=1 draftsmith train "recipes/smollm2/${KIND}_long.yaml" "${OVERRIDES[@]}" "${small[@]}" \
-        features.mode=online "output.dir=$smoke/$name"
+      OMP_NUM_THREADS=1 draftsmith train "recipes/smollm2/${KIND}_long.yaml" "data.mix=[]" "${OVERRIDES[@]}" \
+        "${small[@]}" features.mode=online "output.dir=$smoke/$name"
     done
     if [ $# -eq 0 ]; then  # the lever plan's cache: written once from DFlash's request, read by a subset's readers
-      OMP_NUM_THREADS=1 draftsmith prepare recipes/smollm2/dflash_long.yaml data.num_samples=8 features.mode=offline \
+      OMP_NUM_THREADS=1 draftsmith prepare recipes/smollm2/dflash_long.yaml data.num_samples=8 "data.mix=[]" \
+        features.mode=offline \
         "features.cache_dir=$smoke/features" regenerate.use_vllm=false
       for name in eagle3_taps5 eagle3_base mtp_vocab8k; do
         variant "$name"
         [ -f "$smoke/offline_$name/final/config.json" ] && continue
-        OMP_NUM_THREADS=1 draftsmith train "recipes/smollm2/${KIND}_long.yaml" "${OVERRIDES[@]}" "${small[@]}" \
-          features.mode=offline "features.cache_dir=$smoke/features" "output.dir=$smoke/offline_$name"
+        OMP_NUM_THREADS=1 draftsmith train "recipes/smollm2/${KIND}_long.yaml" "data.mix=[]" "${OVERRIDES[@]}" \
+          "${small[@]}" features.mode=offline "features.cache_dir=$smoke/features" "output.dir=$smoke/offline_$name"
       done
       THREADS=1 NUM_PROMPTS=1 MAX_NEW_TOKENS=8 heldout "$smoke/offline_mtp_vocab8k/final" 3 \
         "$smoke/offline_mtp_vocab8k/heldout.json"

@@ -101,8 +101,8 @@ def tau_cell(row: dict) -> str:
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [f"# Lever screen: {result['steps']} steps each, batch 4, on the first {result['conversations']} training "
-             "conversations of the 10k data (the data-mix lever: fewer of them and answers to other prompts, as its "
-             "overrides say)", "",
+             "conversations of the 10k data drawn (the loader keeps those with an assistant answer left; the data-mix "
+             "lever: fewer of them and answers to other prompts, as its overrides say)", "",
              f"{env['cpu']} ({', '.join(env['cpu_flags'])}), {result['threads']} threads, {result['note']}; tree "
              f"{result['commit']}; held-out tau: {result['rows'][0]['heldout_prompts'] if result['rows'] else '-'}, "
              "greedy; the base of each group is the long recipe as written (MTP: the 8k-vocab head).", "",
