@@ -1,5 +1,6 @@
 """EAGLE-3 building blocks: the rules of its recipe config (drafters/eagle3/config.py), the draft layer's HF-style
-config, and the decoder layer.
+config, the decoder layer, and the warm starts of the fc and the first layer from the target (fc_init,
+init_layer_from_target).
 
 The drafter itself (training-time test, proposer, persistence) is drafters/eagle3/model.py; the export formats read and
 write the config here (drafters/eagle3/export.py). Shapes: B batch, T sequence, D hidden.
@@ -64,6 +65,40 @@ def fold_fc_columns(weight: torch.Tensor, listed_ids, hidden_size: int) -> tuple
         source = weight[:, block * hidden_size : (block + 1) * hidden_size]
         folded[:, target * hidden_size : (target + 1) * hidden_size] += source
     return ids, folded
+
+
+_QKV_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+
+
+@torch.no_grad()
+def init_fc_identity_high(weight: torch.Tensor, layer_ids: tuple[int, ...], hidden_size: int) -> None:
+    """fc_init: identity_high: fc [D, n*D] starts as the identity on the highest tap's block, zero elsewhere."""
+    block = layer_ids.index(max(layer_ids))
+    weight.zero_()
+    weight[:, block * hidden_size : (block + 1) * hidden_size] = torch.eye(hidden_size)
+
+
+@torch.no_grad()
+def copy_target_layer(layer: nn.Module, target_weights: Mapping[str, torch.Tensor], index: int,
+                      hidden_size: int) -> None:
+    """init_layer_from_target: copy target decoder layer `index` into draft `layer` (see Eagle3Config for the 2D
+    inputs)."""
+    prefix = f"model.layers.{index}."
+    copies = {f"self_attn.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")}
+    copies |= {f"mlp.{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    copies |= {"post_attention_layernorm.weight": "post_attention_layernorm.weight"}
+    copies |= {"hidden_norm.weight": "input_layernorm.weight"}
+    params = dict(layer.named_parameters())
+    for ours, theirs in copies.items():
+        source = target_weights.get(prefix + theirs)
+        if source is None:
+            raise ValueError(f"drafter.init_layer_from_target: target weight {prefix + theirs} not found")
+        # q/k/v read [embedding ; hidden]: the target weights go on the hidden half (columns D..2D).
+        target = params[ours][:, hidden_size:] if ours in _QKV_WEIGHTS else params[ours]
+        if target.shape != source.shape:
+            raise ValueError(f"drafter.init_layer_from_target: {prefix + theirs} has shape {tuple(source.shape)},"
+                             f" the draft layer expects {tuple(target.shape)} (head/intermediate overrides?)")
+        target.copy_(source)
 
 
 def draft_layer_config(config: Eagle3Config, target_info: TargetInfo) -> dict[str, Any]:

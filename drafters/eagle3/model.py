@@ -9,7 +9,7 @@ that. A new LM head over a reduced draft vocabulary (d2t / t2d, drafters/vocab.p
   `ttt_steps` is read from `self.config` at every forward, so a trainer may change it between steps
   (e.g. `drafter.config.ttt_steps = 1` for a cheap first phase, then 7).
 - Inference: a stateful chain proposer with its own per-row KV cache (`begin` / `propose` / `commit`).
-- Config: drafters/eagle3/config.py; building blocks (decoder layer): drafters/eagle3/layers.py.
+- Config: drafters/eagle3/config.py; building blocks (decoder layer, warm starts): drafters/eagle3/layers.py.
 - Export: native, "speculators" (vLLM speculators config), "eagle3" (plain LlamaForCausalLMEagle3, for vLLM) and
   "sglang" (SGLang / SpecForge), see drafters/eagle3/export.py; `Eagle3Drafter.load` reads all four, and
   its `export_checks` says which servers read a checkpoint right (drafters/eagle3/readers.py, `draftsmith doctor`).
@@ -34,9 +34,11 @@ from drafters.eagle3 import export as export_eagle3
 from drafters.eagle3.config import Eagle3Config
 from drafters.eagle3.layers import (
     Eagle3DecoderLayer,
+    copy_target_layer,
     default_layer_ids,
     draft_layer_config,
     fold_fc_columns,
+    init_fc_identity_high,
     resolve_layer_ids,
 )
 from drafters.eagle3.tree import ExpansionTree
@@ -61,8 +63,6 @@ from drafters.losses import (
 )
 from drafters.vocab import DraftHead
 
-
-_QKV_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 
 
 class Eagle3Drafter(DraftHead, Drafter):
@@ -98,9 +98,10 @@ class Eagle3Drafter(DraftHead, Drafter):
         if source_layer is not None and not 0 <= source_layer < target_info.num_layers:
             raise ValueError(f"drafter.init_layer_from_target {source_layer} is outside [0, {target_info.num_layers})")
         if not self.fc.weight.is_meta:  # a meta-device build (shape checks) has nothing to initialise
-            self._init_fc()
-            if config.init_layer_from_target is not None:
-                self._init_layer_from_target(config.init_layer_from_target)
+            if config.fc_init == "identity_high":
+                init_fc_identity_high(self.fc.weight, self.layer_ids, hidden)
+            if source_layer is not None:
+                copy_target_layer(self.layers[0], target_info.weights, source_layer, hidden)
             self._init_head()
 
     def target_layer_ids(self) -> tuple[int, ...]:
@@ -119,35 +120,6 @@ class Eagle3Drafter(DraftHead, Drafter):
         self.copy_target_rows()
         if self.target_info.final_norm_weight is not None:
             self.norm.weight.copy_(self.target_info.final_norm_weight)
-
-    @torch.no_grad()
-    def _init_fc(self) -> None:
-        if self.config.fc_init == "identity_high":
-            hidden = self.target_info.hidden_size
-            block = self.layer_ids.index(max(self.layer_ids))
-            self.fc.weight.zero_()
-            self.fc.weight[:, block * hidden : (block + 1) * hidden] = torch.eye(hidden)
-
-    @torch.no_grad()
-    def _init_layer_from_target(self, index: int) -> None:
-        """Copy target decoder layer `index` into the first draft layer (see Eagle3Config for the 2D inputs)."""
-        layer, hidden = self.layers[0], self.target_info.hidden_size
-        prefix = f"model.layers.{index}."
-        copies = {f"self_attn.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")}
-        copies |= {f"mlp.{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
-        copies |= {"post_attention_layernorm.weight": "post_attention_layernorm.weight"}
-        copies |= {"hidden_norm.weight": "input_layernorm.weight"}
-        params = dict(layer.named_parameters())
-        for ours, theirs in copies.items():
-            source = self.target_info.weights.get(prefix + theirs)
-            if source is None:
-                raise ValueError(f"drafter.init_layer_from_target: target weight {prefix + theirs} not found")
-            # q/k/v read [embedding ; hidden]: the target weights go on the hidden half (columns D..2D).
-            target = params[ours][:, hidden:] if ours in _QKV_WEIGHTS else params[ours]
-            if target.shape != source.shape:
-                raise ValueError(f"drafter.init_layer_from_target: {prefix + theirs} has shape {tuple(source.shape)},"
-                                 f" the draft layer expects {tuple(target.shape)} (head/intermediate overrides?)")
-            target.copy_(source)
 
     def _target_tensor(self, name: str) -> torch.Tensor:
         """A frozen TargetInfo tensor on this drafter's device, in the target's dtype (layers.FrozenTargetTensors)."""
