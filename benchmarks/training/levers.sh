@@ -58,6 +58,8 @@ THREADS=${THREADS:-2}
 HELD=recipes/smollm2/data/sharegpt_smollm2_10k.heldout.jsonl
 ALL_GROUPS="eagle3 dflash dspark mtp mix"
 MIX=${MIX:-$RUNS/mix}  # the data-mix lever's answered prompts (mix_data)
+NO_MIX="data.mix=[]"  # the screen compares levers on ShareGPT alone: the recipes' math mix left out (the mix lever
+                      # sets its own data.mix after it)
 LEVERS_eagle3="eagle3_base eagle3_ttt_start eagle3_ttt_03 eagle3_taps5 eagle3_lk eagle3_lk_hybrid
                eagle3_warm_layer eagle3_fc_identity"
 LEVERS_dflash="dflash_base dflash_2layers dflash_3layers dflash_auf dflash_dpace"
@@ -121,13 +123,12 @@ heldout() {  # $1 = drafter dir, $2 = k, $3 = JSON out [, $4 = prompt set]: tau 
   mv "$3.tmp" "$3"
 }
 
-train_lever() {  # $1 = lever; the shared cache, STEPS steps, no in-run probe (heldout evaluates the end); the
-  # recipe's math mix left out (data.mix=[]): the screen compares levers on ShareGPT, the mix lever sets its own
+train_lever() {  # $1 = lever; the shared cache, STEPS steps, no in-run probe (heldout evaluates the end)
   variant "$1"
   local out="$RUNS/$1" keep=2 every=60
   case "$1" in dflash_* | dspark_*) keep=null; every=30 ;; esac  # every checkpoint: tau at equal CPU time (curves)
   if [ ! -f "$out/final/config.json" ]; then  # the lever's overrides last: they win
-    OMP_NUM_THREADS=$THREADS draftsmith train "recipes/smollm2/${KIND}_long.yaml" "data.mix=[]" \
+    OMP_NUM_THREADS=$THREADS draftsmith train "recipes/smollm2/${KIND}_long.yaml" "$NO_MIX" \
       data.num_samples=$((STEPS * 4)) features.mode=offline "features.cache_dir=$RUNS/features" \
       train.epochs=null train.max_steps=$STEPS train.save_every=$every train.keep_last=$keep train.eval_every=null \
       eval.num_prompts=0 "output.dir=$out" train.resume_from=latest "${OVERRIDES[@]}"
@@ -181,7 +182,7 @@ case "${1:-plan}" in
     # others read a subset. The shipped answers are complete, so prepare regenerates nothing and needs no vLLM
     case " $names " in *" eagle3_"* | *" dflash_"* | *" dspark_"* | *" mtp_"*)
       OMP_NUM_THREADS=$THREADS draftsmith prepare recipes/smollm2/dflash_long.yaml data.num_samples=$((STEPS * 4)) \
-        "data.mix=[]" features.mode=offline "features.cache_dir=$RUNS/features" regenerate.use_vllm=false ;;
+        "$NO_MIX" features.mode=offline "features.cache_dir=$RUNS/features" regenerate.use_vllm=false ;;
     esac
     for name in $names; do train_lever "$name"; done
     report ;;
@@ -219,17 +220,16 @@ case "${1:-plan}" in
       variant "$name"
       [ -f "$smoke/$name/final/config.json" ] && continue
       [ "$name" = mix_code_math ] && THREADS=1 MIX_N=3 mix_data
-      OMP_NUM_THREADS=1 draftsmith train "recipes/smollm2/${KIND}_long.yaml" "data.mix=[]" "${OVERRIDES[@]}" \
+      OMP_NUM_THREADS=1 draftsmith train "recipes/smollm2/${KIND}_long.yaml" "$NO_MIX" "${OVERRIDES[@]}" \
         "${small[@]}" features.mode=online "output.dir=$smoke/$name"
     done
     if [ $# -eq 0 ]; then  # the lever plan's cache: written once from DFlash's request, read by a subset's readers
-      OMP_NUM_THREADS=1 draftsmith prepare recipes/smollm2/dflash_long.yaml data.num_samples=8 "data.mix=[]" \
-        features.mode=offline \
-        "features.cache_dir=$smoke/features" regenerate.use_vllm=false
+      OMP_NUM_THREADS=1 draftsmith prepare recipes/smollm2/dflash_long.yaml data.num_samples=8 "$NO_MIX" \
+        features.mode=offline "features.cache_dir=$smoke/features" regenerate.use_vllm=false
       for name in eagle3_taps5 eagle3_base mtp_vocab8k; do
         variant "$name"
         [ -f "$smoke/offline_$name/final/config.json" ] && continue
-        OMP_NUM_THREADS=1 draftsmith train "recipes/smollm2/${KIND}_long.yaml" "data.mix=[]" "${OVERRIDES[@]}" \
+        OMP_NUM_THREADS=1 draftsmith train "recipes/smollm2/${KIND}_long.yaml" "$NO_MIX" "${OVERRIDES[@]}" \
           "${small[@]}" features.mode=offline "features.cache_dir=$smoke/features" "output.dir=$smoke/offline_$name"
       done
       THREADS=1 NUM_PROMPTS=1 MAX_NEW_TOKENS=8 heldout "$smoke/offline_mtp_vocab8k/final" 3 \

@@ -40,6 +40,11 @@ def checkpoints(run: str) -> list[tuple[int, str, float]]:
     return found
 
 
+def cpu_hours(seconds: float, train_threads: int) -> float:
+    """A checkpoint's CPU-hours as rows record them (rounded: the key a rerun matches a measured row by)."""
+    return round(seconds * train_threads / 3600, 4)
+
+
 def kept_rows(previous: list[dict], found: dict[str, list[tuple[int, str, float]]], described: str,
               train_threads: int, earlier_suffix: str | None) -> list[dict]:
     """The rows of --out that stay before the named runs are (re)read: those of runs not named this time, measured
@@ -48,7 +53,7 @@ def kept_rows(previous: list[dict], found: dict[str, list[tuple[int, str, float]
     matches (an earlier training into the same directory), renamed run + suffix."""
     rows = [r for r in previous if r["run"] not in found and r["heldout_prompts"] == described]
     if earlier_suffix:
-        clocks = {(run, step, round(seconds * train_threads / 3600, 4)) for run, steps in found.items()
+        clocks = {(run, step, cpu_hours(seconds, train_threads)) for run, steps in found.items()
                   for step, _, seconds in steps}
         rows += [{**r, "run": r["run"] + earlier_suffix} for r in previous if r["run"] in found
                  and r["heldout_prompts"] == described and (r["run"], r["step"], r["cpu_hours"]) not in clocks]
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             k = args.k[i] if args.k else min(drafter.max_draft_tokens() or 7, 7)
             # the checkpoint's own clock is part of the key: a run retrained into the same directory is measured anew
             key = {"run": run, "step": step, "heldout_k": k, "heldout_prompts": described,
-                   "cpu_hours": round(seconds * args.train_threads / 3600, 4)}
+                   "cpu_hours": cpu_hours(seconds, args.train_threads)}
             row = next((r for r in previous if all(r.get(name) == value for name, value in key.items())), None)
             if row is None:
                 row = {**key, **decode(target, target.serve(drafter), prompts, k, args.max_new_tokens)}
