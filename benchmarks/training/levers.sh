@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/training/levers.sh plan              # the variants and their overrides
 #   bash benchmarks/training/levers.sh levers [GROUP..]  # cache, every lever (or the groups eagle3 dflash dspark mtp
-#                                                        # mix), each one's held-out tau, then the report
+#                                                        # mix, or levers by name), each one's held-out tau, then
+#                                                        # the report
 #   bash benchmarks/training/levers.sh long KIND [k=v..] # recipes/smollm2/KIND_long.yaml, then its held-out tau
 #   bash benchmarks/training/levers.sh full KIND [k=v..] # the same training, then long_eval.sh and long_curves.py
 #                                                        # (one working stretch: ~90 + ~55 + ~10 min)
@@ -62,7 +63,7 @@ NO_MIX="data.mix=[]"  # the screen compares levers on ShareGPT alone: the recipe
                       # sets its own data.mix after it)
 LEVERS_eagle3="eagle3_base eagle3_ttt_start eagle3_ttt_03 eagle3_taps5 eagle3_lk eagle3_lk_hybrid
                eagle3_warm_layer eagle3_fc_identity"
-LEVERS_dflash="dflash_base dflash_2layers dflash_3layers dflash_auf dflash_dpace"
+LEVERS_dflash="dflash_base dflash_2layers dflash_3layers dflash_auf dflash_dpace dflash_vocab8k"
 LEVERS_dspark="dspark_base dspark_2layers dspark_3layers dspark_auf"
 LEVERS_mtp="mtp_vocab8k mtp_vocab16k mtp_full_vocab mtp_vocab8k_lk"
 LEVERS_mix="mix_base mix_code_math"
@@ -83,6 +84,9 @@ variant() {  # lever name -> KIND (its long recipe), K (drafts a round when eval
     dflash_3layers) KIND=dflash; OVERRIDES=("drafter.num_layers=3") ;;
     dflash_auf) KIND=dflash; OVERRIDES=("drafter.loss_weighting=auf") ;;
     dflash_dpace) KIND=dflash; OVERRIDES=("drafter.loss_weighting=dpace") ;;
+    # a trained 8,192-row head (MTP's, EAGLE-3's) for the target's frozen 49,152 rows, which cost most of a DFlash
+    # round's drafting here (d(k) 0.22-0.28 decode steps on the Xeon, long_dflash_eval.md)
+    dflash_vocab8k) KIND=dflash; OVERRIDES=("drafter.draft_vocab_size=8192") ;;
     dspark_base) KIND=dspark ;;
     dspark_2layers) KIND=dspark; OVERRIDES=("drafter.num_layers=2") ;;
     dspark_3layers) KIND=dspark; OVERRIDES=("drafter.num_layers=3") ;;
@@ -102,12 +106,13 @@ variant() {  # lever name -> KIND (its long recipe), K (drafts a round when eval
   case "$KIND" in eagle3 | mtp) K=3 ;; *) K=7 ;; esac
 }
 
-levers_of() {  # the levers of the named groups (every group by default)
+levers_of() {  # the levers of the named groups (every group by default); a lever's own name stands for itself
   local group names=""
   for group in ${*:-$ALL_GROUPS}; do
     case " $ALL_GROUPS " in
       *" $group "*) ;;
-      *) echo "levers.sh: unknown group '$group' ($ALL_GROUPS)" >&2; exit 2 ;;
+      *) if (variant "$group") > /dev/null 2>&1; then names="$names $group"; continue; fi
+         echo "levers.sh: unknown group or lever '$group' (groups: $ALL_GROUPS; levers: levers.sh plan)" >&2; exit 2 ;;
     esac
     local list="LEVERS_$group"
     names="$names ${!list}"
