@@ -18,7 +18,7 @@ if [ ! -f "$SITE/.done" ]; then
   rm -rf "$SITE" "$SITE.deps"
   "$PYTHON" -m pip install --quiet --no-deps --target "$SITE" transformers==5.17.0 accelerate==1.15.0 \
     huggingface_hub==1.33.0 tokenizers==0.23.2 safetensors==0.8.0 \
-    datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19  # what stage_wheels.sh carries
+    $(grep -v "^#" benchmarks/gpu_check/staged_packages.txt)  # what stage_wheels.sh carries
   "$PYTHON" -m pip install --quiet --target "$SITE.deps" httpx
   touch "$SITE/.done"
 fi

@@ -19,7 +19,7 @@ exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.whl/' "$exclude" 2> /dev/null || echo '/.whl/' >> "$exclude"
 
-PACKAGES=(datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19)  # datasets 4.8.5 asks dill < 0.4.2, multiprocess < 0.70.20
+mapfile -t PACKAGES < <(grep -v "^#" benchmarks/gpu_check/staged_packages.txt)  # the pins, with their reasons
 
 rm -rf .whl
 mkdir .whl
