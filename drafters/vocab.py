@@ -8,6 +8,7 @@ Two tables describe it, exactly as the speculators / vLLM checkpoints store them
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,29 @@ class DraftHead:
         """Warm-start the head from the target's lm_head rows of the draft ids."""
         head = self.target_info.lm_head_weight
         self.lm_head.weight.copy_(head.index_select(0, self.draft_ids().to(head.device)))
+
+    @torch.no_grad()
+    def reduce_draft_vocab(self, token_counts: torch.Tensor, size: int) -> None:
+        """A frequency-ranked head, after training: keep the `size` most frequent tokens of token_counts [V] among
+        the drafter's current vocabulary (the target's whole one when it drafts through the target's head) and
+        their rows of its head, the trained one or the target's. Each kept token's logit is unchanged; a token left
+        out can no longer be drafted, and the head's cost falls to size rows. The config says the new size."""
+        ids = self.draft_ids()
+        weight = self.target_info.lm_head_weight if ids is None else self.lm_head.weight
+        if ids is None:
+            ids = torch.arange(self.target_info.vocab_size)
+        if not 0 < size < ids.numel():
+            raise ValueError(f"draft vocabulary size {size} must be in [1, {ids.numel() - 1}] (the drafter drafts "
+                             f"over {ids.numel()} tokens)")
+        kept = DraftVocab.from_counts(token_counts.cpu()[ids.cpu()], size).draft_ids  # sorted indices into ids
+        vocab = DraftVocab(ids.cpu()[kept], self.target_info.vocab_size)
+        reference = next(p for p in self.parameters() if p.is_floating_point() and p is not weight)
+        rows = weight.index_select(0, kept.to(weight.device)).to(reference.device, reference.dtype)
+        self.lm_head = nn.Linear(rows.shape[1], size, bias=False, device=reference.device, dtype=reference.dtype)
+        self.lm_head.weight.copy_(rows)
+        self.register_buffer("d2t", vocab.d2t.to(reference.device))
+        self.register_buffer("t2d", vocab.t2d.to(reference.device))
+        self.config = dataclasses.replace(self.config, draft_vocab_size=size)
 
 
 def complete_vocab_tables(state: dict[str, torch.Tensor], draft_vocab_size: int, vocab_size: int, source: str,

@@ -14,6 +14,14 @@ embedding); it is read from the checkpoint unless --target names it. --verifier-
 verifier in the speculators config, which vLLM serves as the main model: by default the target's Hugging Face Hub id
 where its name or path shows one (the embedded SmolLM2, a Hub cache snapshot), else its local path, with a warning.
 Every argument is checked before the target loads.
+
+--draft-vocab-size N writes a frequency-ranked head (FR-Spec, Zhao et al. 2025): the N tokens the drafter's training
+data uses most (its recipe's data, the tokens a loss reads, counted as training counts them) keep their rows of the
+drafter's head, or of the target's head for a drafter that drafts through it (DFlash, MTP); the rest can no longer be
+drafted. Each kept token's logit is unchanged, so a draft is lost only where the best token is a rare one, and the
+head costs N rows a position instead of the whole vocabulary (SmolLM2: 8,192 of 49,152).
+
+    draftsmith export runs/smollm2_dflash_long/final --format native --draft-vocab-size 8192 --out runs/dflash_fr8k
 """
 
 from __future__ import annotations
@@ -28,9 +36,12 @@ import torch
 
 from drafters import DRAFTERS, check_drafter_spec, check_trained_for, checkpoint_kind, training_run_hint
 from drafters.files import replace_directory
+from drafters.vocab import DraftHead
 from inference.assets.store import hub_name, target_config
 from inference.engine.target import TargetModel
 from train.config import load_recipe
+from train.data.dataset import build_dataset
+from train.data.vocab import count_tokens
 from train.fit.checkpoint import is_training_checkpoint, load_trained_drafter
 
 
@@ -50,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verifier-name", default=None,
                         help="model id written as the verifier of a speculators config, the model vLLM serves "
                              "(default: the target's Hub id where known, else its local path)")
+    parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
+                        help="keep the head's rows of the N tokens the checkpoint's training data uses most "
+                             "(EAGLE-3, DFlash, MTP; module doc)")
     return parser
 
 
@@ -117,7 +131,41 @@ def check_arguments(args: argparse.Namespace) -> str:
         check_trained_for(args.checkpoint, sizes, target_config(target_name), target_name)
     else:
         check_drafter_spec(args.checkpoint, target_config(target_name), target_name)
+    if args.draft_vocab_size is not None:
+        check_draft_vocab_size(args, kind, sizes)
     return target_name
+
+
+def check_draft_vocab_size(args: argparse.Namespace, kind: str, sizes: dict) -> None:
+    """--draft-vocab-size: a drafter with a head of its own or the target's (DraftHead), a size below the tokens it
+    drafts over now, and a recipe whose data the frequencies come from."""
+    if kind not in DRAFTERS or not issubclass(DRAFTERS[kind], DraftHead):
+        heads = ", ".join(name for name, cls in DRAFTERS.items() if issubclass(cls, DraftHead))
+        raise ValueError(f"--draft-vocab-size: {args.checkpoint} holds drafter kind {kind}, whose head cannot be "
+                         f"reduced ({heads} can); leave the option out")
+    config_path = os.path.join(args.checkpoint, "config.json")
+    header = read_json(config_path) if os.path.isfile(config_path) else {}
+    current = (header.get("drafter_config") or {}).get("draft_vocab_size") or sizes.get("vocab_size")
+    if args.draft_vocab_size < 1 or (current and args.draft_vocab_size >= current):
+        raise ValueError(f"--draft-vocab-size {args.draft_vocab_size}: must be in [1, {(current or 2) - 1}], below "
+                         f"the {current or 'full'} tokens {args.checkpoint} drafts over now")
+    if not os.path.isfile(os.path.join(args.checkpoint, "recipe.yaml")):
+        raise ValueError(f"--draft-vocab-size: {args.checkpoint} has no recipe.yaml naming the data the token "
+                         "frequencies come from (a run's final/ or checkpoints/step_N has one); export a "
+                         "draftsmith-trained checkpoint")
+
+
+def reduce_draft_vocab(drafter, checkpoint: str, target: TargetModel, size: int) -> None:
+    """The frequency-ranked head: token counts of the checkpoint's recipe's training data (as training counts them
+    for a reduced vocabulary), then DraftHead.reduce_draft_vocab."""
+    recipe = load_recipe(os.path.join(checkpoint, "recipe.yaml"))
+    data = build_dataset(target.tokenizer, recipe.data)
+    vocab = target.target_info().vocab_size
+    counts = count_tokens(data.train, vocab)
+    drafter.reduce_draft_vocab(counts, size)
+    share = float(counts[drafter.draft_ids().cpu()].sum()) / max(1, int(counts.sum()))
+    print(f"draft vocabulary: {size} tokens, {share:.2%} of the {int(counts.sum())} tokens of the "
+          f"{len(data.train)} training conversations it was trained on")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     if drafter is None:
         raise ValueError(f"{args.checkpoint}: not a drafter checkpoint (an HF model directory or a name, not a "
                          "trained drafter)")
+    if args.draft_vocab_size is not None:
+        reduce_draft_vocab(drafter, args.checkpoint, target, args.draft_vocab_size)
     with replace_directory(args.out) as tmp_dir:  # a refused format leaves an existing --out untouched
         drafter.save(tmp_dir, args.format)
     print(f"wrote {args.format} checkpoint to {args.out}")
