@@ -11,6 +11,9 @@
 #   bash benchmarks/training/levers.sh long KIND [k=v..] # recipes/smollm2/KIND_long.yaml, then its held-out tau
 #   bash benchmarks/training/levers.sh full KIND [k=v..] # the same training, then long_eval.sh and long_curves.py
 #                                                        # (one working stretch: ~90 + ~55 + ~10 min)
+#   bash benchmarks/training/levers.sh fr KIND N         # KIND's long drafter with a frequency-ranked head of N
+#                                                        # tokens (export --draft-vocab-size) beside its full head,
+#                                                        # interleaved: held-out 32 and MT-Bench 16 (~40 min)
 #   bash benchmarks/training/levers.sh report            # levers_screen.json / .md from what has finished
 #   bash benchmarks/training/levers.sh curves            # tau vs CPU time of the DFlash / DSpark layer variants
 #   bash benchmarks/training/levers.sh smoke [LEVER..]   # 2 steps of each lever on 8 conversations, online features,
@@ -192,6 +195,20 @@ case "${1:-plan}" in
     for name in $names; do train_lever "$name"; done
     report ;;
   report) report ;;
+  fr)
+    kind=${2:?levers.sh fr KIND N} size=${3:?levers.sh fr KIND N (the draft vocabulary size)}
+    final=runs/smollm2_${kind}_long/final fr=runs/smollm2_${kind}_long_fr$size
+    out=runs/long_eval/fr${size}_${kind}.json
+    [ -f "$fr/config.json" ] || OMP_NUM_THREADS=$THREADS draftsmith export "$final" --format native \
+      --draft-vocab-size "$size" --out "$fr"
+    case "$kind" in mtp) ks=1,2,3,auto ;; *) ks=1,2,3,5,auto ;; esac
+    mkdir -p runs/long_eval
+    common=(--target smollm2-135m-instruct --drafter "$final,$fr" --max-new-tokens 96 --threads "$THREADS"
+            --num-draft-tokens "$ks" --out "$out")
+    OMP_NUM_THREADS=$THREADS draftsmith eval "${common[@]}" --prompts "$HELD" --num-prompts 32
+    OMP_NUM_THREADS=$THREADS draftsmith eval "${common[@]}" --append --prompts mt_bench --num-prompts 16
+    gzip -9n -c "$out" > "docs/results/fr${size}_${kind}_eval.json.gz"
+    cp "${out%.json}.md" "docs/results/fr${size}_${kind}_eval.md" ;;
   long | full)
     stage=$1 kind=${2:?levers.sh $1 KIND (eagle3, dflash, dspark or mtp)}
     shift 2
@@ -240,6 +257,6 @@ case "${1:-plan}" in
       THREADS=1 NUM_PROMPTS=1 MAX_NEW_TOKENS=8 heldout "$smoke/offline_mtp_vocab8k/final" 3 \
         "$smoke/offline_mtp_vocab8k/heldout.json"
     fi ;;
-  *) echo "levers.sh: plan | levers [GROUP..] | report | long | full KIND [k=v..] | curves | smoke [LEVER..]" >&2
+  *) echo "levers.sh: plan | levers [GROUP..] | report | long | full KIND [k=v..] | fr KIND N | curves | smoke [LEVER..]" >&2
      exit 2 ;;
 esac

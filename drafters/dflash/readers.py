@@ -267,8 +267,8 @@ def _reader_check(reader: str, fmt: str, header, shapes, ours: dict[str, Any], n
     diffs = {key: f"{key} {theirs[key]} (the file means {ours[key]})" for key in theirs
              if key in ours and theirs[key] != ours[key]}
     if reader in NO_DRAFT_HEAD and set(diffs) == {"draft_head"}:
-        bad, fix = "warn", ("it cannot apply a reduced draft vocabulary: serve this drafter with vLLM, or train one"
-                            " with drafter.draft_vocab_size: null for it")
+        bad, fix = "warn", ("it cannot apply a reduced draft vocabulary: serve this drafter with vLLM, or give it a "
+                            "full one (drafter.draft_vocab_size: null, no export --draft-vocab-size)")
     return reader_verdict(f"reader {reader}", READERS[reader], list(diffs.values()), bad, fix)
 
 
