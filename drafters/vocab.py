@@ -77,6 +77,7 @@ class DraftHead:
     lm_head is None uses the target's full vocabulary (draft_ids None)."""
 
     lm_head: nn.Linear | None  # set by the drafter: None, or by add_draft_head
+    reduced_head_formats: tuple[str, ...] | None = None  # the formats that can carry a reduced head; None: every one
 
     def add_draft_head(self, hidden_size: int, draft_vocab_size: int) -> None:
         """Create the head; until `pick_draft_vocab` or a load it covers the first draft_vocab_size target ids."""

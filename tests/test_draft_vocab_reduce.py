@@ -5,6 +5,7 @@ the reduced drafter saves, loads, and decodes losslessly; bad requests are refus
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -60,6 +61,57 @@ def test_reduced_head_keeps_the_most_frequent_rows_and_their_logits(target, tmp_
         drafter.reduce_draft_vocab(counts, 40)  # no smaller than what it drafts over now
 
 
+def test_dspark_reduced_head_keeps_its_logits_draws_kept_tokens_and_decodes_losslessly(target, tmp_path):
+    """DSpark's logit of a kept token is U + B: the target's head row and W2's row, both kept; W1 keeps every row."""
+    from inference.engine.api import speculative_generate
+
+    info = target.target_info()
+    torch.manual_seed(0)
+    full = DRAFTERS["dspark"](DRAFTERS["dspark"].Config(block_size=4, markov_rank=8), info)
+    torch.nn.init.normal_(full.markov_head.markov_w2.weight)  # a trained W2 (it starts at zero)
+    counts = torch.randint(0, 50, (info.vocab_size,))
+    reduced = copy.deepcopy(full)
+    reduced.reduce_draft_vocab(counts, 40)
+    kept = reduced.draft_ids()
+    assert most_frequent_first(counts, kept, torch.arange(info.vocab_size))
+    assert torch.equal(reduced.lm_head.weight, info.lm_head_weight.index_select(0, kept))
+    assert torch.equal(reduced.markov_head.markov_w2.weight, full.markov_head.markov_w2.weight.index_select(0, kept))
+    assert torch.equal(reduced.markov_head.markov_w1.weight, full.markov_head.markov_w1.weight)
+
+    hidden = full.norm(torch.randn(3, 4, info.hidden_size))
+    previous = torch.randint(0, info.vocab_size, (3, 4))
+    with torch.no_grad():  # fp32 matmuls over a subset of rows: equal up to the kernel's summation order
+        torch.testing.assert_close(reduced.teacher_forced_logits(hidden, previous),
+                                   full.teacher_forced_logits(hidden, previous).index_select(-1, kept))
+        greedy = reduced.draw_block(hidden, previous[:, 0])
+        before = torch.cat([previous[:, :1], greedy.tokens[:, :-1]], dim=1)  # what each slot drew after
+        best = full.teacher_forced_logits(hidden, before).index_select(-1, kept).argmax(dim=-1)
+        sampled = reduced.draw_block(hidden, previous[:, 0], temperature=1.0,
+                                     generator=torch.Generator().manual_seed(0))
+    assert torch.equal(greedy.tokens, kept[best])  # each slot's draw: the best kept token, in target ids
+    assert bool(torch.isin(sampled.tokens, kept).all())
+    outside = ~torch.isin(torch.arange(info.vocab_size), kept)
+    assert bool((sampled.probs[..., outside] == 0).all()) and bool(torch.isinf(greedy.log_probs[..., outside]).all())
+    torch.testing.assert_close(sampled.probs.sum(-1), torch.ones(3, 4))
+
+    reduced.save(str(tmp_path / "reduced"), "native")
+    again = load_drafter(str(tmp_path / "reduced"), info)
+    assert again.config.draft_vocab_size == 40 and torch.equal(again.draft_ids(), kept)
+    assert all(torch.equal(again.state_dict()[name], value) for name, value in reduced.state_dict().items())
+    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False)
+               for text in ("the cat sat on", "rain fell over the quiet hills")]
+    plain = speculative_generate(target, None, prompts, num_draft_tokens=0, max_new_tokens=24)
+    spec = speculative_generate(target, again, prompts, num_draft_tokens=3, max_new_tokens=24)
+    assert spec.tokens == plain.tokens
+    with pytest.raises(ValueError, match="^drafter.draft_vocab_size: DSpark trains over the target's full vocab"):
+        again.init_from_data(counts)
+    with pytest.raises(ValueError, match="^drafter.draft_vocab_size: DSpark trains over the target's full vocab"):
+        load_recipe(os.path.join(ROOT, "recipes", "debug", "tiny_dspark.yaml"), ["drafter.draft_vocab_size=48"])
+    with pytest.raises(ValueError, match="--format deepspec: its readers take a DSpark drafter over the full"):
+        again.save(str(tmp_path / "deepspec"), "deepspec")
+
+
 def test_export_reduces_a_trained_dflash_head_and_it_decodes_losslessly(workdir, tmp_path, capsys):  # noqa: F811
     from inference.engine.api import speculative_generate
     from inference.engine.target import TargetModel
@@ -95,16 +147,21 @@ def test_export_reduces_a_trained_dflash_head_and_it_decodes_losslessly(workdir,
     assert torch.equal(load_drafter(str(tmp_path / "zlab"), info).draft_ids(), kept)
 
     capsys.readouterr()
-    dspark = tmp_path / "dspark"
-    DRAFTERS["dspark"](DRAFTERS["dspark"].Config(block_size=4), info).save(str(dspark), "native")
+    medusa, dspark = tmp_path / "medusa", tmp_path / "dspark"
+    DRAFTERS["medusa"](DRAFTERS["medusa"].Config(), info).save(str(medusa), "native")
+    DRAFTERS["dspark"](DRAFTERS["dspark"].Config(block_size=4, draft_vocab_size=48), info).save(str(dspark), "native")
+    native = ["--format", "native"]
     for argv, line in (
-            ([final, "--draft-vocab-size", "260"], f"--draft-vocab-size 260: must be in [1, 259], below the 260 "
-                                                   f"tokens {final} drafts over now"),
-            ([str(out), "--draft-vocab-size", "48"], "--draft-vocab-size 48: must be in [1, 47]"),
-            ([str(tmp_path / "zlab"), "--draft-vocab-size", "8", "--target", workdir[1]], f"--draft-vocab-size: {tmp_path / 'zlab'} has no "
-                                                                  "recipe.yaml naming the data"),
-            ([str(dspark), "--draft-vocab-size", "8"], f"--draft-vocab-size: {dspark} holds drafter kind dspark, "
-                                                       "whose head cannot be reduced")):
-        assert cli(["export", *argv, "--format", "native", "--out", str(tmp_path / "refused")]) == 2
+            ([final, *native, "--draft-vocab-size", "260"], f"--draft-vocab-size 260: must be in [1, 259], below the "
+                                                            f"260 tokens {final} drafts over now"),
+            ([str(out), *native, "--draft-vocab-size", "48"], "--draft-vocab-size 48: must be in [1, 47]"),
+            ([str(tmp_path / "zlab"), *native, "--draft-vocab-size", "8", "--target", workdir[1]],
+             f"--draft-vocab-size: {tmp_path / 'zlab'} has no recipe.yaml naming the data"),
+            ([str(medusa), *native, "--draft-vocab-size", "8"], f"--draft-vocab-size: {medusa} holds drafter kind "
+                                                                "medusa, whose head cannot be reduced"),
+            ([str(dspark), "--format", "deepspec", "--target", workdir[1]],
+             "--format deepspec: its readers take a dspark drafter over the full vocabulary, and this one has a "
+             "reduced draft vocabulary; write it with --format native")):
+        assert cli(["export", *argv, "--out", str(tmp_path / "refused")]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"draftsmith export: error: {line}") and err.count("\n") == 1, err

@@ -243,6 +243,8 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     if kind not in DRAFTERS:
         raise ValueError(f"drafter.kind: {kind!r} is not a registered drafter; choose one of {sorted(DRAFTERS)}")
     drafter_config = from_dict(DRAFTERS[kind].Config, section, "drafter")
+    if hasattr(drafter_config, "check_recipe"):  # a field a checkpoint may hold but a recipe may not set
+        drafter_config.check_recipe()
     train = raw.get("train")
     if isinstance(train, dict) and train.get("mixed_precision") is False:  # YAML reads an unquoted `no` as false
         raw["train"] = {**train, "mixed_precision": "no"}

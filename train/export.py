@@ -17,9 +17,10 @@ Every argument is checked before the target loads.
 
 --draft-vocab-size N writes a frequency-ranked head (FR-Spec, Zhao et al. 2025): the N tokens the drafter's training
 data uses most (its recipe's data, the tokens a loss reads, counted as training counts them) keep their rows of the
-drafter's head, or of the target's head for a drafter that drafts through it (DFlash, MTP); the rest can no longer be
-drafted. Each kept token's logit is unchanged, so a draft is lost only where the best token is a rare one, and the
-head costs N rows a position instead of the whole vocabulary (SmolLM2: 8,192 of 49,152).
+drafter's head, or of the target's head for a drafter that drafts through it (DFlash, DSpark, MTP; DSpark's Markov
+head keeps the same rows of W2, and is written in the native format only); the rest can no longer be drafted. Each
+kept token's logit is unchanged, so a draft is lost only where the best token is a rare one, and the head costs N
+rows a position instead of the whole vocabulary (SmolLM2: 8,192 of 49,152).
 
     draftsmith export runs/smollm2_dflash_long/final --format native --draft-vocab-size 8192 --out runs/dflash_fr8k
 """
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: the target's Hub id where known, else its local path)")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
                         help="keep the head's rows of the N tokens the checkpoint's training data uses most "
-                             "(EAGLE-3, DFlash, MTP; module doc)")
+                             "(EAGLE-3, DFlash, MTP; DSpark in --format native; module doc)")
     return parser
 
 
@@ -133,7 +134,23 @@ def check_arguments(args: argparse.Namespace) -> str:
         check_drafter_spec(args.checkpoint, target_config(target_name), target_name)
     if args.draft_vocab_size is not None:
         check_draft_vocab_size(args, kind, sizes)
+    check_reduced_head_format(args, kind)
     return target_name
+
+
+def check_reduced_head_format(args: argparse.Namespace, kind: str) -> None:
+    """A drafter kind whose serving layouts read only a full vocabulary (DraftHead.reduced_head_formats) writes a
+    reduced head, asked for now or already in the checkpoint, in the formats that carry it."""
+    allowed = getattr(DRAFTERS.get(kind), "reduced_head_formats", None)
+    if allowed is None or args.format in allowed:
+        return
+    config_path = os.path.join(args.checkpoint, "config.json")
+    header = read_json(config_path) if os.path.isfile(config_path) else {}
+    if args.draft_vocab_size is None and not (header.get("drafter_config") or {}).get("draft_vocab_size"):
+        return
+    raise ValueError(f"--format {args.format}: its readers take a {kind} drafter over the full vocabulary, and this "
+                     f"one has a reduced draft vocabulary; write it with --format {' or '.join(allowed)}, or export "
+                     "the full checkpoint without --draft-vocab-size")
 
 
 def check_draft_vocab_size(args: argparse.Namespace, kind: str, sizes: dict) -> None:

@@ -9,6 +9,11 @@ from typing import Literal
 from drafters.dflash.config import BlockBackboneConfig
 
 
+FULL_VOCAB_TRAINING = ("drafter.draft_vocab_size: DSpark trains over the target's full vocabulary; leave it null and "
+                       "reduce the trained drafter with `draftsmith export CHECKPOINT --format native "
+                       "--draft-vocab-size N`")
+
+
 @dataclass(kw_only=True)
 class DSparkConfig(BlockBackboneConfig):
     """The `drafter:` section of a recipe for kind "dspark": the backbone's fields (BlockBackboneConfig, DFlash's;
@@ -26,6 +31,9 @@ class DSparkConfig(BlockBackboneConfig):
       the CE term against the data token (DeepSpec); "soft" = against the target's distribution (distillation).
     confidence_temperatures: one per block slot, fitted by `draftsmith calibrate` (Sequential Temperature Scaling);
       () = uncalibrated.
+    draft_vocab_size: None in a recipe (DSpark trains over the target's full vocabulary); set by `draftsmith export
+      --draft-vocab-size N`, whose frequency-ranked head keeps N rows of the target's lm_head and of W2 (native
+      format only; DeepSpec and speculators read a full-vocabulary DSpark).
     """
 
     block_size: int = 7
@@ -41,13 +49,19 @@ class DSparkConfig(BlockBackboneConfig):
     loss_weighting: Literal["decay", "dpace", "auf"] = "decay"
     dpace_alpha: float = 0.5
     confidence_temperatures: tuple[float, ...] = ()
+    draft_vocab_size: int | None = None
+
+    def check_recipe(self) -> None:
+        """What a recipe may not set that a checkpoint may (train.config runs it before anything loads)."""
+        if self.draft_vocab_size is not None:
+            raise ValueError(FULL_VOCAB_TRAINING)
 
     def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
         """One training step's shape for drafters/step_memory.StepShape: DFlash's blocks, plus the sequential head
         (its Markov embeddings, gates and confidence head) and what each slot keeps for it."""
         rank = self.markov_rank if self.markov_head_type != "none" else 0
         return {"step": "block", "depths": self.block_size, "anchors": min(self.num_anchors, max(1, seq_len - 1)),
-                "head_vocab": getattr(self, "draft_vocab_size", None) or vocab, "default_features": 5,
+                "head_vocab": self.draft_vocab_size or vocab, "default_features": 5,
                 "markov_rank": rank, "extra_params": self.head_params(hidden), "slot_extra": hidden + rank}
 
     def head_params(self, hidden: int) -> int:

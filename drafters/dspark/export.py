@@ -46,6 +46,9 @@ def write(drafter, directory: str, fmt: str) -> None:
     """Write `drafter` (a DSparkDrafter) to `directory` in `fmt` ("speculators" or "deepspec")."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown DSpark export format {fmt!r}; known: {', '.join(EXPORT_FORMATS)}")
+    if drafter.lm_head is not None:
+        raise ValueError(f"--format {fmt}: its readers take a DSpark drafter over the full vocabulary, and this one "
+                         "has a reduced draft vocabulary; write it with --format native")
     os.makedirs(directory, exist_ok=True)
     config = speculators_config(drafter) if fmt == "speculators" else deepspec_config(drafter)
     with open(os.path.join(directory, "config.json"), "w") as f:

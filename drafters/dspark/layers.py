@@ -74,12 +74,14 @@ def depth_weights(num_depths: int, gamma: float, device=None, dtype=torch.float3
 class MarkovHead(nn.Module):
     """The sequential head (module docstring). `step` is the one formula; `teacher_forced` runs it over a block."""
 
-    def __init__(self, head_type: str, vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, head_type: str, vocab_size: int, rank: int, hidden_size: int, out_size: int | None = None):
+        """W1 embeds any of the vocab_size target tokens; W2 writes out_size logits (default vocab_size; a
+        frequency-ranked head's draft vocabulary, in draft ids)."""
         super().__init__()
         self.head_type = head_type
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, out_size or vocab_size, bias=False)
         if head_type == "gated":
             self.gate_proj = nn.Linear(hidden_size + rank, rank)
         elif head_type == "rnn":

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from drafters.base import DraftContext, Proposal, TargetInfo, full_vocab_log_probs
 from drafters.output import DraftOutput
@@ -18,7 +19,7 @@ from drafters.chunked import chunked_rows, with_autocast_of_now
 from drafters.dflash.anchors import batch_anchors, block_cells
 from drafters.dflash.backbone import BlockBackbone
 from drafters.dspark import export
-from drafters.dspark.config import DSparkConfig
+from drafters.dspark.config import FULL_VOCAB_TRAINING, DSparkConfig
 from drafters.dspark.layers import (
     ConfidenceHead,
     MarkovHead,
@@ -27,14 +28,16 @@ from drafters.dspark.layers import (
     depth_weights,
 )
 from drafters.losses import depth_loss_weights, global_mean, output_metrics
+from drafters.vocab import DraftHead, draft_index
 
 
-class DSparkDrafter(BlockBackbone):
+class DSparkDrafter(DraftHead, BlockBackbone):
     """DSpark drafter. See the module docstring for the training, inference and persistence contracts."""
 
     kind = "dspark"
     Config = DSparkConfig
     export_module = export  # the serving layouts speculators, deepspec (save / load in drafters/base.py)
+    reduced_head_formats = ("native",)  # DeepSpec and speculators read a full-vocabulary DSpark
 
     def __init__(self, config: DSparkConfig, target_info: TargetInfo):
         check_config(config)
@@ -45,9 +48,16 @@ class DSparkDrafter(BlockBackbone):
         self.config = dataclasses.replace(config, layer_ids=self.layer_ids, mask_token_id=self.mask_token_id,
                                           confidence_temperatures=tuple(map(float, config.confidence_temperatures)))
         hidden = target_info.hidden_size
+        self.lm_head = None  # the target's, until a frequency-ranked head (config.draft_vocab_size, after training)
+        if config.draft_vocab_size is not None:
+            if not 0 < config.draft_vocab_size < target_info.vocab_size:
+                raise ValueError(f"drafter.draft_vocab_size {config.draft_vocab_size} must be in [1, "
+                                 f"{target_info.vocab_size - 1}] (the target's vocabulary), or null")
+            self.add_draft_head(hidden, config.draft_vocab_size)
         self.markov_head: MarkovHead | None = None
         if config.markov_head_type != "none":
-            self.markov_head = MarkovHead(config.markov_head_type, target_info.vocab_size, config.markov_rank, hidden)
+            self.markov_head = MarkovHead(config.markov_head_type, target_info.vocab_size, config.markov_rank, hidden,
+                                          config.draft_vocab_size)
         self.confidence_head: ConfidenceHead | None = None
         if config.enable_confidence_head:
             with_markov = config.confidence_head_with_markov
@@ -55,6 +65,27 @@ class DSparkDrafter(BlockBackbone):
 
     def max_draft_tokens(self) -> int:
         return self.config.block_size
+
+    @torch.no_grad()
+    def reduce_draft_vocab(self, token_counts: torch.Tensor, size: int) -> None:
+        """The frequency-ranked head (DraftHead.reduce_draft_vocab), and W2 cut to the same tokens' rows: each kept
+        token's logit, U + B, is unchanged. W1 keeps every row (the anchor can be any token)."""
+        before = self.draft_ids()
+        super().reduce_draft_vocab(token_counts, size)
+        if self.markov_head is None:
+            return
+        kept = self.draft_ids()
+        if before is not None:
+            kept = draft_index(before, kept, self.target_info.vocab_size)
+        w2 = self.markov_head.markov_w2.weight
+        self.markov_head.markov_w2 = nn.Linear(w2.shape[1], size, bias=False, device=w2.device, dtype=w2.dtype)
+        self.markov_head.markov_w2.weight.copy_(w2.index_select(0, kept.to(w2.device)))
+
+    def _base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """U: post-norm hidden [..., D] -> [..., V] through the target's head, or [..., V_d] through a reduced one."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return self._frozen.linear("lm_head_weight", hidden, self.fc.weight)
 
     def _markov_embedding(self, previous: torch.Tensor) -> torch.Tensor | None:
         return None if self.markov_head is None else self.markov_head.embed(previous)
@@ -67,8 +98,14 @@ class DSparkDrafter(BlockBackbone):
         return self.confidence_head(hidden, embedding)
 
     # ---- training ------------------------------------------------------------------------------------------
+    def init_from_data(self, token_counts: torch.Tensor) -> None:
+        if self.lm_head is not None:  # before the first step, not at it
+            raise ValueError(FULL_VOCAB_TRAINING)
+
     def forward(self, batch: Mapping[str, Any]) -> DraftOutput:
         """Sample this epoch's anchors (as DFlash) and run `block_outputs` on them."""
+        if self.lm_head is not None:  # a resumed or fine-tuned reduced drafter
+            raise ValueError(FULL_VOCAB_TRAINING)
         return self.block_outputs(batch, *batch_anchors(batch, self.config.num_anchors))
 
     def block_outputs(self, batch: Mapping[str, Any], anchors: torch.Tensor,
@@ -99,7 +136,7 @@ class DSparkDrafter(BlockBackbone):
     def teacher_forced_logits(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """U + B for a whole block at once: post-norm hidden [N, S, D], the token before each slot [N, S] (slot 0:
         the anchor) -> logits [N, S, V]. Equals `draw_block`'s slot-by-slot logits when its draws are `previous`."""
-        logits = self._frozen.linear("lm_head_weight", hidden, self.fc.weight)
+        logits = self._base_logits(hidden)
         if self.markov_head is not None:
             logits = logits + self.markov_head.teacher_forced(previous, hidden)
         return logits
@@ -176,9 +213,11 @@ class DSparkDrafter(BlockBackbone):
         """The sequential stage over post-norm hidden [B, K, D] of slots 0..K-1, the anchors [B] first.
 
         Slot k: logits = U_k + B_k(x_{k-1}), confidence logit from (h_k, x_{k-1}), then x_k = argmax (temperature 0)
-        or a draw from q_k = softmax(logits / temperature) (returned as probs [B, K, V]).
+        or a draw from q_k = softmax(logits / temperature) (returned as probs [B, K, V]). A frequency-ranked head's
+        logits are over its draft ids: the draw is mapped to its target id, q_k is zero outside.
         """
-        base = self._frozen.linear("lm_head_weight", hidden, self.fc.weight)  # [B, K, V]
+        base = self._base_logits(hidden)  # [B, K, V] or [B, K, V_d]
+        draft_ids = self.draft_ids()
         state = None if self.markov_head is None else self.markov_head.initial_state(hidden[:, 0])
         previous = anchor
         tokens, probs, confidences, slot_logits = [], [], [], []
@@ -194,14 +233,18 @@ class DSparkDrafter(BlockBackbone):
             if temperature > 0:
                 q = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
                 previous = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+                if draft_ids is not None:
+                    q = q.new_zeros(*q.shape[:-1], self.target_info.vocab_size).index_copy_(-1, draft_ids, q)
                 probs.append(q)
             else:
                 previous = logits.argmax(dim=-1)
+            if draft_ids is not None:
+                previous = draft_ids[previous]
             tokens.append(previous)
         temperatures = self.config.confidence_temperatures
         return Proposal(
             tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1) if probs else None,
-            log_probs=full_vocab_log_probs(torch.stack(slot_logits, dim=1), None, base.shape[-1]),
+            log_probs=full_vocab_log_probs(torch.stack(slot_logits, dim=1), draft_ids, self.target_info.vocab_size),
             confidence_logits=torch.stack(confidences, dim=1) if confidences else None,
             confidence_temperature=(torch.tensor(temperatures[: len(tokens)], device=hidden.device)
                                     if temperatures and confidences else None))
