@@ -32,6 +32,17 @@ def most_frequent_first(counts: torch.Tensor, kept: torch.Tensor, among: torch.T
     return dropped.numel() == 0 or bool(counts[kept].min() >= counts[dropped].max())
 
 
+def decodes_as_plain_greedy(target, drafter) -> bool:
+    """Two chat prompts, 24 tokens, k = 3: the drafter's greedy output equals plain greedy's."""
+    from inference.engine.api import speculative_generate
+
+    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False)
+               for text in ("the cat sat on", "rain fell over the quiet hills")]
+    plain = speculative_generate(target, None, prompts, num_draft_tokens=0, max_new_tokens=24)
+    return speculative_generate(target, drafter, prompts, num_draft_tokens=3, max_new_tokens=24).tokens == plain.tokens
+
+
 @pytest.mark.parametrize("kind, config", [("dflash", {"block_size": 4}), ("mtp", {}),
                                           ("eagle3", {"draft_vocab_size": 128})])
 def test_reduced_head_keeps_the_most_frequent_rows_and_their_logits(target, tmp_path, kind, config):
@@ -63,8 +74,6 @@ def test_reduced_head_keeps_the_most_frequent_rows_and_their_logits(target, tmp_
 
 def test_dspark_reduced_head_keeps_its_logits_draws_kept_tokens_and_decodes_losslessly(target, tmp_path):
     """DSpark's logit of a kept token is U + B: the target's head row and W2's row, both kept; W1 keeps every row."""
-    from inference.engine.api import speculative_generate
-
     info = target.target_info()
     torch.manual_seed(0)
     full = DRAFTERS["dspark"](DRAFTERS["dspark"].Config(block_size=4, markov_rank=8), info)
@@ -98,12 +107,7 @@ def test_dspark_reduced_head_keeps_its_logits_draws_kept_tokens_and_decodes_loss
     again = load_drafter(str(tmp_path / "reduced"), info)
     assert again.config.draft_vocab_size == 40 and torch.equal(again.draft_ids(), kept)
     assert all(torch.equal(again.state_dict()[name], value) for name, value in reduced.state_dict().items())
-    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=False)
-               for text in ("the cat sat on", "rain fell over the quiet hills")]
-    plain = speculative_generate(target, None, prompts, num_draft_tokens=0, max_new_tokens=24)
-    spec = speculative_generate(target, again, prompts, num_draft_tokens=3, max_new_tokens=24)
-    assert spec.tokens == plain.tokens
+    assert decodes_as_plain_greedy(target, again)
     with pytest.raises(ValueError, match="^drafter.draft_vocab_size: DSpark trains over the target's full vocab"):
         again.init_from_data(counts)
     with pytest.raises(ValueError, match="^drafter.draft_vocab_size: DSpark trains over the target's full vocab"):
@@ -113,7 +117,6 @@ def test_dspark_reduced_head_keeps_its_logits_draws_kept_tokens_and_decodes_loss
 
 
 def test_export_reduces_a_trained_dflash_head_and_it_decodes_losslessly(workdir, tmp_path, capsys):  # noqa: F811
-    from inference.engine.api import speculative_generate
     from inference.engine.target import TargetModel
     from train.build import build_trainer
     from train.cli import main as cli
@@ -137,12 +140,7 @@ def test_export_reduces_a_trained_dflash_head_and_it_decodes_losslessly(workdir,
     assert full.lm_head is None and kept.numel() == 48 and most_frequent_first(counts, kept, torch.arange(260))
     assert torch.equal(reduced.lm_head.weight, info.lm_head_weight.index_select(0, kept))
     assert torch.equal(reduced.fc.weight, full.fc.weight)
-    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=False)
-               for text in ("the cat sat on", "rain fell over the quiet hills")]
-    plain = speculative_generate(target, None, prompts, num_draft_tokens=0, max_new_tokens=24)
-    spec = speculative_generate(target, reduced, prompts, num_draft_tokens=3, max_new_tokens=24)
-    assert spec.tokens == plain.tokens
+    assert decodes_as_plain_greedy(target, reduced)
     assert cli(["export", str(out), "--format", "dflash", "--out", str(tmp_path / "zlab")]) == 0
     assert torch.equal(load_drafter(str(tmp_path / "zlab"), info).draft_ids(), kept)
 
