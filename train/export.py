@@ -138,15 +138,20 @@ def check_arguments(args: argparse.Namespace) -> str:
     return target_name
 
 
+def reduced_size(checkpoint: str) -> int | None:
+    """The draft vocabulary size a native checkpoint's config.json records (None: the full one, or not native)."""
+    config_path = os.path.join(checkpoint, "config.json")
+    header = read_json(config_path) if os.path.isfile(config_path) else {}
+    return (header.get("drafter_config") or {}).get("draft_vocab_size")
+
+
 def check_reduced_head_format(args: argparse.Namespace, kind: str) -> None:
     """A drafter kind whose serving layouts read only a full vocabulary (DraftHead.reduced_head_formats) writes a
     reduced head, asked for now or already in the checkpoint, in the formats that carry it."""
     allowed = getattr(DRAFTERS.get(kind), "reduced_head_formats", None)
     if allowed is None or args.format in allowed:
         return
-    config_path = os.path.join(args.checkpoint, "config.json")
-    header = read_json(config_path) if os.path.isfile(config_path) else {}
-    if args.draft_vocab_size is None and not (header.get("drafter_config") or {}).get("draft_vocab_size"):
+    if args.draft_vocab_size is None and not reduced_size(args.checkpoint):
         return
     raise ValueError(f"--format {args.format}: its readers take a {kind} drafter over the full vocabulary, and this "
                      f"one has a reduced draft vocabulary; write it with --format {' or '.join(allowed)}, or export "
@@ -160,9 +165,7 @@ def check_draft_vocab_size(args: argparse.Namespace, kind: str, sizes: dict) -> 
         heads = ", ".join(name for name, cls in DRAFTERS.items() if issubclass(cls, DraftHead))
         raise ValueError(f"--draft-vocab-size: {args.checkpoint} holds drafter kind {kind}, whose head cannot be "
                          f"reduced ({heads} can); leave the option out")
-    config_path = os.path.join(args.checkpoint, "config.json")
-    header = read_json(config_path) if os.path.isfile(config_path) else {}
-    current = (header.get("drafter_config") or {}).get("draft_vocab_size") or sizes.get("vocab_size")
+    current = reduced_size(args.checkpoint) or sizes.get("vocab_size")
     if args.draft_vocab_size < 1 or (current and args.draft_vocab_size >= current):
         raise ValueError(f"--draft-vocab-size {args.draft_vocab_size}: must be in [1, {(current or 2) - 1}], below "
                          f"the {current or 'full'} tokens {args.checkpoint} drafts over now")
