@@ -105,6 +105,12 @@ def long_records(kind: str) -> tuple[str, list[dict]]:
     return records[0]["drafter"], records
 
 
+def measures_row(export: str, checkpoint: str) -> bool:
+    """Whether a served export's numbers belong in the row of `checkpoint`: it is that checkpoint, or provenance
+    records it as a retraining of that checkpoint's recipe ("retrains")."""
+    return export == checkpoint or trained(export).get("retrains") == checkpoint
+
+
 def long_row(kind: str) -> dict | None:
     """The README long table's cells for one kind, and its files; None without an eval file."""
     name = f"long_{kind}_eval"
@@ -118,13 +124,19 @@ def long_row(kind: str) -> dict | None:
     best = max(held, key=lambda k: held[k]["speedup"])
     auto = record(name, drafter, "auto", dataset=HELDOUT)
     checkpoint = checkpoint_of(name, drafter)
-    files, served = [name], {}  # "vLLM/ours" per k measured, 1 thread then 2, of the same checkpoint only
+    # "vLLM/ours" per k measured, 1 thread then 2, of this checkpoint or of a retraining of its recipe (provenance's
+    # "retrains": same recipe, data and overrides, another machine or step count), which the cell then names
+    files, served, retrainings = [name], {}, []
     for threads in (1, 2):
         server = f"server_speedup_long_{kind}_t{threads}"
-        if exists(server) and checkpoint_of(server, "export") == checkpoint:
-            files.append(server)
-            for r in load(server)["rows"]:
-                served.setdefault(r["k"], []).append(f"{r['speedup_vllm']:.2f}/{r['speedup_ours']:.2f}")
+        export = checkpoint_of(server, "export") if exists(server) else None
+        if export is None or not measures_row(export, checkpoint):
+            continue
+        files.append(server)
+        if export != checkpoint and export not in retrainings:
+            retrainings.append(export)
+        for r in load(server)["rows"]:
+            served.setdefault(r["k"], []).append(f"{r['speedup_vllm']:.2f}/{r['speedup_ours']:.2f}")
     curve = [r for r in load("long_curves")["rows"] if r["run"].endswith(f"smollm2_{kind}_long")] \
         if exists("long_curves") else []
     if curve and max(r["step"] for r in curve) != trained(checkpoint)["steps"]:
@@ -133,7 +145,9 @@ def long_row(kind: str) -> dict | None:
              f"{f2(held[best]['tau'])}{interval(held[best])}",
              "/".join(f2(bench[k]["tau"]) for k in bench) or "-", f"{best}: {x(held[best]['speedup'])}",
              x(auto["speedup"]),
-             "; ".join(f"k = {k}: " + ", ".join(v) for k, v in sorted(served.items())) or "-",
+             "; ".join(f"k = {k}: " + ", ".join(v) for k, v in sorted(served.items()))
+             + "".join(f" (its retraining: {trained(c)['steps']} steps, {trained(c)['commit']})" for c in retrainings)
+             or "-",
              f"{max(r['cpu_hours'] for r in curve):.2f}" if curve else "-"]
     return {"cells": cells, "files": files}
 

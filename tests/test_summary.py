@@ -78,3 +78,20 @@ def test_long_curves_keep_an_earlier_training_only_when_asked():
     previous = [old, again, other, elsewhere]
     assert kept_rows(previous, found, described, 2, None) == [other]
     assert kept_rows(previous, found, described, 2, "_v1") == [other, {**old, "run": "runs/d_v1"}]
+
+
+def test_a_served_export_enters_a_long_row_only_as_its_drafter_or_a_retraining_of_it():
+    """The README long table's vLLM/ours cells: the row's own checkpoint, or one provenance.json records as a
+    retraining of it; an earlier recipe version's export (another data set) or another kind's stays out."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.summary_data import provenance
+    from benchmarks.summary_tables import measures_row
+
+    trained = provenance()["trained"]
+    retrainings = {name: t["retrains"] for name, t in trained.items() if "retrains" in t}
+    assert retrainings, "provenance.json records no retraining"
+    for name, original in retrainings.items():
+        assert measures_row(name, original) and measures_row(original, original)
+        assert trained[name]["recipe"] == trained[original]["recipe"] and trained[name]["data"] == trained[original]["data"]
+        assert not measures_row(name, next(other for other in trained if other not in (name, original)))
+    assert not measures_row("eagle3_long_v1", "eagle3_long")  # the earlier recipe version (3,000 conversations)
