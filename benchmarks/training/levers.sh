@@ -55,6 +55,7 @@
 #   slice, HumanEval and GSM8K first turns with each (~10 min): ~50 min.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. benchmarks/training/eval_passes.sh  # has FILE DATASET: that eval pass is in the file
 export HF_HUB_OFFLINE=1
 RUNS=${RUNS:-runs/levers}
 STEPS=${STEPS:-180}
@@ -205,8 +206,10 @@ case "${1:-plan}" in
     mkdir -p runs/long_eval
     common=(--target smollm2-135m-instruct --drafter "$final,$fr" --max-new-tokens 96 --threads "$THREADS"
             --num-draft-tokens "$ks" --out "$out")
-    OMP_NUM_THREADS=$THREADS draftsmith eval "${common[@]}" --prompts "$HELD" --num-prompts 32
-    OMP_NUM_THREADS=$THREADS draftsmith eval "${common[@]}" --append --prompts mt_bench --num-prompts 16
+    has "$out" sharegpt_smollm2_10k.heldout ||
+      OMP_NUM_THREADS=$THREADS draftsmith eval "${common[@]}" --prompts "$HELD" --num-prompts 32
+    has "$out" mt_bench ||
+      OMP_NUM_THREADS=$THREADS draftsmith eval "${common[@]}" --append --prompts mt_bench --num-prompts 16
     gzip -9n -c "$out" > "docs/results/fr${size}_${kind}_eval.json.gz"
     cp "${out%.json}.md" "docs/results/fr${size}_${kind}_eval.md" ;;
   long | full)

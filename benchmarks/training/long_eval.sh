@@ -22,12 +22,7 @@ mkdir -p "$OUT_DIR"
 RUNS_DIR=${RUNS_DIR:-runs}
 WORK_DIR=${WORK_DIR:-$RUNS_DIR/long_eval}
 
-has() {  # $1 = eval JSON, $2 = dataset name: true when the file holds records of that dataset
-  [ -f "$1" ] && python - "$1" "$2" <<'EOF'
-import json, sys
-sys.exit(0 if any(r["dataset"] == sys.argv[2] for r in json.load(open(sys.argv[1]))["records"]) else 1)
-EOF
-}
+. benchmarks/training/eval_passes.sh  # has FILE DATASET: that pass is in the file
 
 best_k() {  # $1 = eval JSON: the k (not auto) with the best measured speedup on the held-out slice, all categories
   python - "$1" <<'EOF'

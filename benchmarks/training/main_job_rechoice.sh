@@ -12,6 +12,7 @@
 # train_seconds.json (each variant's steps and wall seconds) and eval.json / eval.md.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. benchmarks/training/eval_passes.sh  # has FILE DATASET: that eval pass is in the file
 export HF_HUB_OFFLINE=1
 THREADS=${THREADS:-2}
 OUT=${OUT:-runs/main_job_rechoice}
@@ -54,12 +55,8 @@ ln -sfn ../base/final "$OUT/named/base"
 ln -sfn ../winners/final "$OUT/named/winners"
 common=(--target smollm2-135m-instruct --drafter "$OUT/named/base,$OUT/named/winners" --max-new-tokens "$tokens"
         --threads "$THREADS" --num-draft-tokens 1,2,3,auto --out "$OUT/eval.json")
-if [ ! -f "$OUT/eval.held.done" ]; then
+has "$OUT/eval.json" sharegpt_smollm2_10k.heldout ||
   OMP_NUM_THREADS=$THREADS draftsmith eval "${common[@]}" --prompts "$HELD" --num-prompts "$held_n"
-  touch "$OUT/eval.held.done"
-fi
-if [ ! -f "$OUT/eval.bench.done" ]; then
+has "$OUT/eval.json" mt_bench ||
   OMP_NUM_THREADS=$THREADS draftsmith eval "${common[@]}" --append --prompts mt_bench --num-prompts "$bench_n"
-  touch "$OUT/eval.bench.done"
-fi
 cat "$OUT/train_seconds.json"
