@@ -37,10 +37,10 @@ train() {  # $1 = variant name, the rest: overrides
     train.save_every=1000000 "${small[@]}" "$@"  # the one checkpoint, at the last step, records steps and seconds
   end=$(date +%s.%N)
   python - "$dir" "$start" "$end" "$OUT/train_seconds.json" "$THREADS" <<'EOF'
-import glob, json, os, sys
+import json, os, sys
+from train.fit.checkpoint import list_checkpoints
 run, start, end, path, threads = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-newest = max(glob.glob(os.path.join(run, "checkpoints", "step_*")), key=lambda d: int(d.rsplit("_", 1)[1]))
-state = json.load(open(os.path.join(newest, "trainer_state.json")))
+state = json.load(open(os.path.join(list_checkpoints(run)[-1][1], "trainer_state.json")))
 table = json.load(open(path)) if os.path.exists(path) else {}
 table[os.path.basename(run)] = {"steps": state["step"], "train_seconds": round(state["elapsed_seconds"], 1),
                                 "wall_seconds": round(end - start, 1), "threads": threads}
