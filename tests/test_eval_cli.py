@@ -78,11 +78,21 @@ def test_greedy_eval_matches_plain_greedy_and_writes_the_report(dirs, tmp_path, 
         assert sum(record["accept_length_histogram"]) == record["rounds"]
         assert record["tau"] == pytest.approx(1 + sum(record["per_position_acceptance_unconditional"]))
         assert record["recommended_num_draft_tokens"] is not None
+        # per question, by question index: the counts add up to the record's, the questions are its category's
+        per_question = record["tau_per_question"]
+        assert [q for q, _, _ in per_question] == sorted({q for q, _, _ in per_question})
+        assert len(per_question) == record["num_prompts"]
+        assert [sum(row[i] for row in per_question) for i in (1, 2)] == [record["rounds"], record["accepted"]]
     drafter_names = {record["drafter"] for record in records}
     assert drafter_names == {"none", "ngram", "draft_model:draft"}
     # the draft model is an unrelated random 1-layer LM: it is rarely accepted, but the output stays lossless
-    table, roofline = (tmp_path / "report.md").read_text().split("\n\n")
+    table, roofline, caption, paired = (tmp_path / "report.md").read_text().split("\n\n")
     assert table.count("\n") == len(records) + 1  # header, rule, one row per record
+    # the draft model against the n-gram drafter (the first named) at each k, paired over the 4 questions
+    assert caption.startswith("tau against the first drafter, paired")
+    rows = [line.split(" | ") for line in paired.strip().splitlines()[2:]]
+    assert [(row[2], row[4], row[5], row[-1]) for row in rows] == [
+        ("2", "draft_model:draft", "ngram", "4 |"), ("3", "draft_model:draft", "ngram", "4 |")]
     assert roofline.startswith("roofline: target path fast-cpu-linear")  # a float32 target runs the fast path
     assert all(record["target_path"] == "fast-cpu-linear" and record["achieved_gb_per_s"]["ar"] > 0
                and record["stream_gb_per_s"] > 0 for record in records)

@@ -272,3 +272,28 @@ def test_the_paired_difference_interval_cancels_what_the_questions_share():
     assert 0.05 - 1e-12 <= low < high <= 0.15 + 1e-12 and high - low < own_high - own_low
     assert tau_difference_interval(base, base) == [0.0, 0.0]
     assert tau_difference_interval(base, base[:-1]) is None
+
+
+def test_paired_tau_differences_pair_questions_by_index_within_each_k():
+    """Each drafter against the first of its dataset, T, B and k, question by question (by index, whatever the
+    order the records list them in); the baseline and single-drafter groups take no part; the report prints it."""
+    from inference.evaluation.metrics import paired_tau_differences
+
+    def record(drafter, k, per_question, dataset="set", category="all"):
+        return {"dataset": dataset, "category": category, "drafter": drafter, "temperature": 0.0, "batch_size": 1,
+                "num_draft_tokens": k, "tau_per_question": per_question}
+
+    base = [[0, 10, 2], [1, 10, 9], [2, 8, 1], [5, 12, 10]]
+    other = [[5, 12, 11], [2, 8, 2], [1, 10, 10], [0, 10, 3]]  # one more accepted draft on every question
+    records = [{**record("none", 0, None)}, record("a", 3, base), record("b", 3, other), record("b", 1, other),
+               record("a", 3, base, category="math"), record("a", 3, base, dataset="other set")]
+    rows = paired_tau_differences(records)
+    assert [(r["dataset"], r["num_draft_tokens"], r["drafter"], r["base"], r["questions"]) for r in rows] == [
+        ("set", 3, "b", "a", 4)]
+    assert rows[0]["difference"] == pytest.approx(4 / 40)
+    low, high = rows[0]["ci95"]
+    assert 0 < low <= 4 / 40 <= high  # every question gained: the paired interval excludes 0
+    assert paired_tau_differences(records, category="math") == []
+    table = format_table(records)
+    assert "| set | 0 | 3 | 1 | b | a | +0.10 |" in table
+    assert "paired" not in format_table(records[:2])

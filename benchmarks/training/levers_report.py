@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from benchmarks.measure import write_measurement  # noqa: E402
 from inference.evaluation.metrics import tau_difference_interval  # noqa: E402
+from train.fit.checkpoint import list_checkpoints  # noqa: E402
 
 LEVERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "levers.sh")
 
@@ -43,8 +44,8 @@ def read(runs: str) -> list[dict]:
     rows = []
     for name, recipe, overrides in plan():
         tau_file = os.path.join(runs, name, "heldout.json")
-        states = sorted(glob.glob(os.path.join(runs, name, "checkpoints", "step_*", "trainer_state.json")),
-                        key=lambda p: int(re.search(r"step_(\d+)", p).group(1)))
+        states = [state for _, path in list_checkpoints(os.path.join(runs, name))
+                  if os.path.isfile(state := os.path.join(path, "trainer_state.json"))]
         if not (os.path.isfile(tau_file) and states):
             continue
         held = json.load(open(tau_file))["rows"][0]

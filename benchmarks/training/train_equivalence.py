@@ -21,6 +21,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from train.fit.checkpoint import list_checkpoints  # noqa: E402
+
 HASHED = ("*.safetensors", "*.pt", "*.bin", "config.json", "meta.json")
 ONLINE_ONLY = {"tiny_assistant"}  # it reads the target's KV cache, which is never stored: no offline cache to hash
 
@@ -59,7 +63,7 @@ def main() -> int:
         if name not in ONLINE_ONLY:
             run("train.prepare", recipe, *common)
         run("train", recipe, *common)
-        checkpoints = sorted(glob.glob(f"{work}/run/checkpoints/step_*"), key=lambda p: int(p.rsplit("_", 1)[1]))
+        checkpoints = [path for _, path in list_checkpoints(f"{work}/run")]
         first = hashes(f"{work}/run/final")
         shutil.rmtree(f"{work}/run/final")
         for later in checkpoints[1:]:

@@ -226,7 +226,7 @@ def dataset_records(target, dataset: str, questions: list, runs: list[tuple[Meth
             out = merge_outputs([o for name in chosen for o in run.by_category[name]])
             match = exact_match(run, ar, keys) if temperature == 0 else None
             divergence = summarize([g for k, g in gaps[id(run)].items() if k in keys]) if temperature == 0 else None
-            per_question = [tuple(c) for q, c in merge_counts(run.counts).items() if q in indices]
+            per_question = {q: tuple(c) for q, c in merge_counts(run.counts).items() if q in indices}
             records.append(build_record(out, ar=ar_out, drafter_name=method.name, greedy_exact_match=match,
                                         max_draft_tokens=method.drafter.max_draft_tokens(), drafter=method.drafter,
                                         divergence=divergence, cost_profile=profiles.get(id(method.drafter)),

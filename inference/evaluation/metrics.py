@@ -197,6 +197,38 @@ def tau_difference_interval(first: list[tuple[int, int]], second: list[tuple[int
     return _percentile_interval(_resampled_taus(first, picks) - _resampled_taus(second, picks), level)
 
 
+def paired_tau_differences(records: list[dict], category: str = "all") -> list[dict]:
+    """Each drafter's tau against the first drafter of its comparison group, paired over the questions both answered.
+
+    A group is one dataset, temperature, batch size and k (a tree's budget apart) in `category`; the first drafter
+    to appear in it is the base. Records without tau_per_question (the baseline, reports written before it existed)
+    take no part. Returns one dict per (group, other drafter): dataset, temperature, batch_size, num_draft_tokens,
+    drafter, base, difference (tau - base tau, pooled over the shared questions), ci95 (`tau_difference_interval`)
+    and questions (how many both answered)."""
+    groups: dict[tuple, list[dict]] = {}
+    for record in records:
+        if record["category"] == category and record.get("tau_per_question"):
+            key = (record["dataset"], record["temperature"], record["batch_size"], str(record["num_draft_tokens"]),
+                   record.get("tree_budget"))
+            groups.setdefault(key, []).append(record)
+    rows = []
+    for (dataset, temperature, batch_size, _, _), group in groups.items():
+        base = group[0]
+        base_counts = {q: (r, a) for q, r, a in base["tau_per_question"]}
+        for record in group[1:]:
+            if record["drafter"] == base["drafter"]:
+                continue
+            counts = {q: (r, a) for q, r, a in record["tau_per_question"]}
+            shared = sorted(set(counts) & set(base_counts))
+            first, second = [counts[q] for q in shared], [base_counts[q] for q in shared]
+            taus = [1.0 + sum(a for _, a in side) / max(sum(r for r, _ in side), 1) for side in (first, second)]
+            rows.append({"dataset": dataset, "temperature": temperature, "batch_size": batch_size,
+                         "num_draft_tokens": record["num_draft_tokens"], "drafter": record["drafter"],
+                         "base": base["drafter"], "difference": taus[0] - taus[1],
+                         "ci95": tau_difference_interval(first, second), "questions": len(shared)})
+    return rows
+
+
 def drafter_placement(drafter) -> dict:
     """drafter_device and drafter_dtype: where the drafter's weights sit and their floating dtype, to read beside
     the target's (the record's env.device, env.dtype); None for no drafter or one without weights (n-gram)."""
@@ -210,7 +242,7 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
                  temperature: float, batch_size: int, num_prompts: int, greedy_exact_match: float | None,
                  env: dict, max_draft_tokens: int | None = None, roofline: dict | None = None,
                  cost_profile: dict | None = None, drafter=None, divergence: dict | None = None,
-                 per_question: list[tuple[int, int]] | None = None) -> dict:
+                 per_question: dict[int, tuple[int, int]] | None = None) -> dict:
     """One report record (a JSON-ready dict) for one dataset x category x drafter x k x temperature.
 
     Args:
@@ -227,7 +259,9 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
             recommended k never exceeds it.
         roofline: {"target_path", "weight_bytes", "stream_gb_per_s"} of the target (see `roofline_keys`).
         cost_profile: the drafter's profiled costs (engine/costs.CostProfile.to_dict), kept in the record.
-        per_question: (rounds, accepted) per question, for tau_ci95 (`tau_interval`); None leaves it None.
+        per_question: {question index: (rounds, accepted)}, for tau_ci95 (`tau_interval`) and kept as
+            tau_per_question ([[index, rounds, accepted], ...] by index: two drafters' records over the same
+            questions compare question by question, `paired_tau_differences`); None leaves both None.
     """
     k = out.num_draft_tokens  # with adaptive k: the largest width it could choose
     counts = acceptance_counts(out)
@@ -248,7 +282,8 @@ def build_record(out: GenerateOutput, *, ar: GenerateOutput | None, dataset: str
         "num_draft_tokens_histogram": chosen_histogram(out) if out.adaptive else None,
         "num_sequences": len(out.tokens), "new_tokens": sum(len(row) for row in out.tokens),
         "rounds": rounds, "accepted": counts["accepted"], "proposed": counts["proposed"],
-        "tau": tau, "tau_ci95": tau_interval(per_question) if k and per_question else None,
+        "tau": tau, "tau_ci95": tau_interval(list(per_question.values())) if k and per_question else None,
+        "tau_per_question": [[q, *per_question[q]] for q in sorted(per_question)] if k and per_question else None,
         "acceptance_rate": _ratio(counts["accepted"], counts["proposed"]),
         "per_position_acceptance_conditional": [_ratio(s, o) for s, o in zip(counts["survived"], counts["offered"])],
         "per_position_acceptance_unconditional": [_ratio(s, rounds) for s in counts["survived"]],

@@ -20,6 +20,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot is imported)
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from inference.evaluation.metrics import paired_tau_differences  # noqa: E402
+
 TABLE_COLUMNS = (
     ("dataset", "dataset", "{}"),
     ("category", "category", "{}"),
@@ -59,7 +61,26 @@ def format_table(records: list[dict]) -> str:
                  else fmt.format(record[key]) for _, key, fmt in TABLE_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     roofline = roofline_line(records)
-    return "\n".join(lines + ([""] + [roofline] if roofline else [])) + "\n"
+    return "\n".join(lines + ([""] + [roofline] if roofline else []) + paired_table(records)) + "\n"
+
+
+def paired_table(records: list[dict]) -> list[str]:
+    """The lines of a second table, empty when no group has two drafters: each drafter's tau against the first
+    drafter at the same dataset, T, k and B, paired over the questions both answered (category "all";
+    metrics.paired_tau_differences). An interval that excludes 0 says the drafters differ on these questions; two
+    overlapping tau intervals in the table above do not say they are equal."""
+    rows = paired_tau_differences(records)
+    if not rows:
+        return []
+    lines = ["", "tau against the first drafter, paired over the same questions (category all):", "",
+             "| dataset | T | k | B | drafter | base | tau - base tau | paired 95% CI | questions |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        ci = "-" if row["ci95"] is None else "{0[0]:+.2f} to {0[1]:+.2f}".format(row["ci95"])
+        lines.append(f"| {row['dataset']} | {row['temperature']:g} | {row['num_draft_tokens']} | "
+                     f"{row['batch_size']} | {row['drafter']} | {row['base']} | {row['difference']:+.2f} | {ci} | "
+                     f"{row['questions']} |")
+    return lines
 
 
 def roofline_line(records: list[dict]) -> str | None:
