@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -34,6 +35,26 @@ class DiskFullError(OSError):
 
     def __str__(self) -> str:
         return self.message
+
+
+def check_writable_dir(path: str, field: str) -> None:
+    """ValueError naming `field` when directory `path` could not be written: it exists and is not a directory, or
+    its nearest existing ancestor is not a directory this process can create entries in (tried: an empty
+    directory made and removed there, since permission bits do not bind root and some filesystems refuse anyway).
+    Leaves nothing behind (on several nodes each rank checks its own disk), so a bad output path fails before any
+    model loads."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if probe != os.path.abspath(path) and not os.path.isdir(probe):
+        raise ValueError(f"{field}: {path} cannot be created: {probe} is a file; choose another path")
+    if not os.path.isdir(probe):
+        raise ValueError(f"{field}: {path} is a file, not a directory; choose another path")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".draftsmith-write-check-", dir=probe))
+    except OSError as err:
+        raise ValueError(f"{field}: {path} cannot be written ({probe}: {(err.strerror or str(err)).lower()}); "
+                         "choose another path") from None
 
 
 @contextlib.contextmanager

@@ -117,6 +117,13 @@ def test_recipe_and_command_line_mistakes_answer_before_the_target_loads(tmp_pat
         (["prepare"], "draftsmith prepare: error: the following arguments are required: recipe ("),
         ([*train, "train.batch_size=-1"], "draftsmith train: error: train.batch_size must be >= 1, got -1"),
         ([*train, "train.epochs=0"], "draftsmith train: error: train.epochs must be > 0, got 0"),
+        ([*train, "data.max_length=1"], "draftsmith train: error: data.max_length must be >= 2 (tokens), got 1"),
+        (["train", RECIPE, f"output.dir={os.devnull}/run"],
+         f"draftsmith train: error: output.dir: {os.devnull}/run cannot be created: {os.devnull} is a file"),
+        (["train", RECIPE, f"output.dir={os.devnull}"],
+         f"draftsmith train: error: output.dir: {os.devnull} is a file, not a directory"),
+        (["prepare", RECIPE, "features.mode=offline", f"features.cache_dir={os.devnull}/features"],
+         f"draftsmith prepare: error: features.cache_dir: {os.devnull}/features cannot be created: {os.devnull} is "),
         ([*train, "train.grad_accum=0"], "draftsmith train: error: train.grad_accum must be >= 1, got 0"),
         ([*train, "train.log_every=0"], "draftsmith train: error: train.log_every must be >= 1, got 0"),
         ([*train, "train.keep_last=0"], "draftsmith train: error: train.keep_last must be >= 1 (null keeps every"),
@@ -206,6 +213,10 @@ def test_a_run_or_a_drafter_for_another_target_is_refused_before_the_target_load
          f"draftsmith export: error: --out: {run} holds the checkpoint being exported"),
         (["export", str(final), "--format", "native", "--out", str(trained / "hub")],
          f"draftsmith export: error: --out: {trained / 'hub'} is a directory with other files"),
+        (["export", str(final), "--format", "native", "--out", f"{os.devnull}/out"],
+         f"draftsmith export: error: --out: {os.devnull}/out cannot be created: {os.devnull} is a file"),
+        (["calibrate", str(final), "--target", "debug:tiny-llama", "--out", str(trained / "cal")],
+         f"draftsmith calibrate: error: DRAFTER '{final}': not a drafter with a confidence head (DSpark)"),
     ]
     for argv, expected in cases:
         assert_one_line(argv, expected, capsys)

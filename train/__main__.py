@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import time
 
+from drafters.files import check_writable_dir
 from inference.evaluation.prompts import load_questions
 from train.build import build_trainer
 from train.cli import run_reporting_errors
@@ -31,8 +32,10 @@ def build_parser():
 
 
 def check_before_loading(recipe: Recipe) -> None:
-    """What the run would refuse only after loading the target and the data: the checkpoint to resume from, the
-    prompt set of the decoding probe, and trackers accelerate would drop without a word when not installed."""
+    """What the run would refuse only after loading the target and the data: an output.dir it cannot write, the
+    checkpoint to resume from, the prompt set of the decoding probe, and trackers accelerate would drop without a
+    word when not installed."""
+    check_writable_dir(recipe.output.dir, "output.dir")
     resolve_resume(recipe.output.dir, recipe.train.resume_from)
     if recipe.eval.num_prompts > 0:
         load_questions(recipe.eval.prompts)

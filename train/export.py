@@ -36,7 +36,7 @@ import sys
 import torch
 
 from drafters import DRAFTERS, check_drafter_spec, check_trained_for, checkpoint_kind, training_run_hint
-from drafters.files import replace_directory
+from drafters.files import check_writable_dir, replace_directory
 from drafters.vocab import DraftHead
 from inference.assets.store import hub_name, target_config
 from inference.engine.target import TargetModel
@@ -97,6 +97,7 @@ def check_out(out: str, checkpoint: str) -> None:
     out_path, checkpoint_path = os.path.realpath(out), os.path.realpath(checkpoint)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out: {out} is a file; pass a directory")
+    check_writable_dir(out, "--out")
     if checkpoint_path == out_path or checkpoint_path.startswith(out_path + os.sep):
         raise ValueError(f"--out: {out} holds the checkpoint being exported, and the export replaces it; "
                          "choose another directory")

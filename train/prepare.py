@@ -18,11 +18,13 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import time
 
 from accelerate import PartialState
 
+from drafters.files import check_writable_dir
 from train.build import feature_provider, process_state
 from train.config import Recipe, recipe_from_argv, recipe_parser
 from train.feature_source import feature_source, produce
@@ -48,12 +50,16 @@ def build_parser():
 
 
 def check_before_loading(recipe: Recipe) -> None:
-    """What regenerate_data would refuse only after reading the data: a regenerate: section with nowhere to write
-    its answers, and regenerate.use_vllm where vLLM is not installed (looked up, not imported: importing it is slow)."""
+    """What prepare would refuse only after loading the target or reading the data: a feature cache it cannot
+    write, a regenerate: section with nowhere (or nowhere writable) to write its answers, and regenerate.use_vllm
+    where vLLM is not installed (looked up, not imported: importing it is slow)."""
+    if recipe.features.mode != "online" and recipe.features.cache_dir:
+        check_writable_dir(recipe.features.cache_dir, "features.cache_dir")
     if recipe.regenerate is None:
         return
     if not recipe.data.regenerated_path:
         raise ValueError("the regenerate: section needs data.regenerated_path (where the answers are written)")
+    check_writable_dir(os.path.dirname(os.path.abspath(recipe.data.regenerated_path)), "data.regenerated_path")
     if recipe.regenerate.use_vllm and importlib.util.find_spec("vllm") is None:
         raise ValueError(VLLM_MISSING)
 

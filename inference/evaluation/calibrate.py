@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from drafters import load_drafter
+from drafters import DRAFTERS, checkpoint_kind, load_drafter
 from drafters.calibration import NUM_BINS, TEMPERATURE_GRID, calibration_report, check_rounds, fit_sts
 from drafters.files import write_json_atomic
 from inference.engine.api import speculative_generate
@@ -108,6 +108,18 @@ def plot_reliability(report: list[dict], path: str) -> None:
     plt.close(figure)
 
 
+NOT_CALIBRATABLE = "not a drafter with a confidence head (DSpark) that stores calibration temperatures"
+
+
+def check_calibratable(name: str) -> None:
+    """What main refuses after loading, from the checkpoint's files alone: a drafter whose kind stores no
+    calibration temperatures (no confidence head), or no checkpoint directory at all."""
+    kind = checkpoint_kind(name) if os.path.isdir(name) else None
+    module = getattr(DRAFTERS.get(kind), "export_module", None)
+    if getattr(module, "store_confidence_temperatures", None) is None:
+        raise ValueError(f"DRAFTER {name!r}: {NOT_CALIBRATABLE}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; bad input is a ValueError that `draftsmith` reports in one line (exit 2)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -127,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--out: {settings.out} is a file; pass a directory")
     prompt_sets = load_prompt_sets(settings)
     check_drafters(settings, "DRAFTER")  # the drafter is the positional argument
+    check_calibratable(args.drafter)
     device = default_device()
     target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device)
     check_chat_template(target.tokenizer, not settings.no_chat_template, settings.target,
@@ -136,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     module = drafter.export_module if drafter is not None else None
     store = module.store_confidence_temperatures if module is not None else None
     if store is None or drafter.max_draft_tokens() is None:
-        raise ValueError(f"DRAFTER {name!r}: not a drafter with a confidence head (DSpark) that stores "
-                         "calibration temperatures")
+        raise ValueError(f"DRAFTER {name!r}: {NOT_CALIBRATABLE}")
     drafter = target.serve(drafter)  # on the target's device, in its dtype, in eval mode
     prompts = [render_prompt(target.tokenizer, q.turns[:1], [], not settings.no_chat_template,
                              settings.chat_template_kwargs)
