@@ -119,7 +119,8 @@ def test_commands_refuse_an_option_the_template_ignores_in_one_line(command, tmp
     tail = {"eval": ["--drafter", "ngram", "--out", str(tmp_path / "r.json")],
             "calibrate": ["--out", str(tmp_path / "c")], "doctor": []}[command]
     head = [command] if command == "eval" else [command, str(tmp_path)]
-    (tmp_path / "config.json").write_text(json.dumps({"draftsmith_kind": "eagle3"}))
+    kind = "dspark" if command == "calibrate" else "eagle3"  # calibrate refuses a kind it cannot calibrate first
+    (tmp_path / "config.json").write_text(json.dumps({"draftsmith_kind": kind}))
     argv = head + ["--target", "debug:tiny-llama", "--chat-template-kwargs", "enable_thinking=false"] + tail
     assert cli(argv) == 2
     err = capsys.readouterr().err
