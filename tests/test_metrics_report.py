@@ -297,3 +297,7 @@ def test_paired_tau_differences_pair_questions_by_index_within_each_k():
     table = format_table(records)
     assert "| set | 0 | 3 | 1 | b | a | +0.10 |" in table
     assert "paired" not in format_table(records[:2])
+    # two checkpoints of one name (two runs' final/) are told apart by their place in the --drafter list
+    same_name = [record("a", 3, base), record("a", 3, other)]
+    (row,) = paired_tau_differences(same_name)
+    assert (row["drafter"], row["base"], row["difference"]) == ("a #2", "a #1", pytest.approx(4 / 40))

@@ -202,9 +202,11 @@ def paired_tau_differences(records: list[dict], category: str = "all") -> list[d
 
     A group is one dataset, temperature, batch size and k (a tree's budget apart) in `category`; the first drafter
     to appear in it is the base. Records without tau_per_question (the baseline, reports written before it existed)
-    take no part. Returns one dict per (group, other drafter): dataset, temperature, batch_size, num_draft_tokens,
-    drafter, base, difference (tau - base tau, pooled over the shared questions), ci95 (`tau_difference_interval`)
-    and questions (how many both answered)."""
+    take no part. Two checkpoints may carry one name (two runs' final/: "eagle3:final"); within a group whose names
+    repeat, each is named with its place in the group ("eagle3:final #2", the order of the --drafter list). Returns
+    one dict per (group, other drafter): dataset, temperature, batch_size, num_draft_tokens, drafter, base,
+    difference (tau - base tau, pooled over the shared questions), ci95 (`tau_difference_interval`) and questions
+    (how many both answered)."""
     groups: dict[tuple, list[dict]] = {}
     for record in records:
         if record["category"] == category and record.get("tau_per_question"):
@@ -213,18 +215,19 @@ def paired_tau_differences(records: list[dict], category: str = "all") -> list[d
             groups.setdefault(key, []).append(record)
     rows = []
     for (dataset, temperature, batch_size, _, _), group in groups.items():
+        names = [record["drafter"] for record in group]
+        if len(set(names)) < len(names):
+            names = [f"{name} #{place}" for place, name in enumerate(names, 1)]
         base = group[0]
         base_counts = {q: (r, a) for q, r, a in base["tau_per_question"]}
-        for record in group[1:]:
-            if record["drafter"] == base["drafter"]:
-                continue
+        for name, record in zip(names[1:], group[1:]):
             counts = {q: (r, a) for q, r, a in record["tau_per_question"]}
             shared = sorted(set(counts) & set(base_counts))
             first, second = [counts[q] for q in shared], [base_counts[q] for q in shared]
             taus = [1.0 + sum(a for _, a in side) / max(sum(r for r, _ in side), 1) for side in (first, second)]
             rows.append({"dataset": dataset, "temperature": temperature, "batch_size": batch_size,
-                         "num_draft_tokens": record["num_draft_tokens"], "drafter": record["drafter"],
-                         "base": base["drafter"], "difference": taus[0] - taus[1],
+                         "num_draft_tokens": record["num_draft_tokens"], "drafter": name, "base": names[0],
+                         "difference": taus[0] - taus[1],
                          "ci95": tau_difference_interval(first, second), "questions": len(shared)})
     return rows
 
