@@ -289,10 +289,12 @@ def step_peak_bytes(s: StepShape) -> int:
     return step_peak_parts(s)["total"]
 
 
-def step_shape(drafter, seq_len: int, batch: int, checkpointing: bool) -> StepShape | None:
+def step_shape(drafter, seq_len: int, batch: int, checkpointing: bool,
+               device: torch.device | None = None) -> StepShape | None:
     """The StepShape of a built drafter (its layers' widths, `layer_config`, or none for a drafter without attention
-    layers; the target's widths, layer ids and trained parameter count; whether its device repeats K/V) for
-    micro-batches of batch x seq_len tokens; None for a kind whose config declares no step_shape."""
+    layers; the target's widths, layer ids and trained parameter count; whether the device it trains on, by default
+    the one it sits on, repeats K/V) for micro-batches of batch x seq_len tokens; None for a kind whose config
+    declares no step_shape."""
     if not hasattr(drafter.config, "step_shape"):
         return None
     info = drafter.target_info
@@ -303,4 +305,4 @@ def step_shape(drafter, seq_len: int, batch: int, checkpointing: bool) -> StepSh
         kv_heads=layer["num_key_value_heads"], head_dim=layer["head_dim"], intermediate=layer["intermediate_size"],
         vocab=info.vocab_size, num_features=len(drafter.target_layer_ids()), seq_len=seq_len, batch=batch,
         checkpointing=checkpointing, params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
-        kv_expanded=expands_kv_heads(next(drafter.parameters()).device))
+        kv_expanded=expands_kv_heads(device if device is not None else next(drafter.parameters()).device))

@@ -100,6 +100,17 @@ def no_target_load(monkeypatch):
     monkeypatch.setattr(TargetModel, "from_pretrained", loaded)
 
 
+def config_only_dir(tmp_path) -> str:
+    """A model directory holding the debug target's config.json and nothing else (no weights, no tokenizer)."""
+    import shutil
+
+    from inference.assets.debug_target import resolve_debug_target
+
+    (tmp_path / "config_only").mkdir()
+    shutil.copy(os.path.join(resolve_debug_target("debug:tiny-llama"), "config.json"), tmp_path / "config_only")
+    return str(tmp_path / "config_only")
+
+
 def missing_tracker() -> str | None:
     """A tracker accelerate knows that is not installed here (None when every one is)."""
     from accelerate.tracking import get_available_trackers
@@ -118,6 +129,8 @@ def test_recipe_and_command_line_mistakes_answer_before_the_target_loads(tmp_pat
         ([*train, "train.batch_size=-1"], "draftsmith train: error: train.batch_size must be >= 1, got -1"),
         ([*train, "train.epochs=0"], "draftsmith train: error: train.epochs must be > 0, got 0"),
         ([*train, "data.max_length=1"], "draftsmith train: error: data.max_length must be >= 2 (tokens), got 1"),
+        (["estimate", RECIPE, f"target.name_or_path={config_only_dir(tmp_path)}"],
+         f"draftsmith estimate: error: target {tmp_path / 'config_only'}: no tokenizer could be read there"),
         (["train", RECIPE, f"output.dir={os.devnull}/run"],
          f"draftsmith train: error: output.dir: {os.devnull}/run cannot be created: {os.devnull} is a file"),
         (["train", RECIPE, f"output.dir={os.devnull}"],

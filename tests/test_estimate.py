@@ -111,3 +111,46 @@ def test_estimate_prints_a_step_peak_for_every_trained_kind(kind, tmp_path, caps
     assert main([recipe, *overrides, "--no-probe"]) == 0
     assert "one training step of the drafter (model, fp32, micro-batch 2 x 64 tokens" in capsys.readouterr().out
 
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_a_target_without_weights_is_planned_from_its_config(kind, tmp_path, capsys, monkeypatch):
+    """A target directory holding config.json and the tokenizer only (what a planner downloads of a 671B model):
+    `estimate` reads no weight (a tripwire on every weight load) and prints every size the loaded target gives, only
+    the measured throughput missing; `--config-only` takes the same path where the weights are there."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from inference.assets.debug_target import resolve_debug_target
+    from inference.engine.target import TargetModel
+
+    weights = resolve_debug_target("debug:tiny-llama")
+    bare = tmp_path / "config_only"
+    shutil.copytree(weights, bare, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    _chats(tmp_path / "chats.jsonl")
+    recipe = str(Path(RECIPE).with_name(f"tiny_{kind}.yaml"))
+    common = [f"data.path={tmp_path / 'chats.jsonl'}", "data.num_samples=null", "data.num_eval_samples=2",
+              f"data.cache_dir={tmp_path / 'datasets'}", "data.max_length=64", "train.batch_size=2",
+              "eval.num_prompts=0"]
+
+    def sizes(printed: str) -> list[str]:  # what does not depend on where the target was read from, or on time
+        return [line for line in printed.splitlines()
+                if line and not line.startswith(("config only:", "target ", "time:"))]
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(TargetModel, "from_pretrained", no_weights)
+        patch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+        assert main([recipe, f"target.name_or_path={bare}", *common, "--world-size", "8"]) == 0
+        planned = capsys.readouterr().out
+        assert main([recipe, f"target.name_or_path={weights}", *common, "--world-size", "8", "--config-only"]) == 0
+        forced = capsys.readouterr().out
+    assert main([recipe, f"target.name_or_path={weights}", *common, "--world-size", "8", "--no-probe"]) == 0
+    loaded = capsys.readouterr().out
+    assert planned.startswith(f"config only: {bare} read without its weights")
+    assert "time: not measured (--config-only" in planned and "tokens/s measured" in loaded
+    assert sizes(planned) == sizes(loaded) == sizes(forced)
+    assert any(line.startswith("one training step of the drafter") for line in sizes(planned))

@@ -31,7 +31,8 @@ import torch
 
 from drafters.base import Drafter
 from drafters.step_memory import step_peak_parts, step_shape
-from inference.engine.target import LOGIT_CHUNK_VALUES, synchronize
+from inference.assets.store import resolve_target
+from inference.engine.target import LOGIT_CHUNK_VALUES, TargetModel, resolve_dtype, synchronize
 from train.build import build_drafter, build_trainer, load_data, load_target, process_state
 from train.config import Recipe, load_recipe, recipe_parser
 from train.data.dataset import check_sources
@@ -226,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="processes (GPUs) to plan the memory for (default: this launch's)")
     parser.add_argument("--probe-steps", type=int, default=3, help="optimizer steps the probe times (default 3)")
     parser.add_argument("--no-probe", action="store_true", help="skip the probe (no steps/hour, no activations)")
+    parser.add_argument("--config-only", action="store_true",
+                        help="read only the target's config.json and tokenizer, no weights (a target too large for "
+                             "this machine; implies --no-probe, and the feature throughput is not measured); chosen "
+                             "by itself when the target directory holds no weight files")
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="memory of one GPU for naming the target placement that fits (default: this machine's "
                              "accelerator, else 192, an MI300X)")
@@ -239,16 +244,41 @@ def print_cache_estimate(recipe: Recipe, target, data, request, num_processes: i
     lengths = {split: sum(sample_lengths(dataset)) for split, dataset in (("train", data.train), ("eval", data.eval))}
     total_tokens = sum(lengths.values())
     per_token = cache_bytes_per_token(len(layer_ids), info.hidden_size, dtype, request.top_k_logits)
-    rate = measure_throughput(target, data.train, request, recipe.train.batch_size, target.pad_token_id)
-    seconds = total_tokens / rate
     print(f"target {info.name_or_path}: D={info.hidden_size}, layer ids {list(layer_ids)} + final norm, "
           f"cache dtype {str(dtype).removeprefix('torch.')}")
     print(f"data: {len(data.train)} train + {len(data.eval)} eval samples, {lengths['train']:,} + "
           f"{lengths['eval']:,} = {total_tokens:,} tokens")
     print(f"disk: {per_token:,} bytes/token x {total_tokens:,} tokens = {human_bytes(per_token * total_tokens)}")
+    if is_meta(target):
+        print("time: not measured (--config-only: the target's weights were not read)")
+        return
+    rate = measure_throughput(target, data.train, request, recipe.train.batch_size, target.pad_token_id)
+    seconds = total_tokens / rate
     print(f"time: {rate:,.0f} tokens/s measured on {device} (batch {recipe.train.batch_size}) -> "
           f"{human_seconds(seconds)} on one process, {human_seconds(seconds / num_processes)} with "
           f"{num_processes} process(es)")
+
+
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def holds_weights(directory: str) -> bool:
+    """Whether a model directory holds weight files (a safetensors or PyTorch checkpoint, sharded or not)."""
+    return any(name.endswith(WEIGHT_FILES) for name in os.listdir(directory))
+
+
+def is_meta(target) -> bool:
+    return next(target.model.parameters()).device.type == "meta"
+
+
+def config_only_target(recipe: Recipe, device) -> TargetModel:
+    """The target from its config.json and tokenizer only, on the meta device (TargetModel.from_config), and a note
+    saying so; its sizes are those of the loaded model."""
+    target = TargetModel.from_config(recipe.target.name_or_path,
+                                     dtype=resolve_dtype(recipe.target.dtype, device))
+    print(f"config only: {target.name_or_path} read without its weights (sizes from config.json; no probe, no "
+          "throughput)")
+    return target
 
 
 def recipe_sizes(recipe: Recipe, target, drafter: torch.nn.Module, activation_bytes: int | None,
@@ -290,10 +320,12 @@ def print_memory(sizes: RecipeSizes, world_size: int, recipe: Recipe) -> None:
         print("  (drafter activations not measured: --no-probe)")
 
 
-def print_step_peak(recipe: Recipe, drafter: torch.nn.Module) -> int | None:
-    """One training step's peak (drafters/step_memory.py) for the recipe's micro-batch at data.max_length; None for a
+def print_step_peak(recipe: Recipe, drafter: torch.nn.Module, device) -> int | None:
+    """One training step's peak (drafters/step_memory.py) for the recipe's micro-batch at data.max_length on
+    `device` (this launch's: the drafter may have been built elsewhere, on the CPU or the meta device); None for a
     drafter the model does not cover."""
-    shape = step_shape(drafter, recipe.data.max_length, recipe.train.batch_size, recipe.train.activation_checkpointing)
+    shape = step_shape(drafter, recipe.data.max_length, recipe.train.batch_size, recipe.train.activation_checkpointing,
+                       device)
     if shape is None:
         return None
     parts = step_peak_parts(shape)
@@ -341,9 +373,15 @@ def main(argv: list[str] | None = None) -> int:
     state = process_state(recipe)
     world_size = state.num_processes if args.world_size is None else args.world_size
     drafter_state_bytes(0, "ddp", world_size)  # checks --world-size before anything is loaded
+    config_only = args.config_only or not holds_weights(resolve_target(recipe.target.name_or_path))
     with tempfile.TemporaryDirectory(prefix="draftsmith-estimate-") as scratch:
         result = None
-        if args.no_probe:
+        if config_only:
+            target = config_only_target(recipe, state.device)
+            data = load_data(recipe, target, state)
+            with torch.device("meta"):  # shapes only: a drafter that copies target weights copies nothing
+                drafter = build_drafter(recipe, target)
+        elif args.no_probe:
             target = load_target(recipe, state.device, whole=True)
             data = load_data(recipe, target, state)
             drafter = build_drafter(recipe, target)
@@ -355,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = recipe_sizes(recipe, target, drafter, *((None, "no") if result is None else
                                                         (result.activation_bytes, result.precision)))
         print_memory(sizes, world_size, recipe)
-        print_step_peak(recipe, drafter)
+        print_step_peak(recipe, drafter, state.device)
         print_placements(sizes, world_size, recipe, *gpu)
         if result is not None:
             print_probe(result, recipe, trainer.derived, state.device)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from drafters.base import FeatureRequest, TargetInfo
 from drafters.ragged_lm import RaggedLM
@@ -78,6 +78,17 @@ def resolve_dtype(name: str, device) -> torch.dtype:
 TARGET_PLACEMENTS = ("replicated", "sharded", "head")
 
 
+def load_tokenizer(path: str):
+    """The tokenizer of model directory `path`; one line naming the directory when it holds none that loads
+    (transformers' own message spans lines)."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0].rstrip(": ") if str(err).strip() else type(err).__name__
+        raise ValueError(f"target {path}: no tokenizer could be read there ({first}); put the model's tokenizer "
+                         "files (tokenizer.json, tokenizer_config.json) beside its config.json") from None
+
+
 class TargetModel:
     """The frozen target. `runner` holds the engine's KV cache (one generation at a time).
 
@@ -116,9 +127,20 @@ class TargetModel:
         """Load a target by name (the embedded default) or HF directory; never downloads. backend: what runs its
         forward (the model's own by default; `path` and `decode` say what runs)."""
         path = resolve_target(name_or_path)
+        tokenizer = load_tokenizer(path)  # first: a directory without one fails before its weights load
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model, tokenizer, name_or_path=path, backend=backend)
+
+    @classmethod
+    def from_config(cls, name_or_path: str, *, dtype=torch.float32) -> "TargetModel":
+        """The target's modules on the meta device, built from its config.json, with its tokenizer: every parameter's
+        shape and dtype and no weight read or allocated (`draftsmith estimate --config-only` plans a target too
+        large for this machine from its config and tokenizer files alone). It cannot run a forward."""
+        path = resolve_target(name_or_path)
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return cls(model, load_tokenizer(path), name_or_path=path)
 
     def serve(self, drafter):
         """`drafter` as this target serves it at inference (eval, doctor, calibrate; None passes through): in eval
