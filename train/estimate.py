@@ -347,8 +347,10 @@ def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_by
     target = {p: target_bytes_per_gpu(p, **shape) for p in PLACEMENTS}
     totals = {p: target[p] + rest for p in PLACEMENTS}
     print(f"target placement per GPU at world size {world_size} (target.placement; totals with DDP drafter state):")
+    gathered = (sizes.target_params - sizes.head_params) * sizes.target_bytes_per_param * (world_size - 1) // world_size
     for placement, note in (("replicated", "every process holds all of it"),
-                            ("sharded", "FSDP2, the head whole + 1/W of the layers + two gathered; online features"),
+                            ("sharded", "FSDP2, the head whole + 1/W of the layers + two gathered; online features; "
+                                        f"each GPU receives {human_bytes(gathered)} of layers every forward"),
                             ("served", "head only; vLLM holds the decoder, offline features")):
         print(f"  {placement:11} target {human_bytes(target[placement]):>11}  total "
               f"{human_bytes(totals[placement]):>11}  ({note})")
@@ -359,7 +361,9 @@ def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_by
           "plus its KV cache")
     fits = fitting_placement(totals, gpu_bytes)
     print(f"  fits {human_bytes(gpu_bytes)} per GPU ({gpu_source}): "
-          + (f"target.placement: {fits}" if fits else "none; shard the drafter (fsdp/zero3) or use more GPUs"))
+          + (f"target.placement: {fits}" if fits else "none; shard the drafter (fsdp/zero3) or use more GPUs")
+          + (" (the first that fits; weigh the layers it gathers every forward against served's vLLM GPUs)"
+             if fits == "sharded" else ""))
     return fits
 
 
