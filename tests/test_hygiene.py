@@ -150,6 +150,8 @@ def test_a_target_with_remote_code_is_refused_without_running_it(tmp_path):
         "auto_map": {"AutoConfig": "remote.RemoteConfig", "AutoModelForCausalLM": "remote.RemoteModel"}}))
     with pytest.raises(ValueError, match="trust_remote_code"):
         TargetModel.from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="trust_remote_code"):  # estimate's config-only path reads the config too
+        TargetModel.from_config(str(tmp_path))
     assert not marker.exists()
 
 

@@ -127,9 +127,8 @@ class TargetModel:
         """Load a target by name (the embedded default) or HF directory; never downloads. backend: what runs its
         forward (the model's own by default; `path` and `decode` say what runs)."""
         path = resolve_target(name_or_path)
-        tokenizer = load_tokenizer(path)  # first: a directory without one fails before its weights load
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        return cls(model, tokenizer, name_or_path=path, backend=backend)
+        return cls(model, load_tokenizer(path), name_or_path=path, backend=backend)
 
     @classmethod
     def from_config(cls, name_or_path: str, *, dtype=torch.float32) -> "TargetModel":
