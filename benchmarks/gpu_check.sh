@@ -11,7 +11,9 @@
 #
 # RESULTS_DIR (default $OUT, else runs/gpu_check) receives three files and nothing else: summary.md, summary.json
 # (one entry per section: ok / failed with a one-line cause / skipped, the seconds and the numbers measured) and
-# logs.tgz (every log; training runs stay in --work, default /tmp/gpu_check). Sections, in order of value:
+# logs.tgz (every log; training runs stay in --work, default /tmp/gpu_check, and a new run clears only those of the
+# sections it runs: `--sections D` on the same machine decodes what an earlier call's B trained). Sections, in order of
+# value:
 #   A. environment; masked SDPA of each backend against an fp32 reference (pytorch#147460 on ROCm);
 #   B. every drafter kind's debug recipe against a bf16 tiny target on the shipped regenerated data: finite losses,
 #      the in-training probe, resume from a checkpoint;

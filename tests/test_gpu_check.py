@@ -46,3 +46,24 @@ def test_the_cpu_dry_run_passes_every_section(tmp_path):
     with tarfile.open(tmp_path / "out" / "logs.tgz") as archive:
         names = archive.getnames()
     assert "logs/worker-1.log" in names and "logs/d_eval_float32.log" in names
+
+
+def test_a_new_run_keeps_the_runs_of_the_sections_it_does_not_run(tmp_path):
+    """`--sections D` on the machine where an earlier call ran B decodes B's drafters: a run clears its logs and the
+    runs of its own sections only, and every run when the earlier ones were made in the other mode (CPU / GPU)."""
+    from benchmarks.gpu_check.__main__ import clear_work
+
+    work = tmp_path / "work"
+    for part in ("logs/worker-1.log", "runs/b/eagle3/final/config.json", "runs/d/float32/report.json",
+                 "cache/kernels.json"):
+        (work / part).parent.mkdir(parents=True, exist_ok=True)
+        (work / part).write_text("{}")
+    clear_work(str(work), "gpu", list("ABCDEFG"))  # the first run: everything it made is gone, caches stay
+    assert sorted(os.listdir(work / "runs")) == ["mode"] and (work / "cache/kernels.json").exists()
+    assert not (work / "logs").exists()
+    (work / "runs/b/eagle3/final").mkdir(parents=True)
+    (work / "runs/d").mkdir()
+    clear_work(str(work), "gpu", ["D"])  # D again, alone: B's drafters stay, D's own runs go
+    assert (work / "runs/b/eagle3/final").is_dir() and not (work / "runs/d").exists()
+    clear_work(str(work), "cpu", ["D"])  # a dry run after a GPU run: nothing of the GPU's is decoded as its own
+    assert sorted(os.listdir(work / "runs")) == ["mode"] and (work / "runs/mode").read_text() == "cpu"

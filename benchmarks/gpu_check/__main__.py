@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from benchmarks.gpu_check.summary import TITLES, Summary, last_error_line, pack_logs
 from benchmarks.gpu_check.worker import MIN_START
@@ -31,7 +32,22 @@ DEADLINES = {"gpu": 510.0, "cpu": 280.0}
 GRACE = 15.0  # seconds past a section's own deadline before its worker is killed (its checks stop it first)
 RESERVE = 5.0  # seconds kept for the last summary and logs.tgz
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OWN_DIRS = ("logs", "runs")  # what a new run clears in the work dir (its caches stay: cache/, hf/)
+RUNS = "runs"  # runs/<section letter>: each section's training runs and reports
+
+
+def clear_work(work: str, mode: str, sections: list[str]) -> None:
+    """What a new run clears in the work dir: its logs, and the runs of the sections it runs (all of them when the
+    runs there were made in the other mode). The caches stay (cache/, hf/), and so do the runs of the sections it
+    does not run: `--sections D` on the same machine decodes the drafters an earlier call's B trained."""
+    shutil.rmtree(os.path.join(work, "logs"), ignore_errors=True)
+    runs = os.path.join(work, RUNS)
+    stamp = Path(runs, "mode")
+    if not stamp.is_file() or stamp.read_text() != mode:
+        shutil.rmtree(runs, ignore_errors=True)
+    for letter in sections:
+        shutil.rmtree(os.path.join(runs, letter.lower()), ignore_errors=True)
+    os.makedirs(runs, exist_ok=True)
+    stamp.write_text(mode)
 
 
 class Stopped(Exception):
@@ -87,8 +103,7 @@ class Run:
                                         else DEADLINES[self.mode] * args.slack)
         self.caps = {letter: cap * args.slack for letter, cap in CAPS[self.mode].items()}
         self.work, self.logs = args.work, os.path.join(args.work, "logs")
-        for name in OWN_DIRS:
-            shutil.rmtree(os.path.join(self.work, name), ignore_errors=True)
+        clear_work(self.work, self.mode, args.sections)
         os.makedirs(self.logs)
         self.progress = os.path.join(self.logs, "progress.jsonl")
         self.plan_path = os.path.join(self.work, "plan.json")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import torch
 
@@ -140,7 +141,10 @@ def in_process(ctx: Context, drafters: dict[str, str]) -> tuple[dict, list[str]]
 
 def run(ctx: Context) -> dict:
     drafters = trained_drafters(ctx)
-    numbers: dict = {"drafters_from_b": sorted(drafters)}
+    made = [os.path.getmtime(os.path.join(d, "config.json")) for d in drafters.values()]
+    # B of this call, or of an earlier one on the same machine (`--sections D` alone): the age says which
+    numbers: dict = {"drafters_from_b": sorted(drafters),
+                     "b_drafters_age_s": round(time.time() - min(made)) if made else None}
     missing = sorted(set(KINDS) - set(drafters))
     failures = [f"B left no trained drafter for {missing}"] if missing else []
     for dtype in ("float32", "bfloat16"):
