@@ -362,3 +362,31 @@ def test_specforge_model_class_reproduces_our_logits(tmp_path):
     computed = ~ours.isnan().any(-1)
     print(f"peer max abs diff {(theirs[computed] - ours[computed]).abs().max().item():.3g}")
     torch.testing.assert_close(theirs[computed], ours[computed], rtol=0, atol=1e-4)
+
+
+def test_export_reads_only_the_head_of_a_safetensors_target(tmp_path, monkeypatch):
+    """`draftsmith export` reads of the target only what a format carries (embeddings, final norm, lm_head: the
+    decoder's weights are never loaded), and writes the same bytes as from the whole target."""
+    from transformers import AutoModelForCausalLM
+
+    import train.export
+    from drafters import DRAFTERS
+    from inference.engine.target import TargetModel
+    from train.export import main as export
+
+    info = TargetModel.from_pretrained("debug:tiny-llama").target_info()
+    drafter = DRAFTERS["eagle3"](DRAFTERS["eagle3"].Config(draft_vocab_size=128), info)
+    drafter.save(str(tmp_path / "final"), "native")
+    with monkeypatch.context() as whole:  # the reference: the whole target loaded, as export did before
+        whole.setattr(train.export, "head_target",
+                      lambda path, dtype, device: TargetModel.from_pretrained(path, dtype=dtype, device=device))
+        assert export([str(tmp_path / "final"), "--format", "speculators", "--out", str(tmp_path / "whole")]) == 0
+
+    def whole_target(*args, **kwargs):
+        raise AssertionError("export loaded the whole target")
+
+    monkeypatch.setattr(TargetModel, "from_pretrained", whole_target)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", whole_target)
+    assert export([str(tmp_path / "final"), "--format", "speculators", "--out", str(tmp_path / "head")]) == 0
+    for name in os.listdir(tmp_path / "whole"):
+        assert (tmp_path / "head" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name

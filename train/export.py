@@ -8,9 +8,10 @@ speculators | deepspec; MTP deepseek_v3 | qwen3_next | qwen3_5 | mimo | speculat
     draftsmith export runs/smollm2_eagle3/final --format speculators --out runs/smollm2_eagle3/speculators
 
 CKPT is any directory `draftsmith eval --drafter` takes (native or any layout above), or a training checkpoint
-(<output.dir>/checkpoints/step_N, resume state): its drafter is rebuilt from the checkpoint's recipe and weights. The target is loaded
-(offline) to check the checkpoint against it and to supply the shared tensors the formats carry (the frozen
-embedding); it is read from the checkpoint unless --target names it. --verifier-name is the model id written as the
+(<output.dir>/checkpoints/step_N, resume state): its drafter is rebuilt from the checkpoint's recipe and weights. The target's
+head is read (offline) to check the checkpoint against it and to supply the shared tensors the formats carry (the
+frozen embedding): from safetensors only the embeddings, final norm and lm_head (`export_target`); it is the
+checkpoint's target unless --target names it. --verifier-name is the model id written as the
 verifier in the speculators config, which vLLM serves as the main model: by default the target's Hugging Face Hub id
 where its name or path shows one (the embedded SmolLM2, a Hub cache snapshot), else its local path, with a warning.
 Every argument is checked before the target loads.
@@ -38,11 +39,12 @@ import torch
 from drafters import DRAFTERS, check_drafter_spec, check_trained_for, checkpoint_kind, training_run_hint
 from drafters.files import check_writable_dir, replace_directory
 from drafters.vocab import DraftHead
-from inference.assets.store import hub_name, target_config
+from inference.assets.store import hub_name, resolve_target, target_config
 from inference.engine.target import TargetModel
 from train.config import load_recipe
 from train.data.dataset import build_dataset
 from train.data.vocab import count_tokens
+from train.features.vllm_features import head_target
 from train.fit.checkpoint import is_training_checkpoint, load_trained_drafter
 
 
@@ -189,10 +191,20 @@ def reduce_draft_vocab(drafter, checkpoint: str, target: TargetModel, size: int)
           f"{len(data.train)} training conversations it was trained on")
 
 
+def export_target(name: str) -> TargetModel:
+    """What export reads of the target, in float32: the sizes, the tokenizer and the head's tensors a format carries
+    (embeddings, final norm, lm_head). From safetensors files only those are read (`head_target`: the decoder stays
+    on the meta device, so a 70B target's drafter exports in a few GB); any other layout loads whole."""
+    path = resolve_target(name)
+    if any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
+        return head_target(path, torch.float32, "cpu")
+    return TargetModel.from_pretrained(name, dtype=torch.float32)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     target_name = check_arguments(args)
-    target = TargetModel.from_pretrained(target_name, dtype=torch.float32)
+    target = export_target(target_name)
     info = target.target_info()
     if args.format == "speculators":
         name = verifier_name(args.verifier_name, target_name)
