@@ -154,3 +154,17 @@ def test_a_target_without_weights_is_planned_from_its_config(kind, tmp_path, cap
     assert "time: not measured (--config-only" in planned and "tokens/s measured" in loaded
     assert sizes(planned) == sizes(loaded) == sizes(forced)
     assert any(line.startswith("one training step of the drafter") for line in sizes(planned))
+
+
+def test_a_checkpoint_in_fp8_is_served_at_one_byte_a_weight():
+    """vLLM serves DeepSeek-V3's released fp8 weights as they are: the engine's weights per GPU count one byte each;
+    any other checkpoint is served in the training dtype."""
+    from transformers import LlamaConfig
+
+    from train.estimate import served_bytes_per_param
+    from train.features.placement import engine_bytes_per_gpu
+
+    fp8 = LlamaConfig(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert served_bytes_per_param(fp8) == 1 and served_bytes_per_param(LlamaConfig()) is None
+    assert engine_bytes_per_gpu(params=671_000, bytes_per_param=served_bytes_per_param(fp8),
+                                tensor_parallel_size=8) == 83_875

@@ -85,6 +85,7 @@ class RecipeSizes:
     activation_bytes: int | None  # measured for one micro-batch (None = not measured)
     largest_layer_params: int = 0  # the target's largest decoder layer (what FSDP2 gathers at once)
     head_params: int = 0  # the target's embeddings, final norm and lm_head (tied ones once)
+    engine_bytes_per_param: int | None = None  # the checkpoint's own when quantized (fp8: 1), as vLLM serves it
     mixed_precision: str = "bf16"  # the run's on a GPU (launch.resolve_mixed_precision)
     measured_precision: str = "no"  # the probe's, which activation_bytes were measured under
 
@@ -302,9 +303,19 @@ def recipe_sizes(recipe: Recipe, target, drafter: torch.nn.Module, activation_by
                        head_params=sum({id(p): p.numel() for module in (
                            target.model.get_input_embeddings(), target.final_norm,
                            target.model.get_output_embeddings()) for p in module.parameters()}.values()),
+                       engine_bytes_per_param=served_bytes_per_param(target.model.config),
                        mixed_precision=resolve_mixed_precision(recipe.train.mixed_precision, accelerator=True,
                                                                launcher=os.environ.get(PRECISION_ENV)),
                        measured_precision=measured_precision)
+
+
+def served_bytes_per_param(config) -> int | None:
+    """1 for a checkpoint whose config.json declares fp8 weights (DeepSeek-V3 as released), which vLLM serves as
+    they are; None (the training dtype) otherwise."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    return 1 if quantization.get("quant_method") == "fp8" else None
 
 
 def print_memory(sizes: RecipeSizes, world_size: int, recipe: Recipe) -> None:
@@ -355,10 +366,11 @@ def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_by
         print(f"  {placement:11} target {human_bytes(target[placement]):>11}  total "
               f"{human_bytes(totals[placement]):>11}  ({note})")
     tp = recipe.features.vllm.tensor_parallel_size
-    engine = engine_bytes_per_gpu(params=sizes.target_params, bytes_per_param=sizes.target_bytes_per_param,
+    engine = engine_bytes_per_gpu(params=sizes.target_params,
+                                  bytes_per_param=sizes.engine_bytes_per_param or sizes.target_bytes_per_param,
                                   tensor_parallel_size=tp)
-    print(f"  vLLM engine: {human_bytes(engine)} of weights per GPU at features.vllm.tensor_parallel_size {tp}, "
-          "plus its KV cache")
+    print(f"  vLLM engine: {human_bytes(engine)} of weights per GPU at features.vllm.tensor_parallel_size {tp}"
+          + (" (the checkpoint's fp8)" if sizes.engine_bytes_per_param == 1 else "") + ", plus its KV cache")
     fits = fitting_placement(totals, gpu_bytes)
     print(f"  fits {human_bytes(gpu_bytes)} per GPU ({gpu_source}): "
           + (f"target.placement: {fits}" if fits else "none; shard the drafter (fsdp/zero3) or use more GPUs")
