@@ -17,10 +17,11 @@ import os
 import pytest
 import torch
 
+from inference.engine.target import head_target
 from train.cli import main as cli
 from train.config import load_recipe
-from train.features.vllm_features import (data_parallel, engine_kwargs, head_outputs, head_target, pin_devices, vllm_layer_ids,
-                                 written)
+from train.features.vllm_features import (data_parallel, engine_kwargs, head_outputs, pin_devices, vllm_layer_ids,
+                                          written)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "recipes", "debug", "tiny_eagle3.yaml")

@@ -14,14 +14,13 @@ from accelerate.utils import set_seed
 
 from drafters import DRAFTERS
 from inference.assets.store import resolve_target
-from inference.engine.target import TargetModel, resolve_dtype
+from inference.engine.target import TargetModel, head_target, resolve_dtype
 from train.config import Derived, Recipe, TrainConfig, derive, recipe_to_dict, save_recipe
 from train.data.dataset import build_dataset
 from train.data.vocab import count_tokens
 from train.features.cache import FeatureCache, FeatureProvider, cache_meta, training_request
 from train.features.placement import check_sharding_supported, shard_target
 from train.features.stream import StreamDir, StreamedEvalFeatures, StreamedFeatures, StreamPlan
-from train.features.vllm_features import head_target
 from train.fit.checkpoint import load_checkpoint, resolve_resume
 from train.fit.launch import PRECISION_ENV, fill_deepspeed_config, process_group_kwargs, resolve_mixed_precision
 from train.fit.loop import RunClock, Trainer

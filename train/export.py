@@ -40,11 +40,10 @@ from drafters import DRAFTERS, check_drafter_spec, check_trained_for, checkpoint
 from drafters.files import check_writable_dir, replace_directory
 from drafters.vocab import DraftHead
 from inference.assets.store import hub_name, resolve_target, target_config
-from inference.engine.target import TargetModel
+from inference.engine.target import TargetModel, head_target
 from train.config import load_recipe
 from train.data.dataset import build_dataset
 from train.data.vocab import count_tokens
-from train.features.vllm_features import head_target
 from train.fit.checkpoint import is_training_checkpoint, load_trained_drafter
 
 

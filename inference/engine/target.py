@@ -9,10 +9,13 @@ for are captured; nothing else is materialised.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from drafters.base import FeatureRequest, TargetInfo
@@ -391,3 +394,37 @@ class TargetModel:
         row kept: its kept tokens are the last ones of its sequence, so position j is length - kept + j."""
         steps = torch.arange(valid.shape[1], device=valid.device)
         return self.lengths[:, None] - valid.long().sum(-1, keepdim=True) + steps
+
+
+def head_target(path: str, dtype: torch.dtype, device):
+    """The target with only its input embeddings, final norm and lm_head loaded (on `device`) from its safetensors
+    files; every other weight stays on the meta device, so this process never holds the decoder layers (the served
+    placement, the vLLM feature extractor, `draftsmith export`)."""
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied lm_head is named as the embeddings
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+    else:
+        with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+            weight_map = {key: "model.safetensors" for key in f.keys()}
+    embed = names[id(model.get_input_embeddings().weight)]
+    wanted = {}
+    for module in (model.get_input_embeddings(), model.get_decoder().norm, model.get_output_embeddings()):
+        for parameter in module.parameters():
+            name = names[id(parameter)]
+            key = name if name in weight_map else embed  # a tied lm_head is stored as the embeddings
+            if key not in weight_map:
+                raise ValueError(f"target {path}: weight {name} is not in its safetensors files")
+            wanted[name] = key
+    state = {}
+    for name, key in wanted.items():
+        with safe_open(os.path.join(path, weight_map[key]), framework="pt") as f:
+            state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    return TargetModel(model, load_tokenizer(path), name_or_path=path, placement="head")

@@ -3,7 +3,7 @@
 - "replicated" (default): every process holds the whole target (docs/distributed.md explains why that is right
   while it fits: no collective in its forward).
 - "served": the target runs in a serving engine (vLLM, `features.extractor: vllm`) that filled the offline cache;
-  training loads only the embeddings, final norm and lm_head (train/vllm_features.head_target), which the drafter
+  training loads only the embeddings, final norm and lm_head (inference/engine/target.head_target), which the drafter
   shares or reads. Offline or streamed features only; a warm start from target decoder layers is not available then.
 - "sharded": torch FSDP2 (`fully_shard`) over all training processes, forward only. Every decoder layer is its own
   unit, all-gathered for its forward and freed after it, so a process holds 1/W of the decoder plus one layer

@@ -23,13 +23,11 @@ import time
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from inference.assets.store import resolve_target
-from inference.engine.target import TargetModel, resolve_dtype
+from inference.engine.target import head_target, resolve_dtype
 from train.features.cache import sample_lengths, samples_to_write
 
 CONNECTOR = ("DraftsmithHiddenStatesConnector", "train.features.vllm_connector")
@@ -92,39 +90,6 @@ def pin_devices(settings, local_index: int, num_processes: int, device_type: str
         raise ValueError(f"features.vllm.tensor_parallel_size {tp} x {num_processes} processes needs "
                          f"{tp * num_processes} GPUs, {len(visible)} are visible")
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
-
-
-def head_target(path: str, dtype: torch.dtype, device):
-    """The target with only its input embeddings, final norm and lm_head loaded (on `device`); every other weight
-    stays on the meta device, so this process never holds the decoder layers."""
-    config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    names = {id(p): n for n, p in model.named_parameters()}  # a tied lm_head is named as the embeddings
-    index_path = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-    else:
-        with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
-            weight_map = {key: "model.safetensors" for key in f.keys()}
-    embed = names[id(model.get_input_embeddings().weight)]
-    wanted = {}
-    for module in (model.get_input_embeddings(), model.get_decoder().norm, model.get_output_embeddings()):
-        for parameter in module.parameters():
-            name = names[id(parameter)]
-            key = name if name in weight_map else embed  # a tied lm_head is stored as the embeddings
-            if key not in weight_map:
-                raise ValueError(f"target {path}: weight {name} is not in its safetensors files")
-            wanted[name] = key
-    state = {}
-    for name, key in wanted.items():
-        with safe_open(os.path.join(path, weight_map[key]), framework="pt") as f:
-            state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
-    model.load_state_dict(state, strict=False, assign=True)
-    if getattr(config, "tie_word_embeddings", False):
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    return TargetModel(model, AutoTokenizer.from_pretrained(path), name_or_path=path, placement="head")
 
 
 @torch.no_grad()
