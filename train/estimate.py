@@ -14,6 +14,10 @@
    features, the drafter's full config; --no-probe skips it). The probe also measures the drafter's activation memory:
    the bytes autograd saves for backward on one micro-batch of the longest training samples, weights excluded.
 
+Without the target's weights (`--config-only`, or a target directory holding none: config.json and the tokenizer
+suffice) the target and the drafter are built on the meta device: every size above as with the weights, no feature
+throughput and no probe.
+
     draftsmith estimate recipes/smollm2/eagle3_full.yaml --world-size 8
 """
 
