@@ -40,7 +40,7 @@ from drafters import DRAFTERS, check_drafter_spec, check_trained_for, checkpoint
 from drafters.files import check_writable_dir, replace_directory
 from drafters.vocab import DraftHead
 from inference.assets.store import hub_name, resolve_target, target_config
-from inference.engine.target import TargetModel, head_target
+from inference.engine.target import TargetModel, head_target, holds_safetensors
 from train.config import load_recipe
 from train.data.dataset import build_dataset
 from train.data.vocab import count_tokens
@@ -195,7 +195,7 @@ def export_target(name: str) -> TargetModel:
     (embeddings, final norm, lm_head). From safetensors files only those are read (`head_target`: the decoder stays
     on the meta device, so a 70B target's drafter exports in a few GB); any other layout loads whole."""
     path = resolve_target(name)
-    if any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
+    if holds_safetensors(path):
         return head_target(path, torch.float32, "cpu")
     return TargetModel.from_pretrained(name, dtype=torch.float32)
 

@@ -139,10 +139,7 @@ class TargetModel:
         shape and dtype and no weight read or allocated (`draftsmith estimate --config-only` plans a target too
         large for this machine from its config and tokenizer files alone). It cannot run a forward."""
         path = resolve_target(name_or_path)
-        config = AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        return cls(model, load_tokenizer(path), name_or_path=path)
+        return cls(meta_model(path, dtype), load_tokenizer(path), name_or_path=path)
 
     def serve(self, drafter):
         """`drafter` as this target serves it at inference (eval, doctor, calibrate; None passes through): in eval
@@ -400,17 +397,15 @@ def head_target(path: str, dtype: torch.dtype, device):
     """The target with only its input embeddings, final norm and lm_head loaded (on `device`) from its safetensors
     files; every other weight stays on the meta device, so this process never holds the decoder layers (the served
     placement, the vLLM feature extractor, `draftsmith export`)."""
-    config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = meta_model(path, dtype)
     names = {id(p): n for n, p in model.named_parameters()}  # a tied lm_head is named as the embeddings
-    index_path = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as f:
+    single, index = SAFETENSORS_FILES
+    if os.path.exists(os.path.join(path, index)):
+        with open(os.path.join(path, index)) as f:
             weight_map = json.load(f)["weight_map"]
     else:
-        with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
-            weight_map = {key: "model.safetensors" for key in f.keys()}
+        with safe_open(os.path.join(path, single), framework="pt") as f:
+            weight_map = {key: single for key in f.keys()}
     embed = names[id(model.get_input_embeddings().weight)]
     wanted = {}
     for module in (model.get_input_embeddings(), model.get_decoder().norm, model.get_output_embeddings()):
@@ -425,6 +420,22 @@ def head_target(path: str, dtype: torch.dtype, device):
         with safe_open(os.path.join(path, weight_map[key]), framework="pt") as f:
             state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=False, assign=True)
-    if getattr(config, "tie_word_embeddings", False):
+    if getattr(model.config, "tie_word_embeddings", False):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     return TargetModel(model, load_tokenizer(path), name_or_path=path, placement="head")
+
+
+SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")  # one file, or the index of its shards
+
+
+def holds_safetensors(path: str) -> bool:
+    """Whether model directory `path` keeps its weights in safetensors, the files `head_target` reads."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in SAFETENSORS_FILES)
+
+
+def meta_model(path: str, dtype: torch.dtype):
+    """The model of directory `path` built from its config.json on the meta device: every parameter's shape and dtype,
+    no weight read or allocated."""
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
