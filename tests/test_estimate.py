@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.estimate import (RecipeSizes, activation_bytes, drafter_state_bytes, main, memory_plan,
-                            saved_tensor_storages, steps_per_hour)
+from train.estimate import activation_bytes, main, saved_tensor_storages, steps_per_hour
+from train.memory_plan import RecipeSizes, drafter_state_bytes, memory_plan
 
 RECIPE = str(Path(__file__).resolve().parent.parent / "recipes" / "debug" / "tiny_eagle3.yaml")
 SIZES = RecipeSizes(target_params=1000, target_bytes_per_param=2, drafter_trainable=100, drafter_frozen_values=10,
@@ -161,7 +161,7 @@ def test_a_checkpoint_in_fp8_is_served_at_one_byte_a_weight():
     any other checkpoint is served in the training dtype."""
     from transformers import LlamaConfig
 
-    from train.estimate import served_bytes_per_param
+    from train.memory_plan import served_bytes_per_param
     from train.features.placement import engine_bytes_per_gpu
 
     fp8 = LlamaConfig(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})

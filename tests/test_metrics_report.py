@@ -232,7 +232,7 @@ def test_tau_interval_is_a_bootstrap_over_questions():
     """Questions that all read the same tau give a zero-width interval at that tau; the interval holds the pooled tau
     and stays inside the range of the questions' own taus; it narrows as questions are added; it is seeded (the same
     report each run); under two questions there is none."""
-    from inference.evaluation.metrics import tau_interval
+    from inference.evaluation.intervals import tau_interval
 
     assert tau_interval([(10, 5), (20, 10), (4, 2)]) == [1.5, 1.5]
     per_question = [(10, 2), (10, 9), (8, 1), (12, 10), (10, 5)]
@@ -248,7 +248,7 @@ def test_tau_interval_is_a_bootstrap_over_questions():
 
 def test_question_counts_follow_the_rows_of_each_call():
     from inference.engine.run import GenerateOutput
-    from inference.evaluation.metrics import merge_counts, question_counts
+    from inference.evaluation.intervals import merge_counts, question_counts
 
     first = GenerateOutput([[1], [2]], [[1, 2], [0]], [[3, 3], [3]], 3)  # rows answer questions 4 and 7
     second = GenerateOutput([[1]], [[3, 3, 0]], [[3, 3, 3]], 3)  # question 4's second turn
@@ -260,7 +260,7 @@ def test_the_paired_difference_interval_cancels_what_the_questions_share():
     """Two drafters on the same questions whose per-question taus differ by about the same amount: the paired
     interval of the difference holds it and is narrower than either tau's own interval; identical drafters give
     [0, 0]; lists of other lengths give none."""
-    from inference.evaluation.metrics import tau_difference_interval, tau_interval
+    from inference.evaluation.intervals import tau_difference_interval, tau_interval
 
     base = [(40, 4), (40, 30), (40, 10), (40, 24), (40, 16), (40, 36), (40, 2), (40, 20)]
     better = [(rounds, accepted + 4) for rounds, accepted in base]  # +0.1 tau on every question
@@ -277,7 +277,7 @@ def test_the_paired_difference_interval_cancels_what_the_questions_share():
 def test_paired_tau_differences_pair_questions_by_index_within_each_k():
     """Each drafter against the first of its dataset, T, B and k, question by question (by index, whatever the
     order the records list them in); the baseline and single-drafter groups take no part; the report prints it."""
-    from inference.evaluation.metrics import paired_tau_differences
+    from inference.evaluation.intervals import paired_tau_differences
 
     def record(drafter, k, per_question, dataset="set", category="all"):
         return {"dataset": dataset, "category": category, "drafter": drafter, "temperature": 0.0, "batch_size": 1,

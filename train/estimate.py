@@ -6,7 +6,7 @@
    splits. Time: the target's feature throughput measured on a few real batches of the recipe's data, on this
    machine, after one warm-up batch.
 2. Memory per GPU for a world size (--world-size) under each strategy of recipes/accelerate: DDP, FSDP (FSDP2, full
-   shard), DeepSpeed ZeRO-2 and ZeRO-3 (`memory_plan`).
+   shard), DeepSpeed ZeRO-2 and ZeRO-3 (train/memory_plan.py).
 3. Peak memory of one training step of the drafter (every trained kind) at data.max_length, from its shapes alone
    (drafters/step_memory.py; EAGLE-3, DFlash and DSpark within 20% of the peak measured on CPU at 2k-16k tokens,
    docs/benchmarks.md "Long sequences"; MTP, Medusa and the assistant counted alike, not yet measured).
@@ -24,7 +24,6 @@ throughput and no probe.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import tempfile
@@ -37,84 +36,17 @@ from drafters.base import Drafter
 from drafters.step_memory import step_peak_parts, step_shape
 from inference.assets.store import resolve_target
 from inference.engine.target import LOGIT_CHUNK_VALUES, TargetModel, resolve_dtype, synchronize
+from inference.engine.target_files import holds_weights
 from train.build import build_drafter, build_trainer, load_data, load_target, process_state
 from train.config import Recipe, load_recipe, recipe_parser
 from train.data.dataset import check_sources
 from train.features.cache import FeatureProvider, make_batch, sample_lengths
 from train.features.placement import PLACEMENTS, engine_bytes_per_gpu, fitting_placement, target_bytes_per_gpu
 from train.fit.launch import PRECISION_ENV, resolve_mixed_precision
+from train.memory_plan import (STRATEGIES, RecipeSizes, cache_bytes_per_token, drafter_state_bytes, memory_plan,
+                               precision_name, served_bytes_per_param)
 
 NUM_TIMED_BATCHES = 2
-STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
-ADAM_BYTES_PER_PARAM = 16  # fp32 weights (or bf16 weights + fp32 master), fp32 gradients, two fp32 Adam moments
-
-
-def cache_bytes_per_token(num_hidden: int, hidden_size: int, dtype: torch.dtype, top_k: int = 0) -> int:
-    """(num_hidden + 1) hidden vectors of hidden_size values, + int32 argmax + int32 token id, + top-k values/ids."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return (num_hidden + 1) * hidden_size * size + 8 + top_k * (size + 4)
-
-
-def drafter_state_bytes(num_params: int, strategy: str, world_size: int, param_bytes: int = 2) -> int:
-    """Bytes per GPU of the drafter's weights, gradients and AdamW state: 16 per parameter in all (ZeRO paper,
-    section 3.1, K = 12 for mixed-precision Adam), of which a strategy shards some over world_size processes.
-
-    ddp: nothing sharded, 16 P. fsdp (FSDP2 full shard) and zero3: everything sharded, 16 P / W. zero2: the
-    param_bytes-byte working weights stay replicated (2 under bf16, 4 in fp32), the rest is sharded:
-    param_bytes P + (16 - param_bytes) P / W.
-    """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    if world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {world_size}")
-    total = ADAM_BYTES_PER_PARAM * num_params
-    if strategy == "ddp":
-        return total
-    if strategy == "zero2":
-        return param_bytes * num_params + math.ceil((total - param_bytes * num_params) / world_size)
-    return math.ceil(total / world_size)
-
-
-@dataclass(frozen=True)
-class RecipeSizes:
-    """What the memory of one recipe is made of, in parameters, values or bytes (see memory_plan)."""
-
-    target_params: int
-    target_bytes_per_param: int  # the target's dtype on a GPU (bf16 for target.dtype auto)
-    drafter_trainable: int
-    drafter_frozen_values: int  # drafter parameters that are not trained, and buffers
-    target_copy_values: int  # copies of target tensors in the drafter's dtype (FrozenTargetTensors; measured)
-    feature_values: int  # served features of one micro-batch at data.max_length, fp32
-    logit_chunk_values: int  # the bounded chunk of logits the target's argmax is computed through
-    activation_bytes: int | None  # measured for one micro-batch (None = not measured)
-    largest_layer_params: int = 0  # the target's largest decoder layer (what FSDP2 gathers at once)
-    head_params: int = 0  # the target's embeddings, final norm and lm_head (tied ones once)
-    engine_bytes_per_param: int | None = None  # the checkpoint's own when quantized (fp8: 1), as vLLM serves it
-    mixed_precision: str = "bf16"  # the run's on a GPU (launch.resolve_mixed_precision)
-    measured_precision: str = "no"  # the probe's, which activation_bytes were measured under
-
-
-def memory_plan(sizes: RecipeSizes, strategy: str, world_size: int) -> dict[str, int]:
-    """Bytes per GPU, by part. The frozen target is on every GPU in its dtype whatever the strategy (never wrapped
-    for training: no all-gather in its forward). Frozen tensors: the drafter's own frozen parameters and buffers plus
-    the fp32 copies of target tensors (FrozenTargetTensors) the probe measured, made only by an fp32 drafter without
-    autocast beside a 16-bit target. ZeRO-2's replicated working weights: the mixed precision's 16 bits, else fp32."""
-    copies = sizes.target_copy_values if sizes.target_bytes_per_param != 4 else 0
-    working_bytes = 2 if sizes.mixed_precision in ("bf16", "fp16") else 4
-    plan = {"target weights": sizes.target_params * sizes.target_bytes_per_param,
-            "drafter weights + grads + AdamW": drafter_state_bytes(
-                sizes.drafter_trainable, strategy, world_size, working_bytes),
-            "drafter frozen tensors (fp32)": 4 * (sizes.drafter_frozen_values + copies),
-            "served features + logit chunk": 4 * sizes.feature_values
-            + sizes.target_bytes_per_param * sizes.logit_chunk_values}
-    if sizes.activation_bytes is not None:  # autocast keeps 16-bit inputs for its matmuls, fp32 keeps 32-bit ones
-        plan[f"drafter activations (measured, {precision_name(sizes.measured_precision)})"] = sizes.activation_bytes
-    plan["total"] = sum(plan.values())
-    return plan
-
-
-def precision_name(mixed_precision: str) -> str:  # accelerate's "no" is fp32
-    return "fp32" if mixed_precision == "no" else mixed_precision
 
 
 def steps_per_hour(seconds_per_step: float) -> float:
@@ -264,14 +196,6 @@ def print_cache_estimate(recipe: Recipe, target, data, request, num_processes: i
           f"{num_processes} process(es)")
 
 
-WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def holds_weights(directory: str) -> bool:
-    """Whether a model directory holds weight files (a safetensors or PyTorch checkpoint, sharded or not)."""
-    return any(name.endswith(WEIGHT_FILES) for name in os.listdir(directory))
-
-
 def is_meta(target) -> bool:
     return next(target.model.parameters()).device.type == "meta"
 
@@ -311,15 +235,6 @@ def recipe_sizes(recipe: Recipe, target, drafter: torch.nn.Module, activation_by
                        mixed_precision=resolve_mixed_precision(recipe.train.mixed_precision, accelerator=True,
                                                                launcher=os.environ.get(PRECISION_ENV)),
                        measured_precision=measured_precision)
-
-
-def served_bytes_per_param(config) -> int | None:
-    """1 for a checkpoint whose config.json declares fp8 weights (DeepSeek-V3 as released), which vLLM serves as
-    they are; None (the training dtype) otherwise."""
-    quantization = getattr(config, "quantization_config", None) or {}
-    if not isinstance(quantization, dict):
-        quantization = quantization.to_dict()
-    return 1 if quantization.get("quant_method") == "fp8" else None
 
 
 def print_memory(sizes: RecipeSizes, world_size: int, recipe: Recipe) -> None:

@@ -40,7 +40,8 @@ from drafters import DRAFTERS, check_drafter_spec, check_trained_for, checkpoint
 from drafters.files import check_writable_dir, replace_directory
 from drafters.vocab import DraftHead
 from inference.assets.store import hub_name, resolve_target, target_config
-from inference.engine.target import TargetModel, head_target, holds_safetensors
+from inference.engine.target import TargetModel, head_target
+from inference.engine.target_files import holds_safetensors
 from train.config import load_recipe
 from train.data.dataset import build_dataset
 from train.data.vocab import count_tokens

@@ -7,8 +7,8 @@ parity"), on any drafter directory or training checkpoint.
 Each drafter decodes the first turn of `--num-prompts` questions of `--prompts` (greedy, `--max-new-tokens` new
 tokens, k drafts a round) with our engine against the target; heldout_tau = 1 + accepted / rounds over all prompts,
 with the accepted drafts per position, heldout_tau_ci95 (the bootstrap interval over the questions,
-inference/evaluation/metrics.tau_interval) and heldout_per_question ([rounds, accepted] per question, in prompt
-order: two drafters' files compare question by question, metrics.tau_difference_interval). A training checkpoint (<output.dir>/checkpoints/step_N) is read through its
+inference/evaluation/intervals.tau_interval) and heldout_per_question ([rounds, accepted] per question, in prompt
+order: two drafters' files compare question by question, intervals.tau_difference_interval). A training checkpoint (<output.dir>/checkpoints/step_N) is read through its
 recipe and weights (train/fit/checkpoint.py), any other directory through our readers (drafters.load_drafter).
 """
 
@@ -36,7 +36,8 @@ def first_turns(target, prompts: str, num_prompts: int | None) -> list[str]:
 def decode(target, drafter, prompts: list[str], k: int, max_new_tokens: int) -> dict:
     """Greedy speculative decoding of `prompts`: tau, rounds and accepted drafts per position."""
     from inference.engine.api import speculative_generate
-    from inference.evaluation.metrics import acceptance_counts, question_counts, tau_interval
+    from inference.evaluation.intervals import question_counts, tau_interval
+    from inference.evaluation.metrics import acceptance_counts
 
     out = speculative_generate(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=max_new_tokens)
     counts = acceptance_counts(out)

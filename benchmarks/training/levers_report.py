@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 from benchmarks.measure import write_measurement  # noqa: E402
-from inference.evaluation.metrics import tau_difference_interval  # noqa: E402
+from inference.evaluation.intervals import tau_difference_interval  # noqa: E402
 from train.fit.checkpoint import list_checkpoints  # noqa: E402
 
 LEVERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "levers.sh")

@@ -9,14 +9,11 @@ for are captured; nothing else is materialised.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from drafters.base import FeatureRequest, TargetInfo
 from drafters.ragged_lm import RaggedLM
@@ -24,6 +21,7 @@ from drafters.ragged_state import FamilyState
 from drafters.served import Served
 from inference.assets.store import resolve_target
 from inference.engine.backend import HfBackend, Prepared, Taps
+from inference.engine.target_files import load_head, load_tokenizer, meta_model
 
 LOGIT_CHUNK_VALUES = 1 << 26  # logits `features` holds at once without return_logits: 256 MiB in fp32
 
@@ -79,17 +77,6 @@ def resolve_dtype(name: str, device) -> torch.dtype:
 # "replicated": every weight in this process; "sharded": FSDP2 units across processes, the forward collective;
 # "head": only the embeddings, final norm and lm_head (the decoder runs in vLLM, or features come from a cache)
 TARGET_PLACEMENTS = ("replicated", "sharded", "head")
-
-
-def load_tokenizer(path: str):
-    """The tokenizer of model directory `path`; one line naming the directory when it holds none that loads
-    (transformers' own message spans lines)."""
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0].rstrip(": ") if str(err).strip() else type(err).__name__
-        raise ValueError(f"target {path}: no tokenizer could be read there ({first}); put the model's tokenizer "
-                         "files (tokenizer.json, tokenizer_config.json) beside its config.json") from None
 
 
 class TargetModel:
@@ -398,44 +385,5 @@ def head_target(path: str, dtype: torch.dtype, device):
     files; every other weight stays on the meta device, so this process never holds the decoder layers (the served
     placement, the vLLM feature extractor, `draftsmith export`)."""
     model = meta_model(path, dtype)
-    names = {id(p): n for n, p in model.named_parameters()}  # a tied lm_head is named as the embeddings
-    single, index = SAFETENSORS_FILES
-    if os.path.exists(os.path.join(path, index)):
-        with open(os.path.join(path, index)) as f:
-            weight_map = json.load(f)["weight_map"]
-    else:
-        with safe_open(os.path.join(path, single), framework="pt") as f:
-            weight_map = {key: single for key in f.keys()}
-    embed = names[id(model.get_input_embeddings().weight)]
-    wanted = {}
-    for module in (model.get_input_embeddings(), model.get_decoder().norm, model.get_output_embeddings()):
-        for parameter in module.parameters():
-            name = names[id(parameter)]
-            key = name if name in weight_map else embed  # a tied lm_head is stored as the embeddings
-            if key not in weight_map:
-                raise ValueError(f"target {path}: weight {name} is not in its safetensors files")
-            wanted[name] = key
-    state = {}
-    for name, key in wanted.items():
-        with safe_open(os.path.join(path, weight_map[key]), framework="pt") as f:
-            state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
-    model.load_state_dict(state, strict=False, assign=True)
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    load_head(model, path, dtype, device)
     return TargetModel(model, load_tokenizer(path), name_or_path=path, placement="head")
-
-
-SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")  # one file, or the index of its shards
-
-
-def holds_safetensors(path: str) -> bool:
-    """Whether model directory `path` keeps its weights in safetensors, the files `head_target` reads."""
-    return any(os.path.isfile(os.path.join(path, name)) for name in SAFETENSORS_FILES)
-
-
-def meta_model(path: str, dtype: torch.dtype):
-    """The model of directory `path` built from its config.json on the meta device: every parameter's shape and dtype,
-    no weight read or allocated."""
-    config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)

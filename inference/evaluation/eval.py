@@ -42,10 +42,10 @@ from inference.engine.target import TargetModel, default_device
 from inference.engine.tree.draft import check_budget
 from inference.evaluation.chat_template import (check_chat_template, parse_template_kwargs, render_prompt,
                                                 trained_mode_mismatch)
+from inference.evaluation.intervals import merge_counts, question_counts
 from inference.evaluation.lossless import divergence_gaps, summarize
 from inference.evaluation.methods import Method, generate, load_methods
-from inference.evaluation.metrics import (annotate_recommendations, build_record, merge_counts, merge_outputs,
-                                          question_counts)
+from inference.evaluation.metrics import annotate_recommendations, build_record, merge_outputs
 from inference.evaluation.profile import profile_costs
 from inference.evaluation.prompts import load_questions, select_spread
 from inference.evaluation.report import format_table, read_appendable, write_report

@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot is imported)
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from inference.evaluation.metrics import paired_tau_differences  # noqa: E402
+from inference.evaluation.intervals import paired_tau_differences  # noqa: E402
 
 TABLE_COLUMNS = (
     ("dataset", "dataset", "{}"),
@@ -67,7 +67,7 @@ def format_table(records: list[dict]) -> str:
 def paired_table(records: list[dict]) -> list[str]:
     """The lines of a second table, empty when no group has two drafters: each drafter's tau against the first
     drafter at the same dataset, T, k and B, paired over the questions both answered (category "all";
-    metrics.paired_tau_differences). An interval that excludes 0 says the drafters differ on these questions; two
+    intervals.paired_tau_differences). An interval that excludes 0 says the drafters differ on these questions; two
     overlapping tau intervals in the table above do not say they are equal."""
     rows = paired_tau_differences(records)
     if not rows:
