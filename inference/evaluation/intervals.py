@@ -1,6 +1,7 @@
-"""tau over questions: each question's (rounds, accepted), tau's bootstrap interval with questions as the unit, and
-the paired interval of two drafters' difference over the same questions (inference/evaluation/metrics.py keeps them
-in each record as tau_ci95 and tau_per_question; report.py prints the paired table).
+"""tau from counts (`accept_length_mean`) and over questions: each question's (rounds, accepted), tau's bootstrap
+interval with questions as the unit, and the paired interval of two drafters' difference over the same questions
+(inference/evaluation/metrics.py keeps them in each record as tau_ci95 and tau_per_question; report.py prints the
+paired table).
 """
 
 from __future__ import annotations
@@ -8,6 +9,13 @@ from __future__ import annotations
 import torch
 
 from inference.engine.generate import GenerateOutput
+
+
+def accept_length_mean(rounds: int, accepted: int) -> float | None:
+    """tau = 1 + accepted / rounds: tokens a row gains per verify forward, the bonus token included (docs/
+    ARCHITECTURE.md, Conventions). The one place tau is computed from counts (reports, the training probe, doctor)."""
+    return None if rounds == 0 else 1.0 + accepted / rounds
+
 
 TAU_RESAMPLES = 2000  # bootstrap resamples of the questions for tau's interval (seeded: the same report each run)
 
@@ -100,7 +108,9 @@ def paired_tau_differences(records: list[dict], category: str = "all") -> list[d
             counts = {q: (r, a) for q, r, a in record["tau_per_question"]}
             shared = sorted(set(counts) & set(base_counts))
             first, second = [counts[q] for q in shared], [base_counts[q] for q in shared]
-            taus = [1.0 + sum(a for _, a in side) / max(sum(r for r, _ in side), 1) for side in (first, second)]
+            # no shared round reads tau 1 (nothing gained), as the pooled counts 0 / max(0, 1) always read here
+            taus = [accept_length_mean(sum(r for r, _ in side), sum(a for _, a in side)) or 1.0
+                    for side in (first, second)]
             rows.append({"dataset": dataset, "temperature": temperature, "batch_size": batch_size,
                          "num_draft_tokens": record["num_draft_tokens"], "drafter": name, "base": names[0],
                          "difference": taus[0] - taus[1],

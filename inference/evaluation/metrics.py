@@ -23,7 +23,7 @@ import torch
 
 from inference.engine.generate import GenerateOutput
 from inference.engine.roofline import achieved_gb_per_s
-from inference.evaluation.intervals import tau_interval
+from inference.evaluation.intervals import accept_length_mean, tau_interval
 from inference.evaluation.lossless import summarize
 
 NO_DIVERGENCE_CHECK = dict.fromkeys(summarize([]))  # the baseline's fields, and every record's when T > 0
@@ -126,12 +126,6 @@ def cost_ratios(out: GenerateOutput, ar: GenerateOutput | None) -> tuple[float |
         return None, None
     draft_per_round = out.time_draft / out.verify_forwards / step if k > 0 else None
     return draft_per_round, out.time_verify / out.verify_forwards / step
-
-
-def accept_length_mean(rounds: int, accepted: int) -> float | None:
-    """tau = 1 + accepted / rounds: tokens a row gains per verify forward, the bonus token included (docs/
-    ARCHITECTURE.md, Conventions). The one place tau is computed from counts (reports, the training probe, doctor)."""
-    return None if rounds == 0 else 1.0 + accepted / rounds
 
 
 def drafter_placement(drafter) -> dict:

@@ -17,7 +17,8 @@ from accelerate.utils import reduce
 
 from inference.engine.api import speculative_generate
 from inference.evaluation.chat_template import render_text
-from inference.evaluation.metrics import accept_length_mean, acceptance_counts
+from inference.evaluation.intervals import accept_length_mean
+from inference.evaluation.metrics import acceptance_counts
 from inference.evaluation.prompts import load_questions
 
 
