@@ -1,6 +1,7 @@
 """The study's target families through the engine (drafters/ragged_state.py): Qwen3-Next, Qwen3.5 and Qwen3.5-MoE
-(gated-DeltaNet hybrids), Gemma 4 (window 16, so every sequence here outgrows it), gpt-oss (sinks, alternating windows,
-MoE) and DeepSeek-V3 (MLA, MoE), each the `debug:` target built from transformers' own classes, in float64.
+(gated-DeltaNet hybrids), Gemma 4 (window 16, so every sequence here outgrows it; with and without its MoE block and
+K = V global layers), gpt-oss (sinks, alternating windows, MoE) and DeepSeek-V3 (MLA, MoE), each the `debug:` target
+built from transformers' own classes, in float64.
 
 For every family: greedy speculative output == plain greedy through the same engine at batch 1 and 3 (n-gram, a draft
 model, tree verification), the T = 1 sampling law (chi-square, as test_contract.py), native MTP where the checkpoint
@@ -21,12 +22,13 @@ from transformers import AutoModelForCausalLM
 
 from drafters import DraftModelDrafter, NgramDrafter, load_drafter
 from drafters.draft_model import DraftModelConfig
-from inference.assets.debug_target import resolve_debug_target
+from inference.assets.debug_target import DEBUG_TARGETS, resolve_debug_target
 from inference.engine.api import speculative_generate, tree_speculative_generate
 from inference.engine.target import TargetModel
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
-FAMILIES = HYBRIDS + ["tiny-gemma4", "tiny-gpt-oss", "tiny-deepseek-v3"]
+GEMMA4 = ["tiny-gemma4", "tiny-gemma4-moe"]
+FAMILIES = HYBRIDS + GEMMA4 + ["tiny-gpt-oss", "tiny-deepseek-v3"]
 MAX_NEW = 24  # with prompts of 7-20 tokens every row ends past Gemma 4's and gpt-oss's window of 16
 
 
@@ -53,7 +55,7 @@ def family_target(name: str) -> TargetModel:
 
 def draft_model(target: TargetModel, name: str) -> DraftModelDrafter:
     """The target with noisy weights: accepts some drafts and rejects others (Gemma 4's is more sensitive)."""
-    model = load_family_model(name, seed=11, noise=0.03 if name == "tiny-gemma4" else 0.1)
+    model = load_family_model(name, seed=11, noise=0.03 if name in GEMMA4 else 0.1)
     return DraftModelDrafter(DraftModelConfig(path=name), target.target_info(), model=model)
 
 
@@ -125,7 +127,7 @@ def test_native_mtp_greedy_exact(name):
     assert sum(map(len, out.accept_lengths)) > 0
 
 
-@pytest.mark.parametrize("name", ["tiny-gemma4", "tiny-gpt-oss", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("name", GEMMA4 + ["tiny-gpt-oss", "tiny-deepseek-v3"])
 def test_output_equals_transformers_assisted_generation(name):
     """transformers' assisted generation with the same draft model and 3 drafts gives our tokens (its candidate
     generator refuses the hybrids: 'assisted generation is not supported with stateful models')."""
@@ -174,19 +176,23 @@ def test_unsupported_family_is_refused_in_one_line():
 
 
 @torch.no_grad()
-def test_gemma4_assistant_past_four_windows_drafts_as_transformers_and_is_greedy_exact(tmp_path):
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_assistant_past_four_windows_drafts_as_transformers_and_is_greedy_exact(name, tmp_path):
     """A Gemma-4-layout assistant (transformers' Gemma4AssistantForCausalLM, random, imported through its
-    `gemma4_assistant` reader) over tiny-gemma4's sliding (window 16) and global K/V after 70 tokens: its draft
+    `gemma4_assistant` reader) over the target's sliding (window 16) and global K/V after 70 tokens: its draft
     logits equal transformers' assistant driven as its candidate generator drives it, and greedy output over
-    sequences past 4 windows == plain greedy at batch 3."""
+    sequences past 4 windows == plain greedy at batch 3. tiny-gemma4-moe's global layers cache one KV head whose
+    values are its keys (attention_k_eq_v, as gemma-4-26B-A4B)."""
     pytest.importorskip("transformers.models.gemma4_assistant", reason="transformers without Gemma 4 assistants")
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
 
     from drafters.base import DraftContext
 
-    target = family_target("tiny-gemma4")
+    target = family_target(name)
     config = target.model.config
-    text = Gemma4TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=config.vocab_size,
+    global_kv = {key: DEBUG_TARGETS[name]["config"][key] for key in ("attention_k_eq_v", "num_global_key_value_heads")
+                 if key in DEBUG_TARGETS[name]["config"]}
+    text = Gemma4TextConfig(**global_kv, hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=config.vocab_size,
                             layer_types=["sliding_attention", "full_attention"], sliding_window=config.sliding_window,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
                             hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,

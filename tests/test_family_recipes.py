@@ -1,6 +1,7 @@
 """Every debug recipe trains on the study's families by target name alone (`draftsmith train recipes/debug/X.yaml
 target.name_or_path=debug:NAME`): all recipes on a hybrid (Qwen3.5: gated DeltaNet + full attention), one recipe
-on every family, and the study's own pairs (Gemma 4: assistant, DFlash, DSpark; Qwen3.5-MoE: MTP, DFlash, DSpark);
+on every family, and the study's own pairs (Gemma 4: assistant, DFlash, DSpark; Gemma 4 MoE: assistant, DFlash;
+Qwen3.5-MoE: MTP, DFlash, DSpark);
 one step each, with the in-training speculative probe through the engine. On a hybrid the served
 layer ids are full-attention outputs (drafters/layer_ids.py), and a linear-attention id is refused in one line.
 """
@@ -21,8 +22,10 @@ RECIPES = ["eagle3", "dflash", "dspark", "mtp", "medusa", "assistant"]
 HYBRID = "tiny-qwen3.5"
 # The study's own pairs beyond that: Gemma 4 with its assistant, DFlash and DSpark; Qwen3.6-35B-A3B's family
 # (Qwen3.5-MoE) with native-style MTP, DFlash and DSpark.
+# gemma-4-26B-A4B's (Gemma 4 with the MoE block and K = V global layers): its assistant and DFlash.
 STUDY_PAIRS = [(recipe, "tiny-gemma4") for recipe in ("assistant", "dflash", "dspark")] + [
-    (recipe, "tiny-qwen3.5-moe") for recipe in ("mtp", "dflash", "dspark")]
+    (recipe, "tiny-qwen3.5-moe") for recipe in ("mtp", "dflash", "dspark")] + [
+    (recipe, "tiny-gemma4-moe") for recipe in ("assistant", "dflash")]
 RUNS = [(recipe, HYBRID) for recipe in RECIPES] + [("eagle3", name) for name in DEBUG_TARGETS if name != HYBRID]
 RUNS += STUDY_PAIRS
 # The assistant's queries are plain multi-head attention; MLA's compressed cache is refused by name.
@@ -93,22 +96,24 @@ def test_auto_moves_the_published_defaults_onto_full_attention_outputs():
         auto_layer_ids((1,), {"layer_types": ["linear_attention", "full_attention"]}, 1, "f")
 
 
-def test_an_assistant_trained_on_gemma4_exports_for_transformers(chats, tmp_path):
+@pytest.mark.parametrize("name", ["tiny-gemma4", "tiny-gemma4-moe"])
+def test_an_assistant_trained_on_gemma4_exports_for_transformers(name, chats, tmp_path):
     """The fresh assistant a Gemma 4 target gets is made of Gemma 4 layers: after training it exports as
-    gemma4_assistant, transformers loads that with nothing missing, and reading it back gives the trained tensors."""
+    gemma4_assistant, transformers loads that with nothing missing, and reading it back gives the trained tensors
+    (also over a target with the MoE block and K = V global layers of one KV head, as gemma-4-26B-A4B)."""
     import torch
     from transformers import Gemma4AssistantForCausalLM
 
     from drafters import load_drafter
     from inference.engine.target import TargetModel
 
-    assert train("assistant", "tiny-gemma4", str(tmp_path / "run"), chats) == 0
+    assert train("assistant", name, str(tmp_path / "run"), chats) == 0
     out = str(tmp_path / "hf")
     assert cli(["export", str(tmp_path / "run" / "final"), "--format", "gemma4_assistant", "--out", out,
-                "--target", "debug:tiny-gemma4"]) == 0
+                "--target", f"debug:{name}"]) == 0
     _, info = Gemma4AssistantForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    target = TargetModel.from_pretrained("debug:tiny-gemma4").target_info()
+    target = TargetModel.from_pretrained(f"debug:{name}").target_info()
     trained, back = load_drafter(str(tmp_path / "run" / "final"), target), load_drafter(out, target)
     for (key, ours), theirs in zip(trained.state_dict().items(), back.state_dict().values()):
         assert torch.equal(ours, theirs), key

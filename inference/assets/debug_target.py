@@ -52,6 +52,14 @@ DEBUG_TARGETS = {
         _ATTENTION, intermediate_size=128, num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=16,
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
         hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, final_logit_softcapping=30.0)),
+    # gemma-4-26B-A4B's shape: a dense MLP beside a routed MoE block in every layer, and global layers whose values
+    # are their keys (attention_k_eq_v: no v_proj) with fewer KV heads of a wider head dim.
+    "tiny-gemma4-moe": dict(model_type="gemma4_text", seed=7, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, intermediate_size=64, num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, final_logit_softcapping=30.0,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True,
+        num_global_key_value_heads=1)),
     "tiny-gpt-oss": dict(model_type="gpt_oss", seed=5, logit_scale=8.0, mtp=False, config=dict(
         _ATTENTION, intermediate_size=64, num_hidden_layers=4, head_dim=16, sliding_window=16, num_local_experts=4,
         num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2,
