@@ -1,6 +1,7 @@
 """TargetModel: the target LLM behind one interface for the engine and for training (docs/ARCHITECTURE.md).
 
-Wraps any HF `AutoModelForCausalLM` whose decoder exposes `.layers` and `.norm` (Llama, Qwen2/3, Mistral, Gemma...).
+Wraps any HF `AutoModelForCausalLM` whose decoder exposes `.layers` and `.norm` (Llama, Qwen2/3, Mistral, Gemma...);
+of a vision-language checkpoint, its text model alone (target_files.language_model).
 Hidden states are captured with forward hooks by the vLLM layer-id convention: id k < N is the residual
 stream entering decoder layer k (= HF `hidden_states[k]`), id N is the final pre-norm output. Only the layers asked
 for are captured; nothing else is materialised.
@@ -13,7 +14,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from drafters.base import FeatureRequest, TargetInfo
 from drafters.ragged_lm import RaggedLM
@@ -21,7 +21,7 @@ from drafters.ragged_state import FamilyState
 from drafters.served import Served
 from inference.assets.store import resolve_target
 from inference.engine.backend import HfBackend, Prepared, Taps
-from inference.engine.target_files import load_head, load_tokenizer, meta_model
+from inference.engine.target_files import load_head, load_model, load_tokenizer, meta_model
 
 LOGIT_CHUNK_VALUES = 1 << 26  # logits `features` holds at once without return_logits: 256 MiB in fp32
 
@@ -117,7 +117,7 @@ class TargetModel:
         """Load a target by name (the embedded default) or HF directory; never downloads. backend: what runs its
         forward (the model's own by default; `path` and `decode` say what runs)."""
         path = resolve_target(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        model = load_model(path, dtype).to(device)
         return cls(model, load_tokenizer(path), name_or_path=path, backend=backend)
 
     @classmethod

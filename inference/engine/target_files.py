@@ -38,12 +38,48 @@ def load_tokenizer(path: str):
                          "files (tokenizer.json, tokenizer_config.json) beside its config.json") from None
 
 
+def load_model(path: str, dtype: torch.dtype):
+    """The causal LM of model directory `path` in `dtype` on the CPU: its text model alone when the checkpoint is a
+    vision-language one (`language_model`)."""
+    return language_model(AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
+
+
 def meta_model(path: str, dtype: torch.dtype):
     """The model of directory `path` built from its config.json on the meta device: every parameter's shape and dtype,
-    no weight read or allocated."""
+    no weight read or allocated (a vision-language checkpoint's text model alone, as `load_model`)."""
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return language_model(AutoModelForCausalLM.from_config(config, dtype=dtype))
+
+
+def language_model(model):
+    """`model` when it is a text-only causal LM; for a vision-language model (Gemma 4's released checkpoints, whose
+    `gemma4` config transformers' AutoModelForCausalLM loads as Gemma4ForConditionalGeneration) the causal LM of its
+    text config made of its decoder and lm_head, the vision and audio towers dropped: a drafter's target is the text
+    model, as vLLM's `--language-model-only` serves it. Same tensors, so the logits of text input are the same."""
+    config = model.config
+    text = config.get_text_config(decoder=True)
+    if text is config:
+        return model
+    with torch.device("meta"):
+        causal = AutoModelForCausalLM.from_config(text, dtype=model.dtype)
+    setattr(causal, causal.base_model_prefix, model.get_decoder())
+    causal.set_output_embeddings(model.get_output_embeddings())
+    unset = [name for name, tensor in (*causal.named_parameters(), *causal.named_buffers()) if tensor.is_meta]
+    if unset and not next(model.parameters()).is_meta:
+        raise ValueError(f"target {type(model).__name__}: its text model {type(causal).__name__} has tensors that "
+                         f"the vision-language model does not ({unset[:3]}); load a text-only checkpoint")
+    causal.config._name_or_path = getattr(config, "_name_or_path", "")
+    return causal.eval()
+
+
+def checkpoint_key(name: str, weight_map) -> str | None:
+    """The key under which a checkpoint stores parameter `name` of the text model: the name itself, or inside a
+    vision-language checkpoint's language model (`model.language_model.` for `model.`: Gemma 4, Qwen3.5 / 3.6)."""
+    for key in (name, name.replace("model.", "model.language_model.", 1)):
+        if key in weight_map:
+            return key
+    return None
 
 
 def load_head(model, path: str, dtype: torch.dtype, device) -> None:
@@ -63,8 +99,8 @@ def load_head(model, path: str, dtype: torch.dtype, device) -> None:
     for module in (model.get_input_embeddings(), model.get_decoder().norm, model.get_output_embeddings()):
         for parameter in module.parameters():
             name = names[id(parameter)]
-            key = name if name in weight_map else embed  # a tied lm_head is stored as the embeddings
-            if key not in weight_map:
+            key = checkpoint_key(name, weight_map) or checkpoint_key(embed, weight_map)  # a tied lm_head: the embeddings
+            if key is None:
                 raise ValueError(f"target {path}: weight {name} is not in its safetensors files")
             wanted[name] = key
     state = {}

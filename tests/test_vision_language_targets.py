@@ -1,0 +1,114 @@
+"""Targets released as vision-language checkpoints: Gemma 4's (`gemma4`, which transformers' AutoModelForCausalLM
+loads as Gemma4ForConditionalGeneration, vision tower and all) and Qwen3.5 / 3.6's (`qwen3_5`, which it loads as the
+text model). Each is written here from a debug target's own weights, the text model under `model.language_model.`
+beside a one-layer vision tower, as the released files lay them out. The engine, training, the head-only placements
+and export see the text model alone (inference/engine/target_files.py `language_model`, `checkpoint_key`), with the
+debug target's exact logits, greedy tokens and head.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from drafters import NgramDrafter
+from inference.assets.debug_target import resolve_debug_target
+from inference.engine.api import speculative_generate
+from inference.engine.target import TargetModel, head_target
+from train.cli import main as cli
+
+PROMPTS = [list(range(30, 50)), list(range(100, 109))]  # past the window of 16 within 24 new tokens
+
+
+def vision_language_config(name: str, text: dict):
+    if name.startswith("tiny-gemma4"):
+        from transformers import Gemma4Config, Gemma4VisionConfig
+
+        vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=2, head_dim=16)
+        return Gemma4Config(text_config=text, vision_config=vision.to_dict(), audio_config=None,
+                            tie_word_embeddings=False)
+    from transformers import Qwen3_5Config
+
+    return Qwen3_5Config(text_config=text, tie_word_embeddings=False,
+                         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                            out_hidden_size=64))
+
+
+@pytest.fixture(scope="module", params=["tiny-gemma4-moe", "tiny-qwen3.5"])
+def released(request, tmp_path_factory):
+    """(debug target name, a directory holding it as a vision-language checkpoint)."""
+    from transformers import AutoModelForImageTextToText
+
+    name = request.param
+    source = resolve_debug_target("debug:" + name)
+    with open(os.path.join(source, "config.json")) as f:
+        text = {key: value for key, value in json.load(f).items() if key != "architectures"}
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(vision_language_config(name, text))
+    state = model.state_dict()
+    for key, tensor in AutoModelForCausalLM.from_pretrained(source).state_dict().items():
+        state[key.replace("model.", "model.language_model.", 1)].copy_(tensor)
+    directory = str(tmp_path_factory.mktemp(name) / "released")
+    model.save_pretrained(directory)
+    for path in glob.glob(os.path.join(source, "tok*")) + glob.glob(os.path.join(source, "chat*")):
+        shutil.copy(path, directory)
+    with safe_open(os.path.join(directory, "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    assert "model.language_model.embed_tokens.weight" in keys and any("visual" in k or "vision" in k for k in keys)
+    return name, directory
+
+
+def test_the_target_is_the_text_model_with_the_same_tokens(released):
+    name, directory = released
+    target, text = TargetModel.from_pretrained(directory), TargetModel.from_pretrained("debug:" + name)
+    assert type(target.model) is type(text.model), type(target.model).__name__  # the towers are gone
+    assert not any("vision" in key for key in target.model.state_dict())
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        assert torch.equal(target.model(ids).logits, text.model(ids).logits)
+    plain = speculative_generate(text, None, PROMPTS, num_draft_tokens=0, max_new_tokens=24, eos_token_ids=[])
+    ngram = NgramDrafter(NgramDrafter.Config(), target.target_info())
+    out = speculative_generate(target, ngram, PROMPTS, num_draft_tokens=3, max_new_tokens=24, eos_token_ids=[])
+    assert out.tokens == plain.tokens
+
+
+def test_the_head_and_the_meta_model_are_the_text_models(released):
+    name, directory = released
+    text = TargetModel.from_pretrained("debug:" + name).model
+    head = head_target(directory, torch.float32, "cpu").model
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        assert torch.equal(getattr(head, get)().weight, getattr(text, get)().weight), get
+    assert torch.equal(head.get_decoder().norm.weight, text.get_decoder().norm.weight)
+    meta = TargetModel.from_config(directory).model
+    assert {k: v.shape for k, v in meta.state_dict().items()} == {k: v.shape for k, v in text.state_dict().items()}
+
+
+def test_train_and_export_read_the_released_checkpoint(released, tmp_path):
+    """One EAGLE-3 step on the released checkpoint, then its export in the speculators layout (which reads only the
+    target's head out of the checkpoint's safetensors): the trained drafter reads the text model."""
+    name, directory = released
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Count to {i}."},
+                                                      {"role": "assistant", "content": "1 2 3 4 5 " * 4}]}) + "\n"
+                             for i in range(6)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = str(tmp_path / "run")
+    assert cli(["train", os.path.join(root, "recipes", "debug", "tiny_eagle3.yaml"), f"target.name_or_path={directory}",
+                f"output.dir={run}", f"data.path={chats}", "train.max_steps=1", "train.epochs=null",
+                "data.num_samples=4", "data.num_eval_samples=2", "train.batch_size=2", "train.eval_every=null",
+                "train.save_every=null", "train.phases=[]", "eval.num_prompts=1", "eval.max_new_tokens=4",
+                "eval.num_batches=1"]) == 0
+    with open(os.path.join(run, "final", "config.json")) as f:
+        assert json.load(f)["target"]["num_layers"] == TargetModel.from_pretrained("debug:" + name).num_layers
+    out = str(tmp_path / "speculators")
+    assert cli(["export", os.path.join(run, "final"), "--format", "speculators", "--out", out,
+                "--target", directory]) == 0
+    assert os.path.exists(os.path.join(out, "config.json"))
