@@ -3,7 +3,8 @@ loads as Gemma4ForConditionalGeneration, vision tower and all) and Qwen3.5 / 3.6
 text model). Each is written here from a debug target's own weights, the text model under `model.language_model.`
 beside a one-layer vision tower, as the released files lay them out. The engine, training, the head-only placements
 and export see the text model alone (inference/engine/target_files.py `language_model`, `checkpoint_key`), with the
-debug target's exact logits, greedy tokens and head.
+debug target's exact logits, head and speculative rounds (n-gram, and Qwen3.5's native MTP module, kept at the top
+level of the checkpoint as `mtp.*`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import shutil
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from drafters import NgramDrafter
-from inference.assets.debug_target import resolve_debug_target
+from drafters import NgramDrafter, load_drafter
+from inference.assets.debug_target import DEBUG_TARGETS, resolve_debug_target
 from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel, head_target
 from train.cli import main as cli
@@ -58,6 +60,11 @@ def released(request, tmp_path_factory):
         state[key.replace("model.", "model.language_model.", 1)].copy_(tensor)
     directory = str(tmp_path_factory.mktemp(name) / "released")
     model.save_pretrained(directory)
+    native = load_file(os.path.join(source, "model.safetensors"))  # a native MTP module: top-level `mtp.*`, as shipped
+    mtp = {key: tensor for key, tensor in native.items() if key.startswith("mtp.")}
+    if mtp:
+        path = os.path.join(directory, "model.safetensors")
+        save_file({**load_file(path), **mtp}, path, metadata={"format": "pt"})
     for path in glob.glob(os.path.join(source, "tok*")) + glob.glob(os.path.join(source, "chat*")):
         shutil.copy(path, directory)
     with safe_open(os.path.join(directory, "model.safetensors"), framework="pt") as f:
@@ -74,10 +81,16 @@ def test_the_target_is_the_text_model_with_the_same_tokens(released):
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
         assert torch.equal(target.model(ids).logits, text.model(ids).logits)
-    plain = speculative_generate(text, None, PROMPTS, num_draft_tokens=0, max_new_tokens=24, eos_token_ids=[])
-    ngram = NgramDrafter(NgramDrafter.Config(), target.target_info())
-    out = speculative_generate(target, ngram, PROMPTS, num_draft_tokens=3, max_new_tokens=24, eos_token_ids=[])
-    assert out.tokens == plain.tokens
+    # the same modules on the same weights: every round computes what the text target's does, bit for bit
+    drafters = ["ngram"] + (["native-mtp"] if DEBUG_TARGETS[name]["mtp"] else [])
+    for kind in drafters:
+        runs = []
+        for each in (target, text):
+            drafter = (NgramDrafter(NgramDrafter.Config(), each.target_info()) if kind == "ngram"
+                       else load_drafter(kind, each.target_info()))
+            runs.append(speculative_generate(each, drafter, PROMPTS, num_draft_tokens=3, max_new_tokens=24,
+                                             eos_token_ids=[]))
+        assert runs[0].tokens == runs[1].tokens and runs[0].accept_lengths == runs[1].accept_lengths, kind
 
 
 def test_the_head_and_the_meta_model_are_the_text_models(released):
