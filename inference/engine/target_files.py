@@ -99,7 +99,7 @@ def load_head(model, path: str, dtype: torch.dtype, device) -> None:
     for module in (model.get_input_embeddings(), model.get_decoder().norm, model.get_output_embeddings()):
         for parameter in module.parameters():
             name = names[id(parameter)]
-            key = checkpoint_key(name, weight_map) or checkpoint_key(embed, weight_map)  # a tied lm_head: the embeddings
+            key = checkpoint_key(name, weight_map) or checkpoint_key(embed, weight_map)  # tied lm_head: the embeddings
             if key is None:
                 raise ValueError(f"target {path}: weight {name} is not in its safetensors files")
             wanted[name] = key
