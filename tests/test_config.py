@@ -49,13 +49,21 @@ GEMMA4_31B = Gemma4TextConfig(
     num_key_value_heads=16, head_dim=256, global_head_dim=512, sliding_window=1024,
     layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10, hidden_size_per_layer_input=0,
     vocab_size_per_layer_input=0)
+# gemma-4-26B-A4B's text config (25.2B parameters, 3.8B active): a dense MLP beside 128 experts (top 8) per layer,
+# global layers of 2 KV heads of 512 whose values are their keys
+GEMMA4_26B_A4B = Gemma4TextConfig(
+    vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2, attention_k_eq_v=True,
+    sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5, enable_moe_block=True,
+    num_experts=128, top_k_experts=8, moe_intermediate_size=704, hidden_size_per_layer_input=0,
+    vocab_size_per_layer_input=0, final_logit_softcapping=30.0)
 DEEPSEEK_V3 = DeepseekV3Config(
     vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
     num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8,
     first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128,
     qk_nope_head_dim=128, max_position_embeddings=163840)
 TARGET_SHAPES = {"smollm2": SMOLLM2, "llama3.1-8b": LLAMA31_8B, "qwen3-8b": QWEN3_8B, "qwen3-next": QWEN3_NEXT,
-                 "qwen3.6-27b": QWEN36_27B, "gemma-4-31b": GEMMA4_31B,
+                 "qwen3.6-27b": QWEN36_27B, "gemma-4-31b": GEMMA4_31B, "gemma-4-26b-a4b": GEMMA4_26B_A4B,
                  "deepseek-v3": DEEPSEEK_V3}
 
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from test_config import GEMMA4_31B, QWEN36_27B, meta_target_info
+from test_config import GEMMA4_26B_A4B, GEMMA4_31B, QWEN36_27B, meta_target_info
 
 from drafters import DRAFTERS
 from drafters.layer_ids import attention_output_ids
@@ -18,6 +18,7 @@ from train.config import load_recipe
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZLAB_QWEN36_27B = [1, 10, 18, 27, 35, 44, 52, 61]  # z-lab's dflash_config.target_layer_ids (layer outputs)
 ZLAB_GEMMA4_31B = [1, 12, 23, 35, 46, 57]
+ZLAB_GEMMA4_26B_A4B = [1, 6, 11, 17, 22, 27]
 # recipe -> (target shape, drafter fields the study's checkpoint fixes, eval k of the study's example command)
 STUDY = {
     "qwen3.6-27b/mtp.yaml": (QWEN36_27B, dict(layout="qwen3_5", init_from_native=True, reuse=True, num_steps=5), 3),
@@ -26,6 +27,9 @@ STUDY = {
     "gemma-4-31b/eagle3.yaml": (GEMMA4_31B, dict(ttt_steps=5), 3),
     "gemma-4-31b/dflash.yaml": (GEMMA4_31B, dict(block_size=16, num_layers=5, mask_token_id=4), 15),
     "gemma-4-31b/dspark.yaml": (GEMMA4_31B, dict(block_size=7, mask_token_id=4), 7),
+    "gemma-4-26b-a4b/assistant.yaml": (GEMMA4_26B_A4B, dict(num_layers=4, num_steps=5), 5),
+    "gemma-4-26b-a4b/eagle3.yaml": (GEMMA4_26B_A4B, dict(ttt_steps=5), 1),
+    "gemma-4-26b-a4b/dflash.yaml": (GEMMA4_26B_A4B, dict(block_size=16, num_layers=5, mask_token_id=4), 15),
 }
 
 
@@ -58,10 +62,17 @@ def test_layer_ids_are_the_published_checkpoints():
     for name in ("gemma-4-31b/dflash.yaml", "gemma-4-31b/dspark.yaml"):
         assert list(build(name)[1].layer_ids) == [t + 1 for t in ZLAB_GEMMA4_31B], name
     assert build("gemma-4-31b/eagle3.yaml")[1].layer_ids == (2, 30, 57)  # auto = vLLM's (2, N//2, N-3)
+    assert list(build("gemma-4-26b-a4b/dflash.yaml")[1].layer_ids) == [t + 1 for t in ZLAB_GEMMA4_26B_A4B]
+    assert build("gemma-4-26b-a4b/eagle3.yaml")[1].layer_ids == (2, 15, 27)
 
 
-def test_the_gemma4_assistant_is_built_from_gemma4_layers():
-    _, assistant, _, _ = build("gemma-4-31b/assistant.yaml")
+@pytest.mark.parametrize("name,kv_layers,global_layer", [
+    ("gemma-4-31b/assistant.yaml", (58, 58, 58, 59), {"head_dim": 512}),
+    # 26B-A4B's global layers cache 2 KV heads (attention_k_eq_v with num_global_key_value_heads): so do its queries'
+    ("gemma-4-26b-a4b/assistant.yaml", (28, 28, 28, 29), {"head_dim": 512, "num_key_value_heads": 2})])
+def test_the_gemma4_assistant_is_built_from_gemma4_layers(name, kv_layers, global_layer):
+    _, assistant, _, _ = build(name)
     types = assistant.config.gemma4_config["layer_types"]
     assert types == ["sliding_attention"] * 3 + ["full_attention"]
-    assert assistant.kv_layers == (58, 58, 58, 59)  # the last sliding (58) and the last global (59) target layer
+    assert assistant.kv_layers == kv_layers  # the target's last sliding and last global layer
+    assert assistant.config.gemma4_config["per_layer_config"] == {"3": global_layer}

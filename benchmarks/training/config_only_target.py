@@ -1,0 +1,61 @@
+"""Write a directory that `draftsmith estimate --config-only` plans from: a large target's config.json in the layout
+its release ships (gemma-4-26B-A4B: a vision-language `gemma4` config around the text model's) and, beside it, the
+debug targets' byte tokenizer as a stand-in for the model's own (so the disk and token counts are the stand-in's;
+every size of the target and the drafter is the config's).
+
+    python benchmarks/training/config_only_target.py gemma-4-26b-a4b /tmp/gemma-4-26b-a4b
+    draftsmith estimate recipes/gemma-4-26b-a4b/eagle3.yaml target.name_or_path=/tmp/gemma-4-26b-a4b \\
+        data.regenerated_path=null --world-size 8 --gpu-memory-gib 80
+
+gemma-4-26B-A4B's text config as public conversions of the release list it; built, it counts 25.23B parameters of
+which 3.82B are active per token (the release's 25.2B and 3.8B). DeepSeek-V3's is transformers' DeepseekV3Config
+defaults, which are that model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+GEMMA4_26B_A4B_TEXT = dict(
+    model_type="gemma4_text", vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+    attention_k_eq_v=True, sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+    enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704, hidden_size_per_layer_input=0,
+    vocab_size_per_layer_input=0, final_logit_softcapping=30.0, max_position_embeddings=262144,
+    tie_word_embeddings=True, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh")
+
+
+def config_of(name: str):
+    if name == "gemma-4-26b-a4b":
+        from transformers import Gemma4Config
+
+        config = Gemma4Config(text_config=GEMMA4_26B_A4B_TEXT, tie_word_embeddings=True)
+        config.architectures = ["Gemma4ForConditionalGeneration"]
+        return config
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config()
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", choices=["gemma-4-26b-a4b", "deepseek-v3"])
+    parser.add_argument("out", help="the directory to write (config.json and the stand-in tokenizer)")
+    args = parser.parse_args(argv)
+    if os.path.exists(os.path.join(args.out, "config.json")):
+        print(f"config_only_target: {args.out} already holds a config.json; give an empty directory", file=sys.stderr)
+        return 2
+    from inference.assets.debug_target import build_tokenizer
+
+    config_of(args.target).save_pretrained(args.out)
+    build_tokenizer().save_pretrained(args.out)
+    print(f"wrote {args.out}: {args.target}'s config.json and the byte tokenizer as a stand-in")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
