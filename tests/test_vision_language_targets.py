@@ -1,6 +1,6 @@
 """Targets released as vision-language checkpoints: Gemma 4's (`gemma4`, which transformers' AutoModelForCausalLM
 loads as Gemma4ForConditionalGeneration, vision tower and all) and Qwen3.5 / 3.6's (`qwen3_5`, which it loads as the
-text model). Each is written here from a debug target's own weights, the text model under `model.language_model.`
+text model; `qwen3_5_moe` too, Qwen3.6-35B-A3B's). Each is written here from a debug target's own weights, the text model under `model.language_model.`
 beside a one-layer vision tower, as the released files lay them out. The engine, training, the head-only placements
 and export see the text model alone (inference/engine/target_files.py `language_model`, `checkpoint_key`), with the
 debug target's exact logits, head and speculative rounds (n-gram, and Qwen3.5's native MTP module, kept at the top
@@ -37,14 +37,14 @@ def vision_language_config(name: str, text: dict):
                                     num_key_value_heads=2, head_dim=16)
         return Gemma4Config(text_config=text, vision_config=vision.to_dict(), audio_config=None,
                             tie_word_embeddings=False)
-    from transformers import Qwen3_5Config
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
-    return Qwen3_5Config(text_config=text, tie_word_embeddings=False,
-                         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                                            out_hidden_size=64))
+    family = Qwen3_5MoeConfig if name.endswith("-moe") else Qwen3_5Config
+    return family(text_config=text, tie_word_embeddings=False,
+                  vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
 
 
-@pytest.fixture(scope="module", params=["tiny-gemma4-moe", "tiny-qwen3.5"])
+@pytest.fixture(scope="module", params=["tiny-gemma4-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe"])
 def released(request, tmp_path_factory):
     """(debug target name, a directory holding it as a vision-language checkpoint)."""
     from transformers import AutoModelForImageTextToText
