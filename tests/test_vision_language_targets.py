@@ -1,10 +1,10 @@
 """Targets released as vision-language checkpoints: Gemma 4's (`gemma4`, which transformers' AutoModelForCausalLM
-loads as Gemma4ForConditionalGeneration, vision tower and all) and Qwen3.5 / 3.6's (`qwen3_5`, which it loads as the
-text model; `qwen3_5_moe` too, Qwen3.6-35B-A3B's). Each is written here from a debug target's own weights, the text model under `model.language_model.`
-beside a one-layer vision tower, as the released files lay them out. The engine, training, the head-only placements
-and export see the text model alone (inference/engine/target_files.py `language_model`, `checkpoint_key`), with the
-debug target's exact logits, head and speculative rounds (n-gram, and Qwen3.5's native MTP module, kept at the top
-level of the checkpoint as `mtp.*`).
+loads as Gemma4ForConditionalGeneration, vision tower and all) and Qwen3.5 / 3.6's (`qwen3_5`, and `qwen3_5_moe` as
+Qwen3.6-35B-A3B's, which it loads as the text model). Each is written here from a debug target's own weights, the
+text model under `model.language_model.` beside a one-layer vision tower, as the released files lay them out. The
+engine, training, the head-only placements and export see the text model alone (inference/engine/target_files.py
+`language_model`, `checkpoint_key`), with the debug target's exact logits, head and speculative rounds (n-gram, and
+Qwen3.5's native MTP module, kept at the top level of the checkpoint as `mtp.*`).
 """
 
 from __future__ import annotations
