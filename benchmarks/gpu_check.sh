@@ -2,7 +2,7 @@
 # The GPU check: under nine minutes on one GPU (NVIDIA with CUDA or AMD with ROCm) of a bare machine whose Python
 # has torch, accelerate, transformers and pytest, with no network and no `pip install -e .`.
 #
-#   bash benchmarks/gpu_check.sh [--cpu] [--work DIR] [--deadline S] [--sections ABCDEFG] [--slack F] [RESULTS_DIR]
+#   bash benchmarks/gpu_check.sh [--cpu] [--work DIR] [--deadline S] [--sections ABCDEFGH] [--slack F] [RESULTS_DIR]
 #
 # On a lent GPU machine (the device tool; carry .whl, staged beforehand by benchmarks/gpu_check/stage_wheels.sh,
 # which downloads `datasets` and the pure-Python packages it needs that such an image lacks), the one command is:
@@ -24,7 +24,9 @@
 #      against `draftsmith estimate`'s model, an OOM caught per case;
 #   F. the engine at 8B shape: plain decoding tokens/s against HF `generate`, and the cost curve v(k) / d(k);
 #   G. `accelerate launch` with recipes/accelerate/8gpu_fsdp.yaml and one process: FSDP2 save and resume; DeepSpeed
-#      ZeRO-2 when it imports.
+#      ZeRO-2 when it imports;
+#   H. the study's target families (gated DeltaNet, sliding windows, Gemma 4's MoE, sinks, MLA) in bf16: plain greedy
+#      against HF generate, a draft model's chains and trees against plain greedy, every divergence a near-tie.
 # A global deadline (--deadline, default 510 s; --cpu 280 s) skips what does not fit and the summary is rewritten
 # after every section, so it is there even when the run is killed. The exit status is the number of sections that
 # did not pass. --cpu runs every section on CPU with tiny sizes (a few minutes; tests/test_gpu_check.py runs it, so the

@@ -21,6 +21,8 @@ the family and what is missing.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttentionLayer
@@ -267,6 +269,8 @@ class LinearStateRecorder:
 
     def __init__(self, mixer, layer_idx: int):
         self.mixer, self.layer_idx, self.original = mixer, layer_idx, mixer.forward
+        # the mixer's keyword for the cache: `cache`, or `cache_params` in transformers 5.17 and before
+        self.cache_name = "cache" if "cache" in inspect.signature(mixer.forward).parameters else "cache_params"
         self.mechanism, self.recording = "snapshot", False
         self.clear()
         mixer.forward = self.forward
@@ -291,22 +295,29 @@ class LinearStateRecorder:
         return layer.conv_states[0], layer.recurrent_states[0]
 
     def begin(self, cache, valid, parents) -> None:
-        if cache.get_recurrent_state(self.layer_idx) is None:  # the prefill: nothing to roll back to
+        # the prefill: nothing to roll back to (the layer's own flag: Cache.get_recurrent_state, which reads it,
+        # is newer than transformers 5.17)
+        if not cache.layers[self.layer_idx].has_previous_state[0]:
             return
         if not self.conv:
             conv, recurrent = self._states(cache)
             self.conv, self.recurrent = [conv.clone()], [recurrent.clone()]
         self.valid, self.parents, self.recording = valid, parents, True
 
+    def call(self, hidden_states, cache, attention_mask, kwargs):
+        """The mixer's own forward."""
+        return self.original(hidden_states=hidden_states, attention_mask=attention_mask, **{self.cache_name: cache},
+                             **kwargs)
+
     def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        cache = kwargs.pop("cache_params", cache)
         if not self.recording or cache is None:
-            return self.original(hidden_states=hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            return self.call(hidden_states, cache, attention_mask, kwargs)
         if self.mechanism == "rerun" and self.parents is None:
             self.inputs.append(hidden_states)
             self.valids.append(self.valid)
             if self.valid is None:  # a chunked call advances every slot, so only a block without invalid slots
-                return self.original(hidden_states=hidden_states, cache=cache, attention_mask=attention_mask,
-                                     **kwargs)
+                return self.call(hidden_states, cache, attention_mask, kwargs)
         return self._step(hidden_states, cache, self.valid, kwargs)
 
     def _step(self, hidden_states, cache, valid, kwargs, upto: int | None = None):
@@ -317,8 +328,7 @@ class LinearStateRecorder:
             if self.parents is not None:  # tree: start from the parent's state (record 0 = before the block)
                 self._load(cache, [row[j] + len(self.conv) - j for row in self.parents])
             before = (conv.clone(), recurrent.clone()) if valid is not None else None
-            outputs.append(self.original(hidden_states=hidden_states[:, j:j + 1], cache=cache, attention_mask=None,
-                                         **kwargs))
+            outputs.append(self.call(hidden_states[:, j:j + 1], cache, None, kwargs))
             if before is not None:  # an invalid slot leaves the row's state as it was
                 keep = valid[:, j].to(conv.device)
                 conv.copy_(torch.where(keep[:, None, None], conv, before[0]))

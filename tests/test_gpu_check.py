@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = list("ABCDEFG")
+SECTIONS = list("ABCDEFGH")
 RESULTS = ["logs.tgz", "summary.json", "summary.md"]
 
 
@@ -43,6 +43,9 @@ def test_the_cpu_dry_run_passes_every_section(tmp_path):
     assert set(sections["B"]["numbers"]) == {"eagle3", "dflash", "dspark", "mtp", "medusa", "assistant"}
     assert all(kind["resume_max_abs_weight_change"] == 0.0 for kind in sections["B"]["numbers"].values())
     assert sections["D"]["numbers"]["eval_float32"]["eagle3:final"]["greedy_exact_match"] == 1.0
+    from benchmarks.gpu_check.h_families import FAMILIES
+
+    assert all("error" not in sections["H"]["numbers"][name] for name in FAMILIES)
     with tarfile.open(tmp_path / "out" / "logs.tgz") as archive:
         names = archive.getnames()
     assert "logs/worker-1.log" in names and "logs/d_eval_float32.log" in names
@@ -67,3 +70,18 @@ def test_a_new_run_keeps_the_runs_of_the_sections_it_does_not_run(tmp_path):
     assert (work / "runs/b/eagle3/final").is_dir() and not (work / "runs/d").exists()
     clear_work(str(work), "cpu", ["D"])  # a dry run after a GPU run: nothing of the GPU's is decoded as its own
     assert sorted(os.listdir(work / "runs")) == ["mode"] and (work / "runs/mode").read_text() == "cpu"
+
+
+def test_the_hf_reference_emits_eos_where_the_target_picks_it():
+    """D's and H's reference (HF generate, no EOS) keeps the target's argmax where it is the EOS token: tiny-gpt-oss
+    puts <|im_end|> (258) 0.6 logits ahead at the third new token of H's first prompt. With `min_new_tokens` it
+    masked that logit and generate chose another token, a divergence of 18 ulps from the engine in bf16."""
+    import torch
+
+    from benchmarks.gpu_check.d_lossless import hf_greedy
+    from benchmarks.gpu_check.h_families import prompts
+    from inference.engine.target import TargetModel
+
+    target = TargetModel.from_pretrained("debug:tiny-gpt-oss", dtype=torch.float32)
+    row = hf_greedy(target, prompts()[:1], 24)[0]
+    assert len(row) == 24 and row[2] == target.tokenizer.convert_tokens_to_ids("<|im_end|>") == 258

@@ -65,7 +65,8 @@ def reference_logits(name: str, target: TargetModel, input_ids: torch.Tensor, de
                            zero_centred_rms(h, stored["mtp.pre_fc_norm_hidden.weight"], eps)], -1)
             x = x @ stored["mtp.fc.weight"].T
             mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()[None, None]
-            y = block(x, attention_mask=mask, position_ids=positions, position_embeddings=rotary(x, positions))
+            sections = positions.expand(3, *positions.shape)  # text, height, width: transformers 5.17 wants all 3
+            y = block(x, attention_mask=mask, position_ids=positions, position_embeddings=rotary(x, sections))
             y = y[0] if isinstance(y, tuple) else y
             h = zero_centred_rms(y, stored["mtp.norm.weight"], eps)
         return h @ target.model.lm_head.weight.T

@@ -85,13 +85,14 @@ def gaps(target, prompts: list[list[int]], plain: list[list[int]], other: list[l
 
 
 def hf_greedy(target, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """HF `generate`, greedy, one prompt at a time (no padding), never stopping early."""
+    """HF `generate`, greedy, one prompt at a time (no padding), never stopping early: no EOS at all, as the engine
+    runs here (`min_new_tokens` would instead mask the EOS logit, and generate would pick another token wherever
+    the target's argmax is EOS)."""
     rows = []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=target.device)
         out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                    pad_token_id=target.pad_token_id)
+                                    max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=target.pad_token_id)
         rows.append(out[0, len(prompt):].tolist())
     return rows
 

@@ -25,6 +25,7 @@ TITLES = {
     "E": "real shapes with random weights: step memory and time against the estimate",
     "F": "the engine at 8B shape: plain decoding against HF generate, v(k) and d(k)",
     "G": "launchers: FSDP2 with one process, save and resume; DeepSpeed ZeRO-2",
+    "H": "the study's target families in bf16: engine against HF generate, chains and trees, near-ties",
 }
 MAX_CAUSE = 400  # characters of a one-line cause
 

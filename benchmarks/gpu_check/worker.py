@@ -19,7 +19,7 @@ import time
 import traceback
 
 MODULES = {"A": "a_env", "B": "b_train", "C": "c_parity", "D": "d_lossless", "E": "e_shapes", "F": "f_engine",
-           "G": "g_launchers"}
+           "G": "g_launchers", "H": "h_families"}
 MIN_START = 10.0  # seconds: a section needs at least this much to say anything
 
 

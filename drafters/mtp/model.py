@@ -87,6 +87,14 @@ class MTPDrafter(DraftHead, Drafter):
             if materialised:  # the target's rows of the first V_d ids until init_from_data picks the vocabulary
                 self.copy_target_rows()
 
+    def rope(self, x: torch.Tensor, position_ids: torch.Tensor):
+        """cos, sin of the family's rotary at position_ids [B, T]. A multimodal-RoPE family (Qwen3.5: text, height
+        and width sections) takes the text positions once per section, [3, B, T]: transformers 5.17 did not
+        broadcast them itself."""
+        if hasattr(self.rotary, "mrope_section"):
+            position_ids = position_ids.expand(3, *position_ids.shape)
+        return self.rotary(x, position_ids, *self._rope_kind)
+
     @property
     def num_steps(self) -> int:
         return resolve_num_steps(self.config)
@@ -173,7 +181,7 @@ class MTPDrafter(DraftHead, Drafter):
         if self.convention.mask_first_position:
             embeds = embeds.masked_fill((position_ids == 0).unsqueeze(-1), 0.0)
         if position_embeddings is None:
-            position_embeddings = self.rotary(embeds, position_ids, *self._rope_kind)
+            position_embeddings = self.rope(embeds, position_ids)
         pre = module(embeds, hidden.to(embeds.dtype), mask, position_ids, position_embeddings, cache)
         normed = module.final_norm(pre)
         return (normed if self.convention.feed_back_normed else pre), normed
@@ -197,8 +205,7 @@ class MTPDrafter(DraftHead, Drafter):
         batch_size, seq_len = batch["input_ids"].shape
         device = batch["input_ids"].device
         positions = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-        position_embeddings = self.rotary(batch["final_hidden"].to(self.layers[0].eh_proj.weight.dtype),
-                                          positions, *self._rope_kind)
+        position_embeddings = self.rope(batch["final_hidden"].to(self.layers[0].eh_proj.weight.dtype), positions)
         mask = causal_mask(seq_len, device)
         output = chained_depths(batch, self.num_steps, lambda depth, tokens, hidden: self._step(
             depth, tokens, hidden, positions, mask, position_embeddings=position_embeddings), self._logits)
