@@ -59,6 +59,7 @@ def released(request, tmp_path_factory):
     for key, tensor in AutoModelForCausalLM.from_pretrained(source).state_dict().items():
         state[key.replace("model.", "model.language_model.", 1)].copy_(tensor)
     directory = str(tmp_path_factory.mktemp(name) / "released")
+    model.generation_config.eos_token_id = [258, 256]  # generation_config.json's EOS ids beside the config's one
     model.save_pretrained(directory)
     native = load_file(os.path.join(source, "model.safetensors"))  # a native MTP module: top-level `mtp.*`, as shipped
     mtp = {key: tensor for key, tensor in native.items() if key.startswith("mtp.")}
@@ -78,6 +79,9 @@ def test_the_target_is_the_text_model_with_the_same_tokens(released):
     target, text = TargetModel.from_pretrained(directory), TargetModel.from_pretrained("debug:" + name)
     assert type(target.model) is type(text.model), type(target.model).__name__  # the towers are gone
     assert not any("vision" in key for key in target.model.state_dict())
+    assert target.target_info().eos_token_ids == (258, 256)  # generation_config.json's, as the released models stop
+    if name.startswith("tiny-gemma4"):  # the text model made here keeps the checkpoint's class name
+        assert target.model.config.architectures == ["Gemma4ForConditionalGeneration"]
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
         assert torch.equal(target.model(ids).logits, text.model(ids).logits)

@@ -70,6 +70,8 @@ def language_model(model):
         raise ValueError(f"target {type(model).__name__}: its text model {type(causal).__name__} has tensors that "
                          f"the vision-language model does not ({unset[:3]}); load a text-only checkpoint")
     causal.config._name_or_path = getattr(config, "_name_or_path", "")
+    causal.config.architectures = config.architectures  # the checkpoint's (a speculators export names its verifier)
+    causal.generation_config = model.generation_config  # generation_config.json's EOS ids, not the text config's
     return causal.eval()
 
 
