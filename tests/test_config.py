@@ -44,11 +44,11 @@ QWEN36_27B = Qwen3_5TextConfig(
     num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
     linear_value_head_dim=128, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
-GEMMA4_31B = Gemma4TextConfig(
+GEMMA4_31B = Gemma4TextConfig(  # its global layers: 4 KV heads of 512 whose values are their keys
     vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
-    num_key_value_heads=16, head_dim=256, global_head_dim=512, sliding_window=1024,
-    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10, hidden_size_per_layer_input=0,
-    vocab_size_per_layer_input=0)
+    num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True,
+    sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
+    hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, final_logit_softcapping=30.0)
 # gemma-4-26B-A4B's text config (25.2B parameters, 3.8B active): a dense MLP beside 128 experts (top 8) per layer,
 # global layers of 2 KV heads of 512 whose values are their keys
 GEMMA4_26B_A4B = Gemma4TextConfig(

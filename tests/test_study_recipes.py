@@ -67,8 +67,9 @@ def test_layer_ids_are_the_published_checkpoints():
 
 
 @pytest.mark.parametrize("name,kv_layers,global_layer", [
-    ("gemma-4-31b/assistant.yaml", (58, 58, 58, 59), {"head_dim": 512}),
-    # 26B-A4B's global layers cache 2 KV heads (attention_k_eq_v with num_global_key_value_heads): so do its queries'
+    # the global layers cache 4 (31B) / 2 (26B-A4B) KV heads (attention_k_eq_v with num_global_key_value_heads):
+    # so do the assistant's global queries
+    ("gemma-4-31b/assistant.yaml", (58, 58, 58, 59), {"head_dim": 512, "num_key_value_heads": 4}),
     ("gemma-4-26b-a4b/assistant.yaml", (28, 28, 28, 29), {"head_dim": 512, "num_key_value_heads": 2})])
 def test_the_gemma4_assistant_is_built_from_gemma4_layers(name, kv_layers, global_layer):
     _, assistant, _, _ = build(name)
