@@ -7,9 +7,9 @@ every size of the target and the drafter is the config's).
     draftsmith estimate recipes/gemma-4-26b-a4b/eagle3.yaml target.name_or_path=/tmp/gemma-4-26b-a4b \\
         data.regenerated_path=null --world-size 8 --gpu-memory-gib 80
 
-gemma-4-26B-A4B's text config as public conversions of the release list it; built, it counts 25.23B parameters of
-which 3.82B are active per token (the release's 25.2B and 3.8B). DeepSeek-V3's is transformers' DeepseekV3Config
-defaults, which are that model's.
+gemma-4-26B-A4B's and gemma-4-31B's text configs as public conversions of the releases list them; built, they count
+25.23B parameters of which 3.82B are active per token (the release's 25.2B and 3.8B), and 30.70B. DeepSeek-V3's is
+transformers' DeepseekV3Config defaults, which are that model's.
 """
 
 from __future__ import annotations
@@ -26,12 +26,18 @@ GEMMA4_26B_A4B_TEXT = dict(
     vocab_size_per_layer_input=0, final_logit_softcapping=30.0, max_position_embeddings=262144,
     tie_word_embeddings=True, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh")
 
+GEMMA4_31B_TEXT = dict(
+    GEMMA4_26B_A4B_TEXT, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
+    num_key_value_heads=16, num_global_key_value_heads=4, enable_moe_block=False, num_experts=None,
+    top_k_experts=None, moe_intermediate_size=None, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10)
+GEMMA4_TEXT = {"gemma-4-26b-a4b": GEMMA4_26B_A4B_TEXT, "gemma-4-31b": GEMMA4_31B_TEXT}
+
 
 def config_of(name: str):
-    if name == "gemma-4-26b-a4b":
+    if name in GEMMA4_TEXT:
         from transformers import Gemma4Config
 
-        config = Gemma4Config(text_config=GEMMA4_26B_A4B_TEXT, tie_word_embeddings=True)
+        config = Gemma4Config(text_config=GEMMA4_TEXT[name], tie_word_embeddings=True)
         config.architectures = ["Gemma4ForConditionalGeneration"]
         return config
     from transformers import DeepseekV3Config
@@ -43,7 +49,7 @@ def config_of(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("target", choices=["gemma-4-26b-a4b", "deepseek-v3"])
+    parser.add_argument("target", choices=[*GEMMA4_TEXT, "deepseek-v3"])
     parser.add_argument("out", help="the directory to write (config.json and the stand-in tokenizer)")
     args = parser.parse_args(argv)
     if os.path.exists(os.path.join(args.out, "config.json")):
