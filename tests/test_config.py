@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 import yaml
-from transformers import (DeepseekV3Config, Gemma4TextConfig, LlamaConfig, Qwen3_5TextConfig, Qwen3Config,
-                          Qwen3NextConfig)
+from transformers import (DeepseekV3Config, Gemma4TextConfig, LlamaConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
+                          Qwen3Config, Qwen3NextConfig)
 
 from drafters import DRAFTERS, TargetInfo
 from train.config import ScheduleConfig, derive, load_recipe, parse_overrides, recipe_from_dict, recipe_to_dict, \
@@ -57,6 +57,9 @@ GEMMA4_26B_A4B = Gemma4TextConfig(
     sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5, enable_moe_block=True,
     num_experts=128, top_k_experts=8, moe_intermediate_size=704, hidden_size_per_layer_input=0,
     vocab_size_per_layer_input=0, final_logit_softcapping=30.0)
+# Qwen3.6-35B-A3B's text config: transformers' Qwen3_5MoeTextConfig defaults are that model's (40 layers of 2048,
+# every fourth full attention, 256 experts top 8 and a shared one), with its one MTP module
+QWEN36_35B_A3B = Qwen3_5MoeTextConfig(mtp_num_hidden_layers=1)
 DEEPSEEK_V3 = DeepseekV3Config(
     vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
     num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8,
@@ -64,6 +67,7 @@ DEEPSEEK_V3 = DeepseekV3Config(
     qk_nope_head_dim=128, max_position_embeddings=163840)
 TARGET_SHAPES = {"smollm2": SMOLLM2, "llama3.1-8b": LLAMA31_8B, "qwen3-8b": QWEN3_8B, "qwen3-next": QWEN3_NEXT,
                  "qwen3.6-27b": QWEN36_27B, "gemma-4-31b": GEMMA4_31B, "gemma-4-26b-a4b": GEMMA4_26B_A4B,
+                 "qwen3.6-35b-a3b": QWEN36_35B_A3B,
                  "deepseek-v3": DEEPSEEK_V3}
 
 
@@ -111,6 +115,15 @@ def test_accelerate_configs_are_yaml_with_a_distributed_type():
         with open(path) as f:
             config = yaml.safe_load(f)
         assert "distributed_type" in config and "num_processes" in config
+
+
+def test_an_empty_mapping_on_the_command_line_empties_the_recipes_and_one_with_entries_merges():
+    """Before, `data.chat_template_kwargs={}` merged nothing into the recipe's mapping: no override could empty it."""
+    recipe = os.path.join(ROOT, "recipes", "qwen3.6-27b", "mtp.yaml")  # its data.chat_template_kwargs: thinking off
+    assert load_recipe(recipe, ["data.chat_template_kwargs={}"]).data.chat_template_kwargs == {}
+    merged = load_recipe(recipe, ["data.chat_template_kwargs={reasoning_effort: low}"]).data.chat_template_kwargs
+    assert merged == {"enable_thinking": False, "reasoning_effort": "low"}
+    assert load_recipe(DEBUG_RECIPE, ["train={max_steps: 3}"]).train.epochs == load_recipe(DEBUG_RECIPE).train.epochs
 
 
 def test_unknown_keys_name_the_dotted_key():

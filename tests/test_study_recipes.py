@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from test_config import GEMMA4_26B_A4B, GEMMA4_31B, QWEN36_27B, meta_target_info
+from test_config import GEMMA4_26B_A4B, GEMMA4_31B, QWEN36_27B, QWEN36_35B_A3B, meta_target_info
 
 from drafters import DRAFTERS
 from drafters.layer_ids import attention_output_ids
@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZLAB_QWEN36_27B = [1, 10, 18, 27, 35, 44, 52, 61]  # z-lab's dflash_config.target_layer_ids (layer outputs)
 ZLAB_GEMMA4_31B = [1, 12, 23, 35, 46, 57]
 ZLAB_GEMMA4_26B_A4B = [1, 6, 11, 17, 22, 27]
+ZLAB_QWEN36_35B_A3B = [1, 10, 19, 28, 37]
 # recipe -> (target shape, drafter fields the study's checkpoint fixes, eval k of the study's example command)
 STUDY = {
     "qwen3.6-27b/mtp.yaml": (QWEN36_27B, dict(layout="qwen3_5", init_from_native=True, reuse=True, num_steps=5), 3),
@@ -30,6 +31,9 @@ STUDY = {
     "gemma-4-26b-a4b/assistant.yaml": (GEMMA4_26B_A4B, dict(num_layers=4, num_steps=5), 5),
     "gemma-4-26b-a4b/eagle3.yaml": (GEMMA4_26B_A4B, dict(ttt_steps=5), 1),
     "gemma-4-26b-a4b/dflash.yaml": (GEMMA4_26B_A4B, dict(block_size=16, num_layers=5, mask_token_id=4), 15),
+    "qwen3.6-35b-a3b/mtp.yaml": (QWEN36_35B_A3B, dict(layout="qwen3_5", init_from_native=True, reuse=True,
+                                                      num_steps=6), 3),
+    "qwen3.6-35b-a3b/dflash.yaml": (QWEN36_35B_A3B, dict(block_size=16, num_layers=8, mask_token_id=248070), 15),
 }
 
 
@@ -64,6 +68,10 @@ def test_layer_ids_are_the_published_checkpoints():
     assert build("gemma-4-31b/eagle3.yaml")[1].layer_ids == (2, 30, 57)  # auto = vLLM's (2, N//2, N-3)
     assert list(build("gemma-4-26b-a4b/dflash.yaml")[1].layer_ids) == [t + 1 for t in ZLAB_GEMMA4_26B_A4B]
     assert build("gemma-4-26b-a4b/eagle3.yaml")[1].layer_ids == (2, 15, 27)
+    moe = build("qwen3.6-35b-a3b/dflash.yaml")[1]
+    assert list(moe.layer_ids) == [t + 1 for t in ZLAB_QWEN36_35B_A3B]
+    # four read gated-DeltaNet layers (kept by the opt-out), one a full-attention layer (layer 19)
+    assert set(moe.layer_ids) - set(attention_output_ids(QWEN36_35B_A3B.to_dict(), 40)) == {2, 11, 29, 38}
 
 
 @pytest.mark.parametrize("name,kv_layers,global_layer", [

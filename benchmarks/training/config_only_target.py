@@ -9,7 +9,7 @@ every size of the target and the drafter is the config's).
 
 gemma-4-26B-A4B's and gemma-4-31B's text configs as public conversions of the releases list them; built, they count
 25.23B parameters of which 3.82B are active per token (the release's 25.2B and 3.8B), and 30.70B. DeepSeek-V3's is
-transformers' DeepseekV3Config defaults, which are that model's.
+transformers' DeepseekV3Config defaults, which are that model's, and so are Qwen3_5MoeTextConfig's Qwen3.6-35B-A3B's.
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ GEMMA4_TEXT = {"gemma-4-26b-a4b": GEMMA4_26B_A4B_TEXT, "gemma-4-31b": GEMMA4_31B
 
 
 def config_of(name: str):
+    if name == "qwen3.6-35b-a3b":  # transformers' Qwen3_5MoeTextConfig defaults are its text config
+        from transformers import Qwen3_5MoeConfig
+
+        config = Qwen3_5MoeConfig(text_config={"mtp_num_hidden_layers": 1}, tie_word_embeddings=False)
+        config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+        return config
     if name in GEMMA4_TEXT:
         from transformers import Gemma4Config
 
@@ -49,7 +55,7 @@ def config_of(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("target", choices=[*GEMMA4_TEXT, "deepseek-v3"])
+    parser.add_argument("target", choices=[*GEMMA4_TEXT, "qwen3.6-35b-a3b", "deepseek-v3"])
     parser.add_argument("out", help="the directory to write (config.json and the stand-in tokenizer)")
     args = parser.parse_args(argv)
     if os.path.exists(os.path.join(args.out, "config.json")):
