@@ -104,7 +104,7 @@ class RaggedLM:
                 attention_mask=self.family.attention_mask(self.slot_mask, position_ids),
                 position_ids=position_ids,
                 use_cache=True,
-                logits_to_keep=logits_to_keep,
+                logits_to_keep=self.family.logits_to_keep(logits_to_keep, taps is not None and taps.records),
                 **{self.cache_arg: self.cache},
             )
         finally:

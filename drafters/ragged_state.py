@@ -113,6 +113,15 @@ class FamilyState:
                              f"{self.kernel!r}: load it with attn_implementation='sdpa'")
         self.recorders = self._install_recorders(model, mechanism)
         self.dtype = model.dtype
+        # Gemma 4's KV-shared tail (num_kv_shared_layers: E2B / E4B) caches nothing, so transformers runs it over the
+        # kept logits' positions only when logits_to_keep is an int: see `logits_to_keep`
+        self.shares_kv = bool(getattr(config, "num_kv_shared_layers", 0))
+
+    def logits_to_keep(self, keep: int, records: bool):
+        """The forward's logits_to_keep for the last `keep` positions (0: all): `keep` itself, or the same positions
+        as a slice when the forward records features and a KV-shared tail would otherwise skip the earlier
+        positions (the hidden states a drafter reads there and after it, and the final one)."""
+        return slice(-keep, None) if keep and records and self.shares_kv else keep
 
     def _install_recorders(self, model, mechanism: str) -> dict[int, "LinearStateRecorder"]:
         indices = [i for i, kind in enumerate(self.types) if kind == "linear_attention"]

@@ -27,7 +27,7 @@ from inference.engine.api import speculative_generate, tree_speculative_generate
 from inference.engine.target import TargetModel
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
-GEMMA4 = ["tiny-gemma4", "tiny-gemma4-moe"]
+GEMMA4 = ["tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma4-e"]
 FAMILIES = HYBRIDS + GEMMA4 + ["tiny-gpt-oss", "tiny-deepseek-v3"]
 MAX_NEW = 24  # with prompts of 7-20 tokens every row ends past Gemma 4's and gpt-oss's window of 16
 

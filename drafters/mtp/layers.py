@@ -113,6 +113,8 @@ def block_config(target_info: TargetInfo, num_modules: int):
         per_layer = {**(values.get("per_layer_config") or {}), **per_layer_overrides(values, added, len(layer_types))}
         values.update(layer_types=(list(layer_types) + added)[:total], num_hidden_layers=total,
                       **({"per_layer_config": per_layer} if per_layer else {}))
+    # Gemma 4 E2B / E4B: a block computes its own K/V (no KV-shared tail) and takes no per-layer input
+    values.update({key: 0 for key in ("num_kv_shared_layers", "hidden_size_per_layer_input") if values.get(key)})
     config = AutoConfig.for_model(family, **values)
     config._attn_implementation = "sdpa"
     config._experts_implementation = "eager"  # MoE blocks: transformers' exact per-expert loop

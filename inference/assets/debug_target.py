@@ -60,6 +60,12 @@ DEBUG_TARGETS = {
         hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, final_logit_softcapping=30.0,
         enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True,
         num_global_key_value_heads=1)),
+    # gemma-4-E2B / E4B's shape: per-layer inputs (a second embedding table feeding every layer) and a tail of layers
+    # that reuse the K/V of the last layer of their type before it (num_kv_shared_layers), so they cache nothing.
+    "tiny-gemma4-e": dict(model_type="gemma4_text", seed=8, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, intermediate_size=128, num_hidden_layers=6, head_dim=16, global_head_dim=32, sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=260, num_kv_shared_layers=2, final_logit_softcapping=30.0)),
     "tiny-gpt-oss": dict(model_type="gpt_oss", seed=5, logit_scale=8.0, mtp=False, config=dict(
         _ATTENTION, intermediate_size=64, num_hidden_layers=4, head_dim=16, sliding_window=16, num_local_experts=4,
         num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2,

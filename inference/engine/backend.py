@@ -38,6 +38,10 @@ class Taps:
         if self.last:
             self.values["last"] = hidden
 
+    @property
+    def records(self) -> bool:
+        return bool(self.ids) or self.last
+
 
 @dataclass
 class Prepared:

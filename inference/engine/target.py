@@ -276,7 +276,7 @@ class TargetModel:
         final hidden state (the teacher) and the argmax with every batch."""
         self.check_request(FeatureRequest(layer_ids=tuple(layer_ids), kv_layers=tuple(kv_layers)))
         cache = {self.runner.cache_arg: self.runner.family.new_cache()} if kv_layers else {}  # every slot kept
-        keep = {} if return_logits else {"logits_to_keep": 1}
+        keep = {} if return_logits else {"logits_to_keep": self.runner.family.logits_to_keep(1, True)}
         with self.capture(layer_ids, want_last_hidden=True) as taps:
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=bool(kv_layers),
                                 **cache, **keep).logits
