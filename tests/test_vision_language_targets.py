@@ -129,3 +129,32 @@ def test_train_and_export_read_the_released_checkpoint(released, tmp_path):
     assert cli(["export", os.path.join(run, "final"), "--format", "speculators", "--out", out,
                 "--target", directory]) == 0
     assert os.path.exists(os.path.join(out, "config.json"))
+
+
+def test_a_native_mtp_export_keeps_the_released_layout(released, tmp_path):
+    """`export --format qwen3_5` of the imported module into a released Qwen3.5 checkpoint: every tensor of the source
+    (vision tower included) written back bit for bit, the config still a vision-language one whose text config counts
+    the MTP layer where vLLM reads it, and the written checkpoint serves that module losslessly."""
+    name, directory = released
+    if not DEBUG_TARGETS[name]["mtp"]:
+        pytest.skip("no native MTP module in this family's checkpoint")
+    from test_mtp_qwen35 import load
+
+    from drafters.mtp import MTPDrafter
+    from drafters.mtp.export import checkpoint_index, read_tensors
+
+    drafter = MTPDrafter.from_target(TargetModel.from_pretrained(directory).target_info())
+    out = str(tmp_path / "served")
+    drafter.save(out, "qwen3_5")
+    before, after = checkpoint_index(directory), checkpoint_index(out)
+    assert set(after) == set(before)
+    written, source = read_tensors(out, after, after), read_tensors(directory, before, before)
+    assert all(torch.equal(written[key], tensor) for key, tensor in source.items())
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    assert "vision_config" in config and config["text_config"]["mtp_num_hidden_layers"] == 1
+    served = load(out, torch.float64)  # float64 (greedy equality is exact there), experts in their per-expert loop
+    plain = speculative_generate(served, None, PROMPTS, num_draft_tokens=0, max_new_tokens=16, eos_token_ids=[])
+    spec = speculative_generate(served, load_drafter("native-mtp", served.target_info()).double(), PROMPTS,
+                                num_draft_tokens=3, max_new_tokens=16, eos_token_ids=[])
+    assert spec.tokens == plain.tokens
