@@ -203,6 +203,12 @@ def test_target_memory_per_placement_by_hand():
     assert engine_bytes_per_gpu(params=1000, bytes_per_param=2, tensor_parallel_size=8) == 250
     assert fitting_placement({"replicated": 30, "sharded": 20, "served": 10}, 25) == "sharded"
     assert fitting_placement({"replicated": 30, "sharded": 20, "served": 10}, 5) is None
+    # the drafter's state under FSDP comes before sharding the target, never before a replicated target that fits
+    assert fitting_placement({"replicated": 30, "sharded": 20, "served": 10}, 25, replicated_fsdp=24) == \
+        "replicated+fsdp"
+    assert fitting_placement({"replicated": 30, "sharded": 20, "served": 10}, 25, replicated_fsdp=26) == "sharded"
+    assert fitting_placement({"replicated": 30, "sharded": 20, "served": 10}, 35, replicated_fsdp=24) == \
+        "replicated"
 
 
 def test_estimate_names_the_placement_that_fits(capsys):
@@ -213,18 +219,19 @@ def test_estimate_names_the_placement_that_fits(capsys):
     def totals(budget_gib: float) -> tuple[dict[str, float], str]:
         assert main([TINY, "--world-size", "8", "--no-probe", "--gpu-memory-gib", str(budget_gib)]) == 0
         lines = capsys.readouterr().out.splitlines()
-        found = {m[1]: float(m[2]) for m in (re.match(r"  (replicated|sharded|served) .* total +([0-9.]+) MiB", line)
-                                             for line in lines) if m}
+        found = {m[1] or "fsdp": float(m[2]) for m in (
+            re.match(r"  (replicated|sharded|served)? .* total +([0-9.]+) MiB", line) for line in lines) if m}
         return found, lines[-1]
 
-    # the tiny target is 708 KiB in fp32 on every process; a budget between the sharded and the replicated totals
-    # (each read from the table, so a change of the drafter's size moves both) holds sharded but not replicated
+    # the tiny target is 708 KiB in fp32 on every process; a budget between the replicated target's total with the
+    # drafter under FSDP and the one under DDP (each read from the table, so a change of the drafter's size moves
+    # both) holds the first but not the second, and the drafter's state is sharded before the target is
     found, _ = totals(1.0)
-    assert set(found) == {"replicated", "sharded", "served"} and found["sharded"] < found["replicated"]
-    budget = (found["sharded"] + found["replicated"]) / 2
+    assert set(found) == {"replicated", "sharded", "served", "fsdp"} and found["fsdp"] < found["replicated"]
+    budget = (found["fsdp"] + found["replicated"]) / 2
     _, last = totals(budget / 1024)
-    assert last.startswith(f"  fits {budget:.1f} MiB per GPU (--gpu-memory-gib): target.placement: sharded (the "
-                           "first that fits; weigh the layers it gathers every forward")
+    assert last == (f"  fits {budget:.1f} MiB per GPU (--gpu-memory-gib): target.placement: replicated with the "
+                    "drafter under FSDP (recipes/accelerate/8gpu_fsdp.yaml)")
 
 
 @pytest.mark.slow

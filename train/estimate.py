@@ -268,14 +268,15 @@ def print_step_peak(recipe: Recipe, drafter: torch.nn.Module, device) -> int | N
 
 def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_bytes: int,
                      gpu_source: str) -> str | None:
-    """Target memory per GPU under each target.placement, the DDP total with it, and the first placement that fits
-    in gpu_bytes (returned)."""
-    rest = memory_plan(sizes, "ddp", world_size)
-    rest = rest["total"] - rest["target weights"]
+    """Target memory per GPU under each target.placement, the DDP total with it (and the replicated target's with the
+    drafter under FSDP), and the first that fits in gpu_bytes (returned: a placement, or "replicated+fsdp")."""
+    rest, fsdp = memory_plan(sizes, "ddp", world_size), memory_plan(sizes, "fsdp", world_size)
+    rest, fsdp_rest = rest["total"] - rest["target weights"], fsdp["total"] - fsdp["target weights"]
     shape = dict(params=sizes.target_params, bytes_per_param=sizes.target_bytes_per_param,
                  largest_layer=sizes.largest_layer_params, head=sizes.head_params, world_size=world_size)
     target = {p: target_bytes_per_gpu(p, **shape) for p in PLACEMENTS}
     totals = {p: target[p] + rest for p in PLACEMENTS}
+    replicated_fsdp = target["replicated"] + fsdp_rest
     print(f"target placement per GPU at world size {world_size} (target.placement; totals with DDP drafter state):")
     gathered = (sizes.target_params - sizes.head_params) * sizes.target_bytes_per_param * (world_size - 1) // world_size
     for placement, note in (("replicated", "every process holds all of it"),
@@ -284,15 +285,20 @@ def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_by
                             ("served", "head only; vLLM holds the decoder, offline features")):
         print(f"  {placement:11} target {human_bytes(target[placement]):>11}  total "
               f"{human_bytes(totals[placement]):>11}  ({note})")
+        if placement == "replicated":
+            print(f"  {'':11} {'':18}  total {human_bytes(replicated_fsdp):>11}  (the drafter under FSDP: "
+                  "recipes/accelerate/8gpu_fsdp.yaml; only its own shards are gathered)")
     tp = recipe.features.vllm.tensor_parallel_size
     engine = engine_bytes_per_gpu(params=sizes.target_params,
                                   bytes_per_param=sizes.engine_bytes_per_param or sizes.target_bytes_per_param,
                                   tensor_parallel_size=tp)
     print(f"  vLLM engine: {human_bytes(engine)} of weights per GPU at features.vllm.tensor_parallel_size {tp}"
           + (" (the checkpoint's fp8)" if sizes.engine_bytes_per_param == 1 else "") + ", plus its KV cache")
-    fits = fitting_placement(totals, gpu_bytes)
+    fits = fitting_placement(totals, gpu_bytes, replicated_fsdp)
     print(f"  fits {human_bytes(gpu_bytes)} per GPU ({gpu_source}): "
-          + (f"target.placement: {fits}" if fits else "none; shard the drafter (fsdp/zero3) or use more GPUs")
+          + ("target.placement: replicated with the drafter under FSDP (recipes/accelerate/8gpu_fsdp.yaml)"
+             if fits == "replicated+fsdp" else f"target.placement: {fits}" if fits
+             else "none; shard the drafter (fsdp/zero3) or use more GPUs")
           + (" (the first that fits; weigh the layers it gathers every forward against served's vLLM GPUs)"
              if fits == "sharded" else ""))
     return fits

@@ -120,6 +120,12 @@ def engine_bytes_per_gpu(*, params: int, bytes_per_param: int, tensor_parallel_s
     return -(-params * bytes_per_param // tensor_parallel_size)
 
 
-def fitting_placement(totals: dict[str, int], gpu_bytes: int) -> str | None:
-    """The first placement, in the order of PLACEMENTS (fewest collectives first), whose per-GPU total fits."""
-    return next((p for p in PLACEMENTS if totals[p] <= gpu_bytes), None)
+def fitting_placement(totals: dict[str, int], gpu_bytes: int, replicated_fsdp: int | None = None) -> str | None:
+    """The first placement, in the order of PLACEMENTS (fewest collectives first), whose per-GPU total fits; with
+    `replicated_fsdp` (the replicated target's total with the drafter's state under FSDP), "replicated+fsdp" when
+    only that fits of the two replicated totals: sharding the drafter gathers its own shards only, before sharding
+    the target gathers its layers every forward."""
+    fits = next((p for p in PLACEMENTS if totals[p] <= gpu_bytes), None)
+    if fits != "replicated" and replicated_fsdp is not None and replicated_fsdp <= gpu_bytes:
+        return "replicated+fsdp"
+    return fits
