@@ -9,7 +9,8 @@ every size of the target and the drafter is the config's).
 
 gemma-4-26B-A4B's and gemma-4-31B's text configs as public conversions of the releases list them; built, they count
 25.23B parameters of which 3.82B are active per token (the release's 25.2B and 3.8B), and 30.70B. DeepSeek-V3's is
-transformers' DeepseekV3Config defaults, which are that model's, and so are Qwen3_5MoeTextConfig's Qwen3.6-35B-A3B's.
+transformers' DeepseekV3Config defaults, which are that model's, and so are Qwen3_5MoeTextConfig's Qwen3.6-35B-A3B's
+(34.66B built); Qwen3.6-27B's is the one tests/test_config.py assumes (26.90B built).
 """
 
 from __future__ import annotations
@@ -33,12 +34,21 @@ GEMMA4_31B_TEXT = dict(
 GEMMA4_TEXT = {"gemma-4-26b-a4b": GEMMA4_26B_A4B_TEXT, "gemma-4-31b": GEMMA4_31B_TEXT}
 
 
-def config_of(name: str):
-    if name == "qwen3.6-35b-a3b":  # transformers' Qwen3_5MoeTextConfig defaults are its text config
-        from transformers import Qwen3_5MoeConfig
+QWEN36_27B_TEXT = dict(
+    vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+    num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+    linear_value_head_dim=128, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+    mtp_num_hidden_layers=1)
 
-        config = Qwen3_5MoeConfig(text_config={"mtp_num_hidden_layers": 1}, tie_word_embeddings=False)
-        config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+
+def config_of(name: str):
+    if name.startswith("qwen3.6"):  # Qwen3_5MoeTextConfig's defaults are Qwen3.6-35B-A3B's text config
+        from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+        dense = name == "qwen3.6-27b"
+        config = (Qwen3_5Config(text_config=QWEN36_27B_TEXT, tie_word_embeddings=False) if dense else
+                  Qwen3_5MoeConfig(text_config={"mtp_num_hidden_layers": 1}, tie_word_embeddings=False))
+        config.architectures = ["Qwen3_5ForConditionalGeneration" if dense else "Qwen3_5MoeForConditionalGeneration"]
         return config
     if name in GEMMA4_TEXT:
         from transformers import Gemma4Config
@@ -55,7 +65,7 @@ def config_of(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("target", choices=[*GEMMA4_TEXT, "qwen3.6-35b-a3b", "deepseek-v3"])
+    parser.add_argument("target", choices=[*GEMMA4_TEXT, "qwen3.6-27b", "qwen3.6-35b-a3b", "deepseek-v3"])
     parser.add_argument("out", help="the directory to write (config.json and the stand-in tokenizer)")
     args = parser.parse_args(argv)
     if os.path.exists(os.path.join(args.out, "config.json")):
