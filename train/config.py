@@ -205,14 +205,8 @@ class Derived:
     max_steps: int
 
 
-class Cleared(dict):
-    """An empty mapping given as an override's value (`data.chat_template_kwargs={}`): it replaces the recipe's
-    mapping, which is how a command line empties one; a mapping with entries merges into the recipe's as before."""
-
-
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """["a.b=1", "c=[1, 2]"] -> {"a": {"b": 1}, "c": [1, 2]}; values are parsed as YAML scalars/lists/mappings (an
-    empty mapping is `Cleared`: `merge` replaces with it)."""
+    """["a.b=1", "c=[1, 2]"] -> {"a": {"b": 1}, "c": [1, 2]}; values are parsed as YAML scalars/lists/mappings."""
     result: dict[str, Any] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -224,16 +218,16 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             node = node.setdefault(name, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r} conflicts with an earlier override of {name!r}")
-        value = yaml.safe_load(text) if text.strip() else ""
-        node[leaf] = Cleared() if value == {} else value
+        node[leaf] = yaml.safe_load(text) if text.strip() else ""
     return result
 
 
 def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """Recursive dict merge; `update` wins, and a `Cleared` mapping in it replaces. Neither input is modified."""
+    """Recursive dict merge; `update` wins, and an empty mapping in it replaces (`key={}` on the command line empties
+    the recipe's mapping; a dotted override never makes an empty one). Neither input is modified."""
     merged = dict(base)
     for key, value in update.items():
-        if isinstance(value, dict) and not isinstance(value, Cleared) and isinstance(merged.get(key), dict):
+        if isinstance(value, dict) and value and isinstance(merged.get(key), dict):
             merged[key] = merge(merged[key], value)
         else:
             merged[key] = value
