@@ -16,11 +16,9 @@ import json
 import os
 import shutil
 import time
-import traceback
 
-from benchmarks.gpu_check.context import (DATA_FILE, KINDS, CheckFailed, Context, finite, free_memory, gib,
-                                          memory_peak, memory_reset_peak, reset_accelerate)
-from benchmarks.gpu_check.summary import one_line
+from benchmarks.gpu_check.context import (DATA_FILE, KINDS, CheckFailed, Context, each_case, finite, free_memory,
+                                          gib, memory_peak, memory_reset_peak, reset_accelerate)
 
 
 def final_dir(ctx: Context, kind: str) -> str:
@@ -120,18 +118,7 @@ def check_kind(ctx: Context, kind: str) -> tuple[dict, list[str]]:
 def run(ctx: Context) -> dict:
     numbers: dict = {}
     failures: list[str] = []
-    for kind in KINDS:
-        if ctx.time_left() < 10:
-            failures.append(f"{kind}: no time left")
-            continue
-        try:
-            numbers[kind], failed = check_kind(ctx, kind)
-            failures += failed
-        except Exception as err:  # noqa: BLE001 - one kind's error is recorded and the next kind runs
-            traceback.print_exc()
-            numbers[kind] = {"error": f"{type(err).__name__}: {one_line(err)}"}
-            failures.append(f"{kind}: {type(err).__name__}: {one_line(err)}")
-        free_memory(ctx.device)  # after the except block: the error's frames no longer hold the failed run
+    each_case(ctx, KINDS, lambda kind: check_kind(ctx, kind), numbers, failures)
     if failures:
         raise CheckFailed(f"{len(failures)} failure(s): " + "; ".join(failures), numbers)
     return numbers

@@ -13,11 +13,12 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.gpu_check.summary import last_error_line
+from benchmarks.gpu_check.summary import last_error_line, one_line
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7: the spacing of bf16 numbers in [1, 2)
 DATA_FILE = "recipes/smollm2/data/sharegpt_smollm2_regenerated_320.jsonl"
@@ -207,3 +208,21 @@ def finite(values) -> bool:
 
 # what an allocation that does not fit raises (torch.OutOfMemoryError; the device module's alias on older torch)
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+def each_case(ctx: Context, names, check, numbers: dict, failures: list[str]) -> None:
+    """check(name) -> (its numbers, its failures) for each name in turn, into numbers[name] and failures: a name
+    reached with under 10 s left is recorded as not run; one whose check raises is recorded by its error (the
+    traceback in the log) and the next one runs; the device's memory is freed after each."""
+    for name in names:
+        if ctx.time_left() < 10:
+            failures.append(f"{name}: no time left")
+            continue
+        try:
+            numbers[name], failed = check(name)
+            failures += failed
+        except Exception as err:  # noqa: BLE001 - one case's error is recorded and the next case runs
+            traceback.print_exc()
+            numbers[name] = {"error": f"{type(err).__name__}: {one_line(err)}"}
+            failures.append(f"{name}: {type(err).__name__}: {one_line(err)}")
+        free_memory(ctx.device)  # after the except block: the error's frames no longer hold the failed case

@@ -14,9 +14,8 @@ import copy
 
 import torch
 
-from benchmarks.gpu_check.context import CheckFailed, Context, free_memory
+from benchmarks.gpu_check.context import CheckFailed, Context, each_case
 from benchmarks.gpu_check.d_lossless import gaps, hf_greedy
-from benchmarks.gpu_check.summary import one_line
 
 FAMILIES = ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma4-e",
             "tiny-gpt-oss", "tiny-deepseek-v3")
@@ -66,24 +65,13 @@ def family(ctx: Context, name: str) -> tuple[dict, list[str]]:
     numbers["chain_accepted_of_proposed"] = [accepted, sum(map(sum, chain.proposed))]
     failures = [f"{name} {way}: a divergence of {max(gap):.3g} ulps" for way, gap in found.items()
                 if max(gap, default=0) > NEAR_TIE_ULPS]
-    del target, drafter
-    free_memory(ctx.device)
     return numbers, failures
 
 
 def run(ctx: Context) -> dict:
     numbers: dict = {"new_tokens": NEW_TOKENS, "rows": len(prompts())}
     failures: list[str] = []
-    for name in FAMILIES:
-        if ctx.time_left() < 10:
-            failures.append(f"out of time before {name}")
-            break
-        try:
-            numbers[name], failed = family(ctx, name)
-        except Exception as err:  # noqa: BLE001 - one family's error is recorded and the next one runs
-            numbers[name] = {"error": f"{type(err).__name__}: {one_line(err)}"}
-            failed = [f"{name}: {type(err).__name__}: {one_line(err)}"]
-        failures += failed
+    each_case(ctx, FAMILIES, lambda name: family(ctx, name), numbers, failures)
     if failures:
         raise CheckFailed("; ".join(failures), numbers)
     return numbers
