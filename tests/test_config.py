@@ -12,6 +12,7 @@ import yaml
 from transformers import (DeepseekV3Config, Gemma4TextConfig, LlamaConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
                           Qwen3Config, Qwen3NextConfig)
 
+from benchmarks.training.config_only_target import GEMMA4_26B_A4B_TEXT, GEMMA4_31B_TEXT, QWEN36_27B_TEXT
 from drafters import DRAFTERS, TargetInfo
 from train.config import ScheduleConfig, derive, load_recipe, parse_overrides, recipe_from_dict, recipe_to_dict, \
     save_recipe
@@ -39,24 +40,12 @@ QWEN3_NEXT = Qwen3NextConfig(
 # The study's targets (amd_vllm_study.md): Qwen3.6-27B's text model (48 gated-DeltaNet + 16 full-attention layers) and
 # gemma-4-31B (60 layers, 5 sliding : 1 global); heads and widths as assumed here, the recipes depend on the layer
 # types, the layer count, the width and the vocabulary.
-QWEN36_27B = Qwen3_5TextConfig(
-    vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
-    num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-    linear_value_head_dim=128, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
-GEMMA4_31B = Gemma4TextConfig(  # its global layers: 4 KV heads of 512 whose values are their keys
-    vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
-    num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True,
-    sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
-    hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, final_logit_softcapping=30.0)
-# gemma-4-26B-A4B's text config (25.2B parameters, 3.8B active): a dense MLP beside 128 experts (top 8) per layer,
-# global layers of 2 KV heads of 512 whose values are their keys
-GEMMA4_26B_A4B = Gemma4TextConfig(
-    vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2, attention_k_eq_v=True,
-    sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5, enable_moe_block=True,
-    num_experts=128, top_k_experts=8, moe_intermediate_size=704, hidden_size_per_layer_input=0,
-    vocab_size_per_layer_input=0, final_logit_softcapping=30.0)
+# The same fields benchmarks/training/config_only_target.py writes for `estimate --config-only`:
+QWEN36_27B = Qwen3_5TextConfig(**QWEN36_27B_TEXT)
+# gemma-4-31B: its global layers have 4 KV heads of 512 whose values are their keys; gemma-4-26B-A4B (25.2B
+# parameters, 3.8B active): a dense MLP beside 128 experts (top 8) per layer, global layers of 2 such KV heads
+GEMMA4_31B, GEMMA4_26B_A4B = (Gemma4TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+                              for text in (GEMMA4_31B_TEXT, GEMMA4_26B_A4B_TEXT))
 # Qwen3.6-35B-A3B's text config: transformers' Qwen3_5MoeTextConfig defaults are that model's (40 layers of 2048,
 # every fourth full attention, 256 experts top 8 and a shared one), with its one MTP module
 QWEN36_35B_A3B = Qwen3_5MoeTextConfig(mtp_num_hidden_layers=1)

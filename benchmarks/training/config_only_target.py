@@ -10,7 +10,8 @@ every size of the target and the drafter is the config's).
 gemma-4-26B-A4B's and gemma-4-31B's text configs as public conversions of the releases list them; built, they count
 25.23B parameters of which 3.82B are active per token (the release's 25.2B and 3.8B), and 30.70B. DeepSeek-V3's is
 transformers' DeepseekV3Config defaults, which are that model's, and so are Qwen3_5MoeTextConfig's Qwen3.6-35B-A3B's
-(34.66B built); Qwen3.6-27B's is the one tests/test_config.py assumes (26.90B built).
+(34.66B built); Qwen3.6-27B's as assumed here (26.90B built). tests/test_config.py builds the recipes' test shapes from
+these same fields.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ QWEN36_27B_TEXT = dict(
     vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
     num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
     linear_value_head_dim=128, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
-    mtp_num_hidden_layers=1)
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}, mtp_num_hidden_layers=1)
 
 
 def config_of(name: str):
