@@ -1,7 +1,7 @@
 """The study's target families through the engine (drafters/ragged_state.py): Qwen3-Next, Qwen3.5 and Qwen3.5-MoE
-(gated-DeltaNet hybrids), Gemma 4 (window 16, so every sequence here outgrows it; with and without its MoE block and
-K = V global layers), gpt-oss (sinks, alternating windows, MoE) and DeepSeek-V3 (MLA, MoE), each the `debug:` target
-built from transformers' own classes, in float64.
+(gated-DeltaNet hybrids), Gemma 4 (window 16, so every sequence here outgrows it; also with its MoE block and K = V
+global layers, and with E2B / E4B's per-layer inputs and KV-shared tail), gpt-oss (sinks, alternating windows, MoE)
+and DeepSeek-V3 (MLA, MoE), each the `debug:` target built from transformers' own classes, in float64.
 
 For every family: greedy speculative output == plain greedy through the same engine at batch 1 and 3 (n-gram, a draft
 model, tree verification), the T = 1 sampling law (chi-square, as test_contract.py), native MTP where the checkpoint
@@ -192,9 +192,9 @@ def test_gemma4_assistant_past_four_windows_drafts_as_transformers_and_is_greedy
     config = target.model.config
     global_kv = {key: DEBUG_TARGETS[name]["config"][key] for key in ("attention_k_eq_v", "num_global_key_value_heads")
                  if key in DEBUG_TARGETS[name]["config"]}
-    text = Gemma4TextConfig(**global_kv, hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=config.vocab_size,
-                            layer_types=["sliding_attention", "full_attention"], sliding_window=config.sliding_window,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+    text = Gemma4TextConfig(**global_kv, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            vocab_size=config.vocab_size, layer_types=["sliding_attention", "full_attention"],
+                            sliding_window=config.sliding_window, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
                             hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
                             max_position_embeddings=2048, pad_token_id=config.pad_token_id,
                             eos_token_id=config.eos_token_id, bos_token_id=None)

@@ -21,8 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ["eagle3", "dflash", "dspark", "mtp", "medusa", "assistant"]
 HYBRID = "tiny-qwen3.5"
 # The study's own pairs beyond that: Gemma 4 with its assistant, DFlash and DSpark; Qwen3.6-35B-A3B's family
-# (Qwen3.5-MoE) with native-style MTP, DFlash and DSpark.
-# gemma-4-26B-A4B's (Gemma 4 with the MoE block and K = V global layers): its assistant and DFlash.
+# (Qwen3.5-MoE) with native-style MTP, DFlash and DSpark; gemma-4-26B-A4B's (Gemma 4 with the MoE block and K = V
+# global layers) with its assistant and DFlash.
 STUDY_PAIRS = [(recipe, "tiny-gemma4") for recipe in ("assistant", "dflash", "dspark")] + [
     (recipe, "tiny-qwen3.5-moe") for recipe in ("mtp", "dflash", "dspark")] + [
     (recipe, "tiny-gemma4-moe") for recipe in ("assistant", "dflash")]
