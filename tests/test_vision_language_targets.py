@@ -1,7 +1,9 @@
 """Targets released as vision-language checkpoints: Gemma 4's (`gemma4`, which transformers' AutoModelForCausalLM
-loads as Gemma4ForConditionalGeneration, vision tower and all) and Qwen3.5 / 3.6's (`qwen3_5`, and `qwen3_5_moe` as
-Qwen3.6-35B-A3B's, which it loads as the text model). Each is written here from a debug target's own weights, the
-text model under `model.language_model.` beside a one-layer vision tower, as the released files lay them out. The
+loads as Gemma4ForConditionalGeneration, vision tower and all), Qwen3.5 / 3.6's (`qwen3_5`, and `qwen3_5_moe` as
+Qwen3.6-35B-A3B's, which it loads as the text model) and Kimi-K2.5's (`kimi_k25`, a DeepSeek-V3 text model, which
+AutoModelForCausalLM does not map at all). Each is written here from a debug target's own weights beside a one-layer
+vision tower, as the released files lay them out: the text model under `model.language_model.`, or for Kimi-K2.5
+under `language_model.` before its own names (`language_model.model.layers.0...`, `language_model.lm_head.weight`). The
 engine, training, the head-only placements and export see the text model alone (inference/engine/target_files.py
 `language_model`, `checkpoint_key`), with the debug target's exact logits, head and speculative rounds (n-gram, and
 Qwen3.5's native MTP module, kept at the top level of the checkpoint as `mtp.*`).
@@ -29,7 +31,18 @@ from train.cli import main as cli
 PROMPTS = [list(range(30, 50)), list(range(100, 109))]  # past the window of 16 within 24 new tokens
 
 
+# the released model each test writes -> the debug target whose text model it holds
+RELEASES = {"tiny-gemma4-moe": "tiny-gemma4-moe", "tiny-qwen3.5": "tiny-qwen3.5", "tiny-qwen3.5-moe": "tiny-qwen3.5-moe",
+            "tiny-kimi-k2.5": "tiny-deepseek-v3"}
+
+
 def vision_language_config(name: str, text: dict):
+    if name == "tiny-kimi-k2.5":
+        from transformers import Kimi_K25Config
+
+        return Kimi_K25Config(text_config=text, tie_word_embeddings=False, vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, pos_emb_height=4,
+            pos_emb_width=4))
     if name.startswith("tiny-gemma4"):
         from transformers import Gemma4Config, Gemma4VisionConfig
 
@@ -44,21 +57,21 @@ def vision_language_config(name: str, text: dict):
                   vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
 
 
-@pytest.fixture(scope="module", params=["tiny-gemma4-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe"])
+@pytest.fixture(scope="module", params=sorted(RELEASES))
 def released(request, tmp_path_factory):
     """(debug target name, a directory holding it as a vision-language checkpoint)."""
     from transformers import AutoModelForImageTextToText
 
-    name = request.param
+    release, name = request.param, RELEASES[request.param]
     source = resolve_debug_target("debug:" + name)
     with open(os.path.join(source, "config.json")) as f:
         text = {key: value for key, value in json.load(f).items() if key != "architectures"}
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(vision_language_config(name, text))
+    model = AutoModelForImageTextToText.from_config(vision_language_config(release, text))
     state = model.state_dict()
     for key, tensor in AutoModelForCausalLM.from_pretrained(source).state_dict().items():
         state[key.replace("model.", "model.language_model.", 1)].copy_(tensor)
-    directory = str(tmp_path_factory.mktemp(name) / "released")
+    directory = str(tmp_path_factory.mktemp(release) / "released")
     model.generation_config.eos_token_id = [258, 256]  # generation_config.json's EOS ids beside the config's one
     model.save_pretrained(directory)
     native = load_file(os.path.join(source, "model.safetensors"))  # a native MTP module: top-level `mtp.*`, as shipped
@@ -70,7 +83,9 @@ def released(request, tmp_path_factory):
         shutil.copy(path, directory)
     with safe_open(os.path.join(directory, "model.safetensors"), framework="pt") as f:
         keys = list(f.keys())
-    assert "model.language_model.embed_tokens.weight" in keys and any("visual" in k or "vision" in k for k in keys)
+    text_prefix = "language_model.model." if release == "tiny-kimi-k2.5" else "model.language_model."
+    assert text_prefix + "embed_tokens.weight" in keys and any("visual" in k or "vision" in k for k in keys)
+    assert release != "tiny-kimi-k2.5" or not any(key.startswith("model.language_model.") for key in keys)
     return name, directory
 
 
@@ -80,8 +95,8 @@ def test_the_target_is_the_text_model_with_the_same_tokens(released):
     assert type(target.model) is type(text.model), type(target.model).__name__  # the towers are gone
     assert not any("vision" in key for key in target.model.state_dict())
     assert target.target_info().eos_token_ids == (258, 256)  # generation_config.json's, as the released models stop
-    if name.startswith("tiny-gemma4"):  # the text model made here keeps the checkpoint's class name
-        assert target.model.config.architectures == ["Gemma4ForConditionalGeneration"]
+    if name.startswith("tiny-gemma4") or name == "tiny-deepseek-v3":  # the text model keeps the checkpoint's class
+        assert target.model.config.architectures[0].endswith("ForConditionalGeneration")
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
         assert torch.equal(target.model(ids).logits, text.model(ids).logits)

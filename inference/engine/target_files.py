@@ -11,7 +11,7 @@ import os
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")  # one file, or the index of its shards
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")  # what a model directory keeps its weights in, any layout
@@ -38,10 +38,22 @@ def load_tokenizer(path: str):
                          "files (tokenizer.json, tokenizer_config.json) beside its config.json") from None
 
 
+def auto_model(config):
+    """The transformers auto class that builds a model of `config`: AutoModelForCausalLM, or for a vision-language
+    config that it does not map (Kimi-K2.5's `kimi_k25`, whose text model is DeepSeek-V3's) the image-text-to-text
+    model, whose text model `language_model` keeps. Anything else stays AutoModelForCausalLM's, whose error names the
+    config."""
+    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in \
+            AutoModelForImageTextToText._model_mapping and config.get_text_config(decoder=True) is not config:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_model(path: str, dtype: torch.dtype):
     """The causal LM of model directory `path` in `dtype` on the CPU: its text model alone when the checkpoint is a
     vision-language one (`language_model`)."""
-    return language_model(AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
+    config = AutoConfig.from_pretrained(path)
+    return language_model(auto_model(config).from_pretrained(path, config=config, dtype=dtype))
 
 
 def meta_model(path: str, dtype: torch.dtype):
@@ -49,7 +61,7 @@ def meta_model(path: str, dtype: torch.dtype):
     no weight read or allocated (a vision-language checkpoint's text model alone, as `load_model`)."""
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        return language_model(AutoModelForCausalLM.from_config(config, dtype=dtype))
+        return language_model(auto_model(config).from_config(config, dtype=dtype))
 
 
 def language_model(model):
@@ -77,8 +89,10 @@ def language_model(model):
 
 def checkpoint_key(name: str, weight_map) -> str | None:
     """The key under which a checkpoint stores parameter `name` of the text model: the name itself, or inside a
-    vision-language checkpoint's language model (`model.language_model.` for `model.`: Gemma 4, Qwen3.5 / 3.6)."""
-    for key in (name, name.replace("model.", "model.language_model.", 1)):
+    vision-language checkpoint's language model, as transformers names it (`model.language_model.` for `model.`:
+    Gemma 4, Qwen3.5 / 3.6) or as LLaVA-style releases store it (`language_model.` before the text model's own name:
+    Kimi-K2.5's `language_model.model.embed_tokens.weight` and `language_model.lm_head.weight`)."""
+    for key in (name, name.replace("model.", "model.language_model.", 1), "language_model." + name):
         if key in weight_map:
             return key
     return None
