@@ -12,7 +12,8 @@ import yaml
 from transformers import (DeepseekV3Config, Gemma4TextConfig, LlamaConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
                           Qwen3Config, Qwen3NextConfig)
 
-from benchmarks.training.config_only_target import GEMMA4_26B_A4B_TEXT, GEMMA4_31B_TEXT, QWEN36_27B_TEXT
+from benchmarks.training.config_only_target import (GEMMA4_26B_A4B_TEXT, GEMMA4_31B_TEXT, KIMI_K25_TEXT,
+                                                    QWEN36_27B_TEXT)
 from drafters import DRAFTERS, TargetInfo
 from train.config import ScheduleConfig, derive, load_recipe, parse_overrides, recipe_from_dict, recipe_to_dict, \
     save_recipe
@@ -54,10 +55,12 @@ DEEPSEEK_V3 = DeepseekV3Config(
     num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8,
     first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128,
     qk_nope_head_dim=128, max_position_embeddings=163840)
+# Kimi-K2.5's text model: DeepSeek-V3's with 384 experts, 64 heads and its own vocabulary
+KIMI_K25 = DeepseekV3Config(**{key: value for key, value in KIMI_K25_TEXT.items() if key != "model_type"})
 TARGET_SHAPES = {"smollm2": SMOLLM2, "llama3.1-8b": LLAMA31_8B, "qwen3-8b": QWEN3_8B, "qwen3-next": QWEN3_NEXT,
                  "qwen3.6-27b": QWEN36_27B, "gemma-4-31b": GEMMA4_31B, "gemma-4-26b-a4b": GEMMA4_26B_A4B,
                  "qwen3.6-35b-a3b": QWEN36_35B_A3B,
-                 "deepseek-v3": DEEPSEEK_V3}
+                 "deepseek-v3": DEEPSEEK_V3, "kimi-k2.5": KIMI_K25}
 
 
 def meta_target_info(config) -> TargetInfo:

@@ -4,6 +4,7 @@ tensors of known size, and the command on the debug target."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -159,12 +160,47 @@ def test_a_target_without_weights_is_planned_from_its_config(kind, tmp_path, cap
 def test_a_checkpoint_in_fp8_is_served_at_one_byte_a_weight():
     """vLLM serves DeepSeek-V3's released fp8 weights as they are: the engine's weights per GPU count one byte each;
     any other checkpoint is served in the training dtype."""
-    from transformers import LlamaConfig
-
-    from train.memory_plan import served_bytes_per_param
     from train.features.placement import engine_bytes_per_gpu
+    from train.memory_plan import served_bytes_per_param
 
-    fp8 = LlamaConfig(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
-    assert served_bytes_per_param(fp8) == 1 and served_bytes_per_param(LlamaConfig()) is None
-    assert engine_bytes_per_gpu(params=671_000, bytes_per_param=served_bytes_per_param(fp8),
+    assert served_bytes_per_param("fp8") == 1 and served_bytes_per_param(None) is None
+    assert served_bytes_per_param("compressed-tensors") is None  # sized from its files (the next test)
+    assert engine_bytes_per_gpu(params=671_000, bytes_per_param=served_bytes_per_param("fp8"),
                                 tensor_parallel_size=8) == 83_875
+
+
+def test_a_quantized_checkpoint_is_served_as_its_files_store_it(tmp_path, capsys):
+    """Kimi-K2.5 ships its experts in int4 (compressed-tensors) inside a vision-language config: vLLM serves those
+    weights as stored, so the engine's weights per GPU are the checkpoint's files over tensor_parallel_size, not every
+    weight at the target's dtype (before, 3.5x too many for such a release); without the files it says what it
+    assumed."""
+    import shutil
+
+    from inference.assets.debug_target import resolve_debug_target
+    from inference.engine.target_files import quantization_method, stored_bytes
+    from train.estimate import human_bytes
+
+    quantized = tmp_path / "quantized"
+    shutil.copytree(resolve_debug_target("debug:tiny-llama"), quantized)
+    with open(quantized / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    with open(quantized / "config.json", "w") as f:
+        json.dump(config, f)
+    on_disk = stored_bytes(str(quantized))
+    assert quantization_method(str(quantized)) == "compressed-tensors" and on_disk > 0
+    _chats(tmp_path / "chats.jsonl")
+    common = [f"data.path={tmp_path / 'chats.jsonl'}", "data.num_samples=null", "data.num_eval_samples=2",
+              f"data.cache_dir={tmp_path / 'datasets'}", "data.max_length=64", "eval.num_prompts=0",
+              "features.vllm.tensor_parallel_size=4", "--world-size", "8", "--config-only"]
+    assert main([RECIPE, f"target.name_or_path={quantized}", *common]) == 0
+    engine = [line.strip() for line in capsys.readouterr().out.splitlines() if "vLLM engine" in line]
+    assert engine == [f"vLLM engine: {human_bytes(-(-on_disk // 4))} of weights per GPU at "
+                      "features.vllm.tensor_parallel_size 4 (the compressed-tensors checkpoint's files as stored), "
+                      "plus its KV cache"]
+    for name in os.listdir(quantized):  # the config alone: the weights at the target's dtype, and it says so
+        if name.endswith(".safetensors"):
+            os.remove(quantized / name)
+    assert main([RECIPE, f"target.name_or_path={quantized}", *common]) == 0
+    engine = [line for line in capsys.readouterr().out.splitlines() if "vLLM engine" in line]
+    assert len(engine) == 1 and "its compressed-tensors weights counted at the target's dtype" in engine[0]

@@ -32,8 +32,8 @@ PROMPTS = [list(range(30, 50)), list(range(100, 109))]  # past the window of 16 
 
 
 # the released model each test writes -> the debug target whose text model it holds
-RELEASES = {"tiny-gemma4-moe": "tiny-gemma4-moe", "tiny-qwen3.5": "tiny-qwen3.5", "tiny-qwen3.5-moe": "tiny-qwen3.5-moe",
-            "tiny-kimi-k2.5": "tiny-deepseek-v3"}
+RELEASES = {"tiny-gemma4-moe": "tiny-gemma4-moe", "tiny-qwen3.5": "tiny-qwen3.5",
+            "tiny-qwen3.5-moe": "tiny-qwen3.5-moe", "tiny-kimi-k2.5": "tiny-deepseek-v3"}
 
 
 def vision_language_config(name: str, text: dict):
@@ -74,6 +74,16 @@ def released(request, tmp_path_factory):
     directory = str(tmp_path_factory.mktemp(release) / "released")
     model.generation_config.eos_token_id = [258, 256]  # generation_config.json's EOS ids beside the config's one
     model.save_pretrained(directory)
+    if release == "tiny-kimi-k2.5":  # the release ships its own code too (auto_map), which must never run
+        with open(os.path.join(directory, "config.json")) as f:
+            config = json.load(f)
+        config["auto_map"] = {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                              "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration"}
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(config, f)
+        for module in ("configuration_kimi_k25", "modeling_kimi_k25"):
+            with open(os.path.join(directory, module + ".py"), "w") as f:
+                f.write(f"open({os.path.join(directory, 'remote_code_ran')!r}, 'w').close()\n")
     native = load_file(os.path.join(source, "model.safetensors"))  # a native MTP module: top-level `mtp.*`, as shipped
     mtp = {key: tensor for key, tensor in native.items() if key.startswith("mtp.")}
     if mtp:
@@ -95,6 +105,7 @@ def test_the_target_is_the_text_model_with_the_same_tokens(released):
     assert type(target.model) is type(text.model), type(target.model).__name__  # the towers are gone
     assert not any("vision" in key for key in target.model.state_dict())
     assert target.target_info().eos_token_ids == (258, 256)  # generation_config.json's, as the released models stop
+    assert not os.path.exists(os.path.join(directory, "remote_code_ran"))  # transformers' classes, not the release's
     if name.startswith("tiny-gemma4") or name == "tiny-deepseek-v3":  # the text model keeps the checkpoint's class
         assert target.model.config.architectures[0].endswith("ForConditionalGeneration")
     ids = torch.tensor([PROMPTS[0]])

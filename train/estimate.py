@@ -36,7 +36,7 @@ from drafters.base import Drafter
 from drafters.step_memory import step_peak_parts, step_shape
 from inference.assets.store import resolve_target
 from inference.engine.target import LOGIT_CHUNK_VALUES, TargetModel, resolve_dtype, synchronize
-from inference.engine.target_files import holds_weights
+from inference.engine.target_files import holds_weights, quantization_method, stored_bytes
 from train.build import build_drafter, build_trainer, load_data, load_target, process_state
 from train.config import Recipe, load_recipe, recipe_parser
 from train.data.dataset import check_sources
@@ -218,6 +218,7 @@ def recipe_sizes(recipe: Recipe, target, drafter: torch.nn.Module, activation_by
     request = drafter.feature_request()
     gpu_dtype = torch.bfloat16 if recipe.target.dtype == "auto" else getattr(torch, recipe.target.dtype)
     tokens = recipe.train.batch_size * recipe.data.max_length
+    quantized = quantization_method(target.name_or_path)
     return RecipeSizes(target_params=sum(p.numel() for p in target.model.parameters()),
                        target_bytes_per_param=torch.empty((), dtype=gpu_dtype).element_size(),
                        drafter_trainable=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
@@ -231,7 +232,9 @@ def recipe_sizes(recipe: Recipe, target, drafter: torch.nn.Module, activation_by
                        head_params=sum({id(p): p.numel() for module in (
                            target.model.get_input_embeddings(), target.final_norm,
                            target.model.get_output_embeddings()) for p in module.parameters()}.values()),
-                       engine_bytes_per_param=served_bytes_per_param(target.model.config),
+                       engine_bytes_per_param=served_bytes_per_param(quantized),
+                       engine_quantization=quantized,
+                       engine_stored_bytes=stored_bytes(target.name_or_path) if quantized else None,
                        mixed_precision=resolve_mixed_precision(recipe.train.mixed_precision, accelerator=True,
                                                                launcher=os.environ.get(PRECISION_ENV)),
                        measured_precision=measured_precision)
@@ -266,6 +269,23 @@ def print_step_peak(recipe: Recipe, drafter: torch.nn.Module, device) -> int | N
     return parts["total"]
 
 
+def engine_line(sizes: RecipeSizes, tensor_parallel_size: int) -> str:
+    """A vLLM engine's weights per GPU: a quantized checkpoint's as stored (its files' bytes, or one byte a weight
+    for fp8 from the config alone), else every weight in the target's dtype."""
+    where = f"per GPU at features.vllm.tensor_parallel_size {tensor_parallel_size}"
+    method = sizes.engine_quantization
+    if sizes.engine_stored_bytes is not None:
+        engine = -(-sizes.engine_stored_bytes // tensor_parallel_size)
+        return f"{human_bytes(engine)} of weights {where} (the {method} checkpoint's files as stored)"
+    engine = engine_bytes_per_gpu(params=sizes.target_params,
+                                  bytes_per_param=sizes.engine_bytes_per_param or sizes.target_bytes_per_param,
+                                  tensor_parallel_size=tensor_parallel_size)
+    note = (" (the checkpoint's fp8)" if sizes.engine_bytes_per_param == 1 else
+            f" (its {method} weights counted at the target's dtype: sized from their files when they are there)"
+            if method else "")
+    return f"{human_bytes(engine)} of weights {where}{note}"
+
+
 def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_bytes: int,
                      gpu_source: str) -> str | None:
     """Target memory per GPU under each target.placement, the DDP total with it (and the replicated target's with the
@@ -289,11 +309,7 @@ def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_by
             print(f"  {'':11} {'':18}  total {human_bytes(replicated_fsdp):>11}  (the drafter under FSDP: "
                   "recipes/accelerate/8gpu_fsdp.yaml; only its own shards are gathered)")
     tp = recipe.features.vllm.tensor_parallel_size
-    engine = engine_bytes_per_gpu(params=sizes.target_params,
-                                  bytes_per_param=sizes.engine_bytes_per_param or sizes.target_bytes_per_param,
-                                  tensor_parallel_size=tp)
-    print(f"  vLLM engine: {human_bytes(engine)} of weights per GPU at features.vllm.tensor_parallel_size {tp}"
-          + (" (the checkpoint's fp8)" if sizes.engine_bytes_per_param == 1 else "") + ", plus its KV cache")
+    print(f"  vLLM engine: {engine_line(sizes, tp)}, plus its KV cache")
     fits = fitting_placement(totals, gpu_bytes, replicated_fsdp)
     print(f"  fits {human_bytes(gpu_bytes)} per GPU ({gpu_source}): "
           + ("target.placement: replicated with the drafter under FSDP (recipes/accelerate/8gpu_fsdp.yaml)"

@@ -56,6 +56,8 @@ class RecipeSizes:
     largest_layer_params: int = 0  # the target's largest decoder layer (what FSDP2 gathers at once)
     head_params: int = 0  # the target's embeddings, final norm and lm_head (tied ones once)
     engine_bytes_per_param: int | None = None  # the checkpoint's own when quantized (fp8: 1), as vLLM serves it
+    engine_quantization: str | None = None  # the checkpoint's quant_method; vLLM serves its weights as stored
+    engine_stored_bytes: int | None = None  # those weights' bytes on disk, when the directory holds them
     mixed_precision: str = "bf16"  # the run's on a GPU (launch.resolve_mixed_precision)
     measured_precision: str = "no"  # the probe's, which activation_bytes were measured under
 
@@ -83,10 +85,7 @@ def precision_name(mixed_precision: str) -> str:  # accelerate's "no" is fp32
     return "fp32" if mixed_precision == "no" else mixed_precision
 
 
-def served_bytes_per_param(config) -> int | None:
+def served_bytes_per_param(quant_method: str | None) -> int | None:
     """1 for a checkpoint whose config.json declares fp8 weights (DeepSeek-V3 as released), which vLLM serves as
-    they are; None (the training dtype) otherwise."""
-    quantization = getattr(config, "quantization_config", None) or {}
-    if not isinstance(quantization, dict):
-        quantization = quantization.to_dict()
-    return 1 if quantization.get("quant_method") == "fp8" else None
+    they are; None (the training dtype) otherwise: another quantization is sized by its files when they are there."""
+    return 1 if quant_method == "fp8" else None

@@ -10,8 +10,9 @@ every size of the target and the drafter is the config's).
 gemma-4-26B-A4B's and gemma-4-31B's text configs as public conversions of the releases list them; built, they count
 25.23B parameters of which 3.82B are active per token (the release's 25.2B and 3.8B), and 30.70B. DeepSeek-V3's is
 transformers' DeepseekV3Config defaults, which are that model's, and so are Qwen3_5MoeTextConfig's Qwen3.6-35B-A3B's
-(34.66B built); Qwen3.6-27B's as assumed here (26.90B built). tests/test_config.py builds the recipes' test shapes from
-these same fields.
+(34.66B built); Qwen3.6-27B's as assumed here (26.90B built); Kimi-K2.5's, Kimi K2's published text config inside a
+`kimi_k25` vision-language config (1,026B built; without its int4 quantization_config, so vLLM's weights count bf16).
+tests/test_config.py builds the recipes' test shapes from these same fields.
 """
 
 from __future__ import annotations
@@ -42,7 +43,26 @@ QWEN36_27B_TEXT = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}, mtp_num_hidden_layers=1)
 
 
+# Kimi-K2.5's text model: DeepSeek-V3's architecture (MLA, group-free routing) with 384 experts, 64 heads and a
+# 163,840-token vocabulary, as Kimi K2's published config lists it (K2.5 is K2 pretrained further)
+KIMI_K25_TEXT = dict(
+    model_type="deepseek_v3", vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1, n_routed_experts=384,
+    num_experts_per_tok=8, n_group=1, topk_group=1, routed_scaling_factor=2.827, first_k_dense_replace=1,
+    q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+    max_position_embeddings=262144, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
+                     "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                     "mscale_all_dim": 1.0})
+
+
 def config_of(name: str):
+    if name == "kimi-k2.5":  # a vision-language `kimi_k25` config around the text model, as released
+        from transformers import Kimi_K25Config
+
+        config = Kimi_K25Config(text_config=KIMI_K25_TEXT, tie_word_embeddings=False)
+        config.architectures = ["KimiK25ForConditionalGeneration"]
+        return config
     if name.startswith("qwen3.6"):  # Qwen3_5MoeTextConfig's defaults are Qwen3.6-35B-A3B's text config
         from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
@@ -66,7 +86,7 @@ def config_of(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("target", choices=[*GEMMA4_TEXT, "qwen3.6-27b", "qwen3.6-35b-a3b", "deepseek-v3"])
+    parser.add_argument("target", choices=[*GEMMA4_TEXT, "qwen3.6-27b", "qwen3.6-35b-a3b", "deepseek-v3", "kimi-k2.5"])
     parser.add_argument("out", help="the directory to write (config.json and the stand-in tokenizer)")
     args = parser.parse_args(argv)
     if os.path.exists(os.path.join(args.out, "config.json")):

@@ -27,6 +27,22 @@ def holds_safetensors(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, name)) for name in SAFETENSORS_FILES)
 
 
+def quantization_method(path: str) -> str | None:
+    """The `quant_method` model directory `path`'s config.json declares for its weights (at its top level, or in the
+    text config of a vision-language release), None for unquantized weights."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    quantization = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    return (quantization or {}).get("quant_method")
+
+
+def stored_bytes(path: str) -> int | None:
+    """The bytes of model directory `path`'s safetensors files (its weights as stored, quantized ones at their own
+    width), None when it holds none."""
+    names = [name for name in os.listdir(path) if name.endswith(".safetensors")]
+    return sum(os.path.getsize(os.path.join(path, name)) for name in names) if names else None
+
+
 def load_tokenizer(path: str):
     """The tokenizer of model directory `path`; one line naming the directory when it holds none that loads
     (transformers' own message spans lines)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import fcntl
 import glob
-import json
 import os
 import time
 from typing import Any
