@@ -14,9 +14,8 @@ import copy
 
 import torch
 
-from benchmarks.gpu_check.context import (BF16_EPS, DATA_FILE, KINDS, CheckFailed, Context, drafter_config,
+from benchmarks.gpu_check.context import (BF16_EPS, DATA_FILE, KINDS, CheckFailed, Context, drafter_config, each_case,
                                           free_memory)
-from benchmarks.gpu_check.summary import one_line
 
 # Bounds from the bf16 unit roundoff: under autocast every GEMM input and output carries a relative error of at most
 # eps/2, and the loss and the gradient sum such errors over many terms of either sign, so the loss moves by well under
@@ -112,19 +111,19 @@ def run(ctx: Context) -> dict:
     batch, samples = tokenised_batch(ctx, reference_target, ctx.sizes.parity_rows, ctx.sizes.parity_length)
     numbers: dict = {"bounds": {"loss_rel_diff": round(LOSS_RTOL, 4), "grad_cosine": round(GRAD_MIN_COSINE, 4)},
                      "batch": list(batch["input_ids"].shape)}
-    failures = []
-    for kind in KINDS:
-        try:
-            numbers[kind] = result = compare_kind(ctx, kind, (reference_target, device_target), batch, samples)
-        except Exception as err:  # noqa: BLE001 - one kind's error is recorded and the next kind runs
-            numbers[kind] = {"error": f"{type(err).__name__}: {one_line(err)}"}
-            failures.append(f"{kind}: {type(err).__name__}: {one_line(err)}")
-            continue
+    failures: list[str] = []
+
+    def check(kind: str) -> tuple[dict, list[str]]:
+        result = compare_kind(ctx, kind, (reference_target, device_target), batch, samples)
+        failed = []
         if not result["loss_rel_diff"] <= LOSS_RTOL:
-            failures.append(f"{kind}: loss differs by {result['loss_rel_diff']:.2%}")
+            failed.append(f"{kind}: loss differs by {result['loss_rel_diff']:.2%}")
         if not result["grad_cosine"] >= GRAD_MIN_COSINE:
-            failures.append(f"{kind}: gradient cosine {result['grad_cosine']:.4f}")
-    del reference_target, device_target
+            failed.append(f"{kind}: gradient cosine {result['grad_cosine']:.4f}")
+        return result, failed
+
+    each_case(ctx, KINDS, check, numbers, failures)
+    reference_target = device_target = None  # the device's copy goes before free_memory
     free_memory(ctx.device)
     if failures:
         raise CheckFailed("; ".join(failures), numbers)

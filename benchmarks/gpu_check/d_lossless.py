@@ -20,8 +20,7 @@ import time
 
 import torch
 
-from benchmarks.gpu_check.context import KINDS, CheckFailed, Context, free_memory
-from benchmarks.gpu_check.summary import one_line
+from benchmarks.gpu_check.context import KINDS, CheckFailed, Context, each_case, free_memory
 
 TARGET = "debug:tiny-llama"
 NUM_DRAFTS = 2  # every debug recipe drafts at least 2 (tiny_mtp: 2 modules)
@@ -116,26 +115,24 @@ def in_process(ctx: Context, drafters: dict[str, str]) -> tuple[dict, list[str]]
     failures = []
     if max(hf, default=0) > NEAR_TIE_ULPS:
         failures.append(f"engine greedy vs HF generate: a divergence of {max(hf):.3g} ulps")
-    for kind, directory in drafters.items():
-        try:
-            drafter = target.serve(load_drafter(directory, target.target_info()))
-            spec = speculative_generate(target, drafter, prompts, num_draft_tokens=NUM_DRAFTS,
-                                        max_new_tokens=s.eval_tokens, eos_token_ids=[])
-            found = gaps(target, prompts, plain, spec.tokens)
-            sampled = speculative_generate(target, drafter, prompts, num_draft_tokens=NUM_DRAFTS,
-                                           max_new_tokens=s.eval_tokens, temperature=1.0, seed=0, eos_token_ids=[])
-        except Exception as err:  # noqa: BLE001 - one drafter's error is recorded and the next one runs
-            numbers[kind] = {"error": f"{type(err).__name__}: {one_line(err)}"}
-            failures.append(f"{kind} in process: {type(err).__name__}: {one_line(err)}")
-            continue
-        numbers[kind] = {"match_rate": round(1 - len(found) / len(prompts), 3), "divergences": len(found),
-                         "max_gap_ulps": max(found, default=None),
-                         "sampled_tokens": sum(map(len, sampled.tokens))}
+
+    def check(kind: str) -> tuple[dict, list[str]]:
+        drafter = target.serve(load_drafter(drafters[kind], target.target_info()))
+        spec = speculative_generate(target, drafter, prompts, num_draft_tokens=NUM_DRAFTS,
+                                    max_new_tokens=s.eval_tokens, eos_token_ids=[])
+        found = gaps(target, prompts, plain, spec.tokens)
+        sampled = speculative_generate(target, drafter, prompts, num_draft_tokens=NUM_DRAFTS,
+                                       max_new_tokens=s.eval_tokens, temperature=1.0, seed=0, eos_token_ids=[])
+        failed = []
         if max(found, default=0) > NEAR_TIE_ULPS:
-            failures.append(f"{kind} bf16 batched: a divergence of {max(found):.3g} ulps")
+            failed.append(f"{kind} bf16 batched: a divergence of {max(found):.3g} ulps")
         if any(len(row) != s.eval_tokens for row in sampled.tokens):
-            failures.append(f"{kind}: the sampled run stopped short")
-    del target
+            failed.append(f"{kind}: the sampled run stopped short")
+        return {"match_rate": round(1 - len(found) / len(prompts), 3), "divergences": len(found),
+                "max_gap_ulps": max(found, default=None), "sampled_tokens": sum(map(len, sampled.tokens))}, failed
+
+    each_case(ctx, list(drafters), check, numbers, failures)
+    target = None  # the device's copy goes before free_memory
     free_memory(ctx.device)
     return numbers, failures
 
