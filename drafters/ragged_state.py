@@ -87,18 +87,25 @@ def layer_types(config) -> list[str]:
     return ["sliding_attention" if windowed else "full_attention"] * config.num_hidden_layers
 
 
+def unsupported_layer_types(config) -> list[str]:
+    """The layer types of text config `config` the engine cannot roll back (so cannot decode), sorted."""
+    return sorted(set(layer_types(config)) - set(SUPPORTED_LAYER_TYPES))
+
+
 class FamilyState:
     """Per-model cache construction, masks and per-row rollback of the layers' states. Built once per RaggedLM.
 
     Raises ValueError (one line: the family and what is missing) for a model the engine cannot roll back exactly.
     """
 
-    def __init__(self, model, mechanism: str = "snapshot"):
+    def __init__(self, model, mechanism: str = "snapshot", decodes: bool = True):
+        """decodes: whether the model's decoder runs here; a target that only lends its head (its layers on the meta
+        device: the served placement, export, a plan from config.json) is not refused for its layer types."""
         config = model.config.get_text_config(decoder=True)
         self.config, self.family = config, getattr(config, "model_type", type(model).__name__)
         self.types = layer_types(config)
-        unknown = sorted(set(self.types) - set(SUPPORTED_LAYER_TYPES))
-        if unknown:
+        unknown = unsupported_layer_types(config)
+        if unknown and decodes:
             raise ValueError(f"target family {self.family}: layer types {unknown} are not supported by the engine "
                              f"(it rolls back {', '.join(SUPPORTED_LAYER_TYPES)} layers; missing: a per-row rollback "
                              "of their cache)")

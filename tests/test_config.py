@@ -11,9 +11,10 @@ import torch
 import yaml
 from transformers import (DeepseekV3Config, Gemma4TextConfig, LlamaConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
                           Qwen3Config, Qwen3NextConfig)
+from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
 
 from benchmarks.training.config_only_target import (GEMMA4_26B_A4B_TEXT, GEMMA4_31B_TEXT, KIMI_K25_TEXT,
-                                                    QWEN36_27B_TEXT)
+                                                    MINIMAX_M3_TEXT, QWEN36_27B_TEXT)
 from drafters import DRAFTERS, TargetInfo
 from train.config import ScheduleConfig, derive, load_recipe, parse_overrides, recipe_from_dict, recipe_to_dict, \
     save_recipe
@@ -57,10 +58,12 @@ DEEPSEEK_V3 = DeepseekV3Config(
     qk_nope_head_dim=128, max_position_embeddings=163840)
 # Kimi-K2.5's text model: DeepSeek-V3's with 384 experts, 64 heads and its own vocabulary
 KIMI_K25 = DeepseekV3Config(**{key: value for key, value in KIMI_K25_TEXT.items() if key != "model_type"})
+# MiniMax-M3's: transformers' defaults with three dense full-attention layers before 57 sparse MoE ones
+MINIMAX_M3 = MiniMaxM3VLTextConfig(**MINIMAX_M3_TEXT)
 TARGET_SHAPES = {"smollm2": SMOLLM2, "llama3.1-8b": LLAMA31_8B, "qwen3-8b": QWEN3_8B, "qwen3-next": QWEN3_NEXT,
                  "qwen3.6-27b": QWEN36_27B, "gemma-4-31b": GEMMA4_31B, "gemma-4-26b-a4b": GEMMA4_26B_A4B,
                  "qwen3.6-35b-a3b": QWEN36_35B_A3B,
-                 "deepseek-v3": DEEPSEEK_V3, "kimi-k2.5": KIMI_K25}
+                 "deepseek-v3": DEEPSEEK_V3, "kimi-k2.5": KIMI_K25, "minimax-m3": MINIMAX_M3}
 
 
 def meta_target_info(config) -> TargetInfo:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from drafters.base import Drafter
+from drafters.ragged_state import unsupported_layer_types
 from drafters.step_memory import step_peak_parts, step_shape
 from inference.assets.store import resolve_target
 from inference.engine.target import LOGIT_CHUNK_VALUES, TargetModel, resolve_dtype, synchronize
@@ -235,6 +236,7 @@ def recipe_sizes(recipe: Recipe, target, drafter: torch.nn.Module, activation_by
                        engine_bytes_per_param=served_bytes_per_param(quantized),
                        engine_quantization=quantized,
                        engine_stored_bytes=stored_bytes(target.name_or_path) if quantized else None,
+                       undecodable_layers=tuple(unsupported_layer_types(target.model.config)),
                        mixed_precision=resolve_mixed_precision(recipe.train.mixed_precision, accelerator=True,
                                                                launcher=os.environ.get(PRECISION_ENV)),
                        measured_precision=measured_precision)
@@ -310,7 +312,11 @@ def print_placements(sizes: RecipeSizes, world_size: int, recipe: Recipe, gpu_by
                   "recipes/accelerate/8gpu_fsdp.yaml; only its own shards are gathered)")
     tp = recipe.features.vllm.tensor_parallel_size
     print(f"  vLLM engine: {engine_line(sizes, tp)}, plus its KV cache")
-    fits = fitting_placement(totals, gpu_bytes, replicated_fsdp)
+    if sizes.undecodable_layers:  # no process here runs its decoder: vLLM computes the features
+        fits = "served" if totals["served"] <= gpu_bytes else None
+        print(f"  (its {', '.join(sizes.undecodable_layers)} layers run in vLLM only: target.placement served)")
+    else:
+        fits = fitting_placement(totals, gpu_bytes, replicated_fsdp)
     print(f"  fits {human_bytes(gpu_bytes)} per GPU ({gpu_source}): "
           + ("target.placement: replicated with the drafter under FSDP (recipes/accelerate/8gpu_fsdp.yaml)"
              if fits == "replicated+fsdp" else f"target.placement: {fits}" if fits

@@ -58,6 +58,7 @@ class RecipeSizes:
     engine_bytes_per_param: int | None = None  # the checkpoint's own when quantized (fp8: 1), as vLLM serves it
     engine_quantization: str | None = None  # the checkpoint's quant_method; vLLM serves its weights as stored
     engine_stored_bytes: int | None = None  # those weights' bytes on disk, when the directory holds them
+    undecodable_layers: tuple[str, ...] = ()  # layer types the engine cannot run: only vLLM computes its features
     mixed_precision: str = "bf16"  # the run's on a GPU (launch.resolve_mixed_precision)
     measured_precision: str = "no"  # the probe's, which activation_bytes were measured under
 

@@ -11,7 +11,9 @@ gemma-4-26B-A4B's and gemma-4-31B's text configs as public conversions of the re
 25.23B parameters of which 3.82B are active per token (the release's 25.2B and 3.8B), and 30.70B. DeepSeek-V3's is
 transformers' DeepseekV3Config defaults, which are that model's, and so are Qwen3_5MoeTextConfig's Qwen3.6-35B-A3B's
 (34.66B built); Qwen3.6-27B's as assumed here (26.90B built); Kimi-K2.5's, Kimi K2's published text config inside a
-`kimi_k25` vision-language config (1,026B built; without its int4 quantization_config, so vLLM's weights count bf16).
+`kimi_k25` vision-language config (1,026B built; without its int4 quantization_config, so vLLM's weights count bf16);
+MiniMax-M3's, transformers' defaults with the layer split assumed below (426.2B built; 428B is the figure quoted
+for it).
 tests/test_config.py builds the recipes' test shapes from these same fields.
 """
 
@@ -56,7 +58,20 @@ KIMI_K25_TEXT = dict(
                      "mscale_all_dim": 1.0})
 
 
+# MiniMax-M3's text model: transformers' MiniMaxM3VLTextConfig defaults (documented as MiniMaxAI/MiniMax-M3's) with
+# its first three layers dense with full attention and the rest MoE with sparse attention (assumed, as public parsers
+# of the release's config describe its sparse layers: the MoE ones)
+MINIMAX_M3_TEXT = dict(layer_types=["full_attention"] * 3 + ["minimax_m3_sparse"] * 57,
+                       mlp_layer_types=["dense"] * 3 + ["sparse"] * 57)
+
+
 def config_of(name: str):
+    if name == "minimax-m3":
+        from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLConfig
+
+        config = MiniMaxM3VLConfig(text_config=MINIMAX_M3_TEXT)
+        config.architectures = ["MiniMaxM3SparseForConditionalGeneration"]
+        return config
     if name == "kimi-k2.5":  # a vision-language `kimi_k25` config around the text model, as released
         from transformers import Kimi_K25Config
 
@@ -86,7 +101,8 @@ def config_of(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("target", choices=[*GEMMA4_TEXT, "qwen3.6-27b", "qwen3.6-35b-a3b", "deepseek-v3", "kimi-k2.5"])
+    parser.add_argument("target", choices=[*GEMMA4_TEXT, "qwen3.6-27b", "qwen3.6-35b-a3b", "deepseek-v3", "kimi-k2.5",
+                                           "minimax-m3"])
     parser.add_argument("out", help="the directory to write (config.json and the stand-in tokenizer)")
     args = parser.parse_args(argv)
     if os.path.exists(os.path.join(args.out, "config.json")):

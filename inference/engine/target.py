@@ -98,7 +98,9 @@ class TargetModel:
             raise ValueError(f"placement {placement!r}: choose one of {', '.join(TARGET_PLACEMENTS)}")
         # where the weights are (TARGET_PLACEMENTS); `whole` says whether this process can run the forward alone
         self.placement = placement
-        family = FamilyState(model)  # first: it refuses a family the engine cannot roll back, in one line
+        # first: it refuses a family the engine cannot roll back, in one line, where the decoder can run at all (not
+        # for the head-only placements and config-only plans, whose layers stay on the meta device)
+        family = FamilyState(model, decodes=not any(p.is_meta for p in model.get_decoder().layers.parameters()))
         self.model = model.eval()
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
