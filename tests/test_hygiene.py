@@ -1,7 +1,7 @@
 """Security and portability of the packages (drafters/, inference/, train/), checked on their source and by running
 the CLI: no CUDA-only code outside guarded branches (AMD users run ROCm builds, where only vendor-neutral calls are
 certain to work: torch.accelerator, device-type strings read from tensors), torch.load only with weights_only=True,
-no trust_remote_code, no network at run time, recipe paths taken without shell expansion.
+trust_remote_code only where the user passed it, no network at run time, recipe paths taken without shell expansion.
 """
 
 from __future__ import annotations
@@ -130,17 +130,31 @@ def test_torch_load_only_with_weights_only():
     assert not pickles, f"pickle imported: {pickles}"
 
 
-def test_trust_remote_code_is_never_switched_on():
-    """No code path passes trust_remote_code=True, and a recipe cannot ask for it (the strict loader refuses the key):
-    a target that needs remote code is refused by transformers instead of executing it."""
-    hits = [f"{path.relative_to(ROOT)}:{number}" for path, source in package_sources()
-            for number, line in enumerate(source.splitlines(), start=1) if "trust_remote_code" in line]
-    assert hits == [], f"trust_remote_code appears in {hits}; it must only follow an explicit user request"
-    with pytest.raises(ValueError, match="target.trust_remote_code"):
-        load_recipe(DEBUG_RECIPE, ["target.trust_remote_code=true"])
+def test_trust_remote_code_is_only_ever_the_users():
+    """No code path switches trust_remote_code on by itself: every keyword passes a value that came from the user
+    (target.trust_remote_code, --trust-remote-code), never the literal True, and the recipe's field is off unless
+    set."""
+    switched = []
+    for path, source in package_sources():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.keyword) and node.arg == "trust_remote_code" and \
+                    isinstance(node.value, ast.Constant) and node.value.value is True:
+                switched.append(f"{path.relative_to(ROOT)}:{node.value.lineno}")
+            if isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "trust_remote_code"
+                                                  and isinstance(v, ast.Constant) and v.value is True
+                                                  for k, v in zip(node.keys, node.values)):
+                switched.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert switched == [], f"trust_remote_code=True in {switched}; it must only follow an explicit user request"
+    assert load_recipe(DEBUG_RECIPE).target.trust_remote_code is False
+    assert load_recipe(DEBUG_RECIPE, ["target.trust_remote_code=true"]).target.trust_remote_code is True
 
 
 def test_a_target_with_remote_code_is_refused_without_running_it(tmp_path):
+    """A model that needs its own code is refused by transformers without running it, with or without the user's
+    trust_remote_code (which runs a shipped tokenizer only: the model is always transformers' own classes)."""
+    import shutil
+
+    from inference.assets.debug_target import resolve_debug_target
     from inference.engine.target import TargetModel
 
     marker = tmp_path / "code_ran"
@@ -148,10 +162,14 @@ def test_a_target_with_remote_code_is_refused_without_running_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "not-in-transformers", "architectures": ["RemoteModel"],
         "auto_map": {"AutoConfig": "remote.RemoteConfig", "AutoModelForCausalLM": "remote.RemoteModel"}}))
-    with pytest.raises(ValueError, match="trust_remote_code"):
-        TargetModel.from_pretrained(str(tmp_path))
-    with pytest.raises(ValueError, match="trust_remote_code"):  # estimate's config-only path reads the config too
-        TargetModel.from_config(str(tmp_path))
+    for name in os.listdir(resolve_debug_target("debug:tiny-llama")):
+        if name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(os.path.join(resolve_debug_target("debug:tiny-llama"), name), tmp_path)
+    for trusted in (False, True):
+        with pytest.raises(ValueError, match="trust_remote_code"):
+            TargetModel.from_pretrained(str(tmp_path), trust_remote_code=trusted)
+        with pytest.raises(ValueError, match="trust_remote_code"):  # estimate's config-only path reads the config too
+            TargetModel.from_config(str(tmp_path), trust_remote_code=trusted)
     assert not marker.exists()
 
 

@@ -72,6 +72,10 @@ def test_engine_captures_the_requested_layers_and_the_final_one_through_our_conn
     assert transfer["kv_connector_extra_config"] == {"shared_storage_path": "/s"}
     assert (kwargs["max_model_len"], kwargs["enforce_eager"], kwargs["gpu_memory_utilization"]) == (385, True, 0.1)
     assert kwargs["language_model_only"] is True  # a vision-language release serves its text model, as ours
+    assert kwargs["trust_remote_code"] is False  # only the user's target.trust_remote_code turns it on
+    assert engine_kwargs("/m", "float32", settings, device_type="cpu", layer_ids=[1], staging="/s", max_len=9,
+                         trust_remote_code=load_recipe(TINY, ["target.trust_remote_code=true"]).target.trust_remote_code
+                         )["trust_remote_code"] is True
     on_gpu = engine_kwargs("/m", "bfloat16", settings, device_type="cuda", layer_ids=[1], staging="/s", max_len=9)
     assert (on_gpu["enforce_eager"], on_gpu["gpu_memory_utilization"]) == (False, 0.9)
 

@@ -72,11 +72,12 @@ def load_target(recipe: Recipe, device, *, whole: bool = False, num_processes: i
     to `device` a shard at a time, so the whole of it never sits on the device."""
     dtype = resolve_dtype(recipe.target.dtype, device)
     if recipe.target.placement == "served" and not whole:  # features come from the cache: only the head is needed here
-        return head_target(resolve_target(recipe.target.name_or_path), dtype, device)
+        return head_target(resolve_target(recipe.target.name_or_path), dtype, device, recipe.target.trust_remote_code)
     if shards_target(recipe, num_processes) and not whole:
         check_sharding_supported()
         device = "cpu"
-    return TargetModel.from_pretrained(recipe.target.name_or_path, dtype=dtype, device=device)
+    return TargetModel.from_pretrained(recipe.target.name_or_path, dtype=dtype, device=device,
+                                       trust_remote_code=recipe.target.trust_remote_code)
 
 
 def load_data(recipe: Recipe, target: TargetModel, state: PartialState):

@@ -37,11 +37,14 @@ class TargetConfig:
     dtype: "auto" = float32 on CPU, bfloat16 on GPU. placement: "replicated" = every process holds the whole
     target; "sharded" = FSDP2 across the processes, forward only (online training); "served" = the target runs
     elsewhere (vLLM filled the cache) and training holds only its embeddings, final norm and lm_head (offline
-    training). See train/features/placement.py."""
+    training). See train/features/placement.py. trust_remote_code: run the tokenizer code the model ships where it
+    has no tokenizer.json (Kimi-K2.5's); without it such a tokenizer is refused. The model itself is always built
+    from transformers' own classes."""
 
     name_or_path: str
     dtype: Dtype = "auto"
     placement: Literal["replicated", "sharded", "served"] = "replicated"
+    trust_remote_code: bool = False
 
 
 @dataclass(kw_only=True)

@@ -41,7 +41,7 @@ from inference.evaluation.chat_template import check_chat_template, parse_templa
 from inference.evaluation.eval import check_drafters
 from inference.evaluation.metrics import acceptance_counts
 from inference.evaluation.prompts import load_questions
-from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings
+from inference.evaluation.settings import DTYPE_CHOICES, TRUST_REMOTE_CODE_HELP, EvalSettings
 from train import serve_check
 
 MIN_GAIN = 0.10  # first-position acceptance over the random copy's
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="options the chat template reads, e.g. enable_thinking=false (the drafter's recipe's)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="what the target and drafter compute in; auto: float32 on a CPU, bfloat16 on a GPU")
+    parser.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
     parser.add_argument("--serve", default=None, metavar="SERVER",
                         help="also serve the export with SERVER (vllm) on the same prompts and compare its outputs and "
                              "acceptance with our engine's")
@@ -111,7 +112,7 @@ def served(target, drafter, directory: str, method: str, prompts: list[list[int]
     dtype = str(target.model.dtype).removeprefix("torch.")
     try:
         theirs = serve_check.vllm_served(target.name_or_path, directory, method, k, prompts, settings.max_new_tokens,
-                                         dtype, target.device.type)
+                                         dtype, target.device.type, settings.trust_remote_code)
     except Exception as err:  # vLLM's refusal of the file is the finding: one line of it, the other rows stand
         return "fail", f"vLLM (method {method}, k={k}) refused the export: {type(err).__name__}: " + \
             " ".join(str(err).split())[:400]
@@ -133,7 +134,8 @@ def settings_from(args: argparse.Namespace) -> EvalSettings:
         raise ValueError("--num-draft-tokens and --max-new-tokens must be >= 1")
     return EvalSettings(target=args.target, drafter=(args.drafter,), prompts=(args.prompts,), num_prompts=5,
                         num_draft_tokens=(args.num_draft_tokens,), max_new_tokens=args.max_new_tokens, dtype=args.dtype,
-                        chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
+                        chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs),
+                        trust_remote_code=args.trust_remote_code)
 
 
 def run(settings: EvalSettings, serve: str | None = None) -> int:
@@ -145,7 +147,8 @@ def run(settings: EvalSettings, serve: str | None = None) -> int:
     check_drafters(settings, flag="DRAFTER")  # trained for a target of other sizes: refused before the target loads
     _, questions = load_questions(prompt_set, num_prompts=settings.num_prompts)
     device = default_device()
-    target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device)
+    target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device,
+                                         trust_remote_code=settings.trust_remote_code)
     info = target.target_info()
     use_template = bool(getattr(target.tokenizer, "chat_template", None))
     check_chat_template(target.tokenizer, use_template, settings.target, settings.chat_template_kwargs)

@@ -204,8 +204,8 @@ def is_meta(target) -> bool:
 def config_only_target(recipe: Recipe, device) -> TargetModel:
     """The target from its config.json and tokenizer only, on the meta device (TargetModel.from_config), and a note
     saying so; its sizes are those of the loaded model."""
-    target = TargetModel.from_config(recipe.target.name_or_path,
-                                     dtype=resolve_dtype(recipe.target.dtype, device))
+    target = TargetModel.from_config(recipe.target.name_or_path, dtype=resolve_dtype(recipe.target.dtype, device),
+                                     trust_remote_code=recipe.target.trust_remote_code)
     print(f"config only: {target.name_or_path} read without its weights (sizes from config.json; no probe, no "
           "throughput)")
     return target

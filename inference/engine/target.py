@@ -115,20 +115,23 @@ class TargetModel:
         self._info: TargetInfo | None = None
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, *, dtype=torch.float32, device="cpu", backend=None) -> "TargetModel":
+    def from_pretrained(cls, name_or_path: str, *, dtype=torch.float32, device="cpu", backend=None,
+                        trust_remote_code: bool = False) -> "TargetModel":
         """Load a target by name (the embedded default) or HF directory; never downloads. backend: what runs its
-        forward (the model's own by default; `path` and `decode` say what runs)."""
+        forward (the model's own by default; `path` and `decode` say what runs). trust_remote_code: run the tokenizer
+        code the model ships (target_files.load_tokenizer); the model is always built from transformers' classes."""
         path = resolve_target(name_or_path)
+        tokenizer = load_tokenizer(path, trust_remote_code)  # first: a refused tokenizer loads no weights
         model = load_model(path, dtype).to(device)
-        return cls(model, load_tokenizer(path), name_or_path=path, backend=backend)
+        return cls(model, tokenizer, name_or_path=path, backend=backend)
 
     @classmethod
-    def from_config(cls, name_or_path: str, *, dtype=torch.float32) -> "TargetModel":
+    def from_config(cls, name_or_path: str, *, dtype=torch.float32, trust_remote_code: bool = False) -> "TargetModel":
         """The target's modules on the meta device, built from its config.json, with its tokenizer: every parameter's
         shape and dtype and no weight read or allocated (`draftsmith estimate --config-only` plans a target too
         large for this machine from its config and tokenizer files alone). It cannot run a forward."""
         path = resolve_target(name_or_path)
-        return cls(meta_model(path, dtype), load_tokenizer(path), name_or_path=path)
+        return cls(meta_model(path, dtype), load_tokenizer(path, trust_remote_code), name_or_path=path)
 
     def serve(self, drafter):
         """`drafter` as this target serves it at inference (eval, doctor, calibrate; None passes through): in eval
@@ -382,10 +385,11 @@ class TargetModel:
         return self.lengths[:, None] - valid.long().sum(-1, keepdim=True) + steps
 
 
-def head_target(path: str, dtype: torch.dtype, device):
+def head_target(path: str, dtype: torch.dtype, device, trust_remote_code: bool = False):
     """The target with only its input embeddings, final norm and lm_head loaded (on `device`) from its safetensors
     files; every other weight stays on the meta device, so this process never holds the decoder layers (the served
     placement, the vLLM feature extractor, `draftsmith export`)."""
+    tokenizer = load_tokenizer(path, trust_remote_code)
     model = meta_model(path, dtype)
     load_head(model, path, dtype, device)
-    return TargetModel(model, load_tokenizer(path), name_or_path=path, placement="head")
+    return TargetModel(model, tokenizer, name_or_path=path, placement="head")

@@ -43,11 +43,38 @@ def stored_bytes(path: str) -> int | None:
     return sum(os.path.getsize(os.path.join(path, name)) for name in names) if names else None
 
 
-def load_tokenizer(path: str):
+def shipped_tokenizer_code(path: str) -> str | None:
+    """The tokenizer class model directory `path` ships as code (tokenizer_config.json's auto_map AutoTokenizer, e.g.
+    Kimi-K2.5's `tokenization_kimi.TikTokenTokenizer`) when it holds no tokenizer.json transformers reads instead:
+    transformers then builds a fast tokenizer of its own from the vocabulary files, whose pre-tokenizer is its
+    default, not the shipped code's (Kimi's splits Han script and keeps its <think> tokens whole). None otherwise."""
+    config_path = os.path.join(path, "tokenizer_config.json")
+    if os.path.exists(os.path.join(path, "tokenizer.json")) or not os.path.exists(config_path):
+        return None
+    with open(config_path) as f:
+        auto = (json.load(f).get("auto_map") or {}).get("AutoTokenizer")
+    names = [name for name in (auto if isinstance(auto, list) else [auto]) if name]
+    return names[0] if names else None
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
     """The tokenizer of model directory `path`; one line naming the directory when it holds none that loads
-    (transformers' own message spans lines)."""
+    (transformers' own message spans lines). A tokenizer that exists only as code the model ships
+    (`shipped_tokenizer_code`) is refused, since transformers' stand-in splits text otherwise, unless the user asked
+    for it (`trust_remote_code`: target.trust_remote_code, --trust-remote-code): then that class alone is imported
+    and run, no other code of the model's."""
+    code = shipped_tokenizer_code(path)
+    if code and not trust_remote_code:
+        raise ValueError(f"target {path}: its tokenizer is code the model ships ({code}) and no tokenizer.json; "
+                         "transformers' conversion of its vocabulary would split text differently. Read that code, "
+                         "then pass target.trust_remote_code=true (eval, doctor, calibrate, export: "
+                         "--trust-remote-code)")
     try:
-        return AutoTokenizer.from_pretrained(path)
+        if code:
+            from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+            return get_class_from_dynamic_module(code, path).from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0].rstrip(": ") if str(err).strip() else type(err).__name__
         raise ValueError(f"target {path}: no tokenizer could be read there ({first}); put the model's tokenizer "
@@ -68,14 +95,14 @@ def auto_model(config):
 def load_model(path: str, dtype: torch.dtype):
     """The causal LM of model directory `path` in `dtype` on the CPU: its text model alone when the checkpoint is a
     vision-language one (`language_model`)."""
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # never the model's own code, never a prompt
     return language_model(auto_model(config).from_pretrained(path, config=config, dtype=dtype))
 
 
 def meta_model(path: str, dtype: torch.dtype):
     """The model of directory `path` built from its config.json on the meta device: every parameter's shape and dtype,
     no weight read or allocated (a vision-language checkpoint's text model alone, as `load_model`)."""
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     with torch.device("meta"):
         return language_model(auto_model(config).from_config(config, dtype=dtype))
 

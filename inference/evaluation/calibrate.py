@@ -29,7 +29,7 @@ from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel, default_device
 from inference.evaluation.chat_template import check_chat_template, parse_template_kwargs, render_prompt
 from inference.evaluation.eval import check_drafters, load_prompt_sets
-from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings, check_at_least, split
+from inference.evaluation.settings import DTYPE_CHOICES, TRUST_REMOTE_CODE_HELP, EvalSettings, check_at_least, split
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="options the chat template reads, e.g. enable_thinking=false (the drafter's recipe's)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="what the target and drafter compute in; auto: float32 on a CPU, bfloat16 on a GPU")
+    parser.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
     parser.add_argument("--out", required=True, help="directory for calibration.json and reliability.png")
     return parser
 
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         categories=split(args.categories) if args.categories else None, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, temperature=(args.temperature,), batch_size=(args.batch_size,),
         seed=args.seed, threads=args.threads, no_chat_template=args.no_chat_template, dtype=args.dtype, out=args.out,
-        chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
+        chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs), trust_remote_code=args.trust_remote_code)
     if settings.threads:
         torch.set_num_threads(settings.threads)
     if os.path.exists(settings.out) and not os.path.isdir(settings.out):
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     check_drafters(settings, "DRAFTER")  # the drafter is the positional argument
     check_calibratable(args.drafter)
     device = default_device()
-    target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device)
+    target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device,
+                                         trust_remote_code=settings.trust_remote_code)
     check_chat_template(target.tokenizer, not settings.no_chat_template, settings.target,
                         settings.chat_template_kwargs)
     (name,) = settings.drafter

@@ -49,7 +49,8 @@ from inference.evaluation.metrics import annotate_recommendations, build_record,
 from inference.evaluation.profile import profile_costs
 from inference.evaluation.prompts import load_questions, select_spread
 from inference.evaluation.report import format_table, read_appendable, write_report
-from inference.evaluation.settings import DTYPE_CHOICES, EvalSettings, check_at_least, numbers, split
+from inference.evaluation.settings import (DTYPE_CHOICES, TRUST_REMOTE_CODE_HELP, EvalSettings, check_at_least, numbers,
+                                          split)
 
 WARMUP_TOKENS = 4
 
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="what the target and drafters compute in; auto: float32 on a CPU, bfloat16 on a GPU")
     parser.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    parser.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
     parser.add_argument("--tree-budget", default=None,
                         help="comma-separated tree budgets B (nodes verified per round, root included): each drafter "
                              "is also run with draft trees of B nodes (EAGLE-2 for EAGLE-3, DDTree for the others)")
@@ -122,7 +124,7 @@ def parse_settings(args: argparse.Namespace) -> EvalSettings:
         num_draft_tokens=num_draft_tokens, batch_size=batch_size, seed=args.seed, threads=args.threads,
         no_chat_template=args.no_chat_template, dtype=args.dtype, tree_budget=tree_budget, schedule=schedule,
         out=args.out, outputs=args.outputs, append=args.append, target_path=args.target_path,
-        chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
+        chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs), trust_remote_code=args.trust_remote_code)
     if settings.chat_template_kwargs and settings.no_chat_template:
         raise ValueError("--chat-template-kwargs: the prompts are plain text (--no-chat-template); drop one of them")
     check_at_least(("--max-new-tokens", settings.max_new_tokens, 1), ("--batch-size", min(settings.batch_size), 1),
@@ -357,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         config = run_config(settings, device)
         previous = read_appendable(settings.out, config) if settings.append else []  # checked before anything loads
         target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device,
-                                             backend=CpuBackend() if settings.target_path == "auto" else None)
+                                             backend=CpuBackend() if settings.target_path == "auto" else None,
+                                             trust_remote_code=settings.trust_remote_code)
         check_chat_template(target.tokenizer, not settings.no_chat_template, settings.target,
                             settings.chat_template_kwargs)
         methods = load_methods(settings.drafter, target, settings.num_draft_tokens, settings.tree_budget)

@@ -42,11 +42,16 @@ class EvalSettings:
     append: bool = False
     chat_template_kwargs: dict | None = None  # options the chat template reads (e.g. enable_thinking)
     target_path: str = "auto"  # eval: "auto" = the fast target path where supported, "hf" = the model's own modules
+    trust_remote_code: bool = False  # run the tokenizer code the target ships (target_files.load_tokenizer)
 
     def torch_dtype(self, device) -> torch.dtype:
         """The dtype the target and drafters compute in on `device`: --dtype, or for auto float32 on a CPU and
         bfloat16 on an accelerator."""
         return resolve_dtype(self.dtype, device)
+
+
+TRUST_REMOTE_CODE_HELP = ("run the tokenizer code the target ships where it has no tokenizer.json (Kimi-K2.5's); "
+                          "read that code first. The model is always built from transformers' own classes")
 
 
 def split(text: str) -> tuple[str, ...]:

