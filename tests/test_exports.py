@@ -379,7 +379,8 @@ def test_export_reads_only_the_head_of_a_safetensors_target(tmp_path, monkeypatc
     drafter.save(str(tmp_path / "final"), "native")
     with monkeypatch.context() as whole:  # the reference: the whole target loaded, as export did before
         whole.setattr(train.export, "head_target",
-                      lambda path, dtype, device: TargetModel.from_pretrained(path, dtype=dtype, device=device))
+                      lambda path, dtype, device, trust_remote_code=False: TargetModel.from_pretrained(
+                          path, dtype=dtype, device=device, trust_remote_code=trust_remote_code))
         assert export([str(tmp_path / "final"), "--format", "speculators", "--out", str(tmp_path / "whole")]) == 0
 
     def whole_target(*args, **kwargs):
