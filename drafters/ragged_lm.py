@@ -3,7 +3,8 @@
 Used by the target (inference/engine/target.py) and by the draft-model drafter. Rows of a batch accept different numbers of
 draft tokens, so the cache keeps one slot per token fed and a validity mask [B, L] over the slots: rejected slots
 stay in the cache as holes the attention mask hides, and trailing slots that no row kept are cropped. With batch size 1
-there are never holes: a rejection is a plain crop. Position ids count only a row's valid slots, so a row with holes
+there are never holes: a rejection is a plain crop (so a family whose layers cut key blocks by slot, MiniMax-M3, decodes
+one row at a time: drafters/ragged_state.py). Position ids count only a row's valid slots, so a row with holes
 sees exactly the positions it would have seen without them. What differs between model families (sliding windows
 applied by position, linear-attention states with no slots to leave holes in) is drafters/ragged_state.py.
 """
@@ -15,7 +16,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from drafters.ragged_state import MASKABLE_ATTENTION, FamilyState
+from drafters.ragged_state import MASKABLE_ATTENTION, FamilyState, one_row_refusal
 
 
 def path_order(path: torch.Tensor, num_nodes: int) -> torch.Tensor:
@@ -80,6 +81,8 @@ class RaggedLM:
         if valid is None:
             valid = torch.ones_like(input_ids, dtype=torch.bool)
         valid = valid.to(self.device)
+        if self.family.anchored and (batch > 1 or not bool(valid.all())):
+            raise ValueError(one_row_refusal(self.family.config, "a batch of several rows or padding"))
         start = (
             torch.zeros(batch, dtype=torch.long, device=self.device) if self.slot_mask is None else self.lengths
         )
@@ -121,6 +124,8 @@ class RaggedLM:
         taps: as `extend`'s. Returns logits [B, N, V] (float32)."""
         if self.slot_mask is None:
             raise ValueError("a tree forward needs a prefilled cache (call prefill first)")
+        if self.family.anchored:
+            raise ValueError(one_row_refusal(self.family.config, "a tree's nodes"))
         kernel = getattr(self.model.config, "_attn_implementation", "eager") or "eager"
         if kernel not in MASKABLE_ATTENTION:
             raise ValueError(f"tree verification needs attn_implementation in {MASKABLE_ATTENTION} (an arbitrary 4-D "

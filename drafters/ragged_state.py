@@ -15,8 +15,10 @@ Three kinds of decoder layer, read from the config's `layer_types` (or `sliding_
   state at its accepted count. Slots fed as invalid leave a row's state untouched. "rerun" (the block in one chunked
   call, then the accepted prefix stepped again from a saved state) is kept for the measurement. Tree verification
   steps the nodes in order, each from its parent's state, so every node's state is that of its root-to-node path.
-A layer type outside these (chunked or indexed attention, Mamba, short convolutions) is refused in one line naming
-the family and what is missing.
+- slot-anchored sparse attention (MiniMax-M3's `minimax_m3_sparse`): K/V and its indexer's keys per slot, key blocks
+  cut by SLOT (taken as the position), so exact in one row's chains only (no holes, no tree nodes); a crop rolls back.
+Other layer types (chunked attention, Mamba, short convolutions), and a batch or tree of a slot-anchored family, are
+refused in one line naming the family and what is missing.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ try:  # transformers >= 5.2x; an older one (e.g. the 5.19 vLLM 0.32 pins) has no
 except ImportError:
     DummyLayer = None
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+SLOT_ANCHORED = ("minimax_m3_sparse",)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention") + SLOT_ANCHORED
 MASKABLE_ATTENTION = ("sdpa", "eager")
 MECHANISMS = ("snapshot", "rerun")
 
@@ -92,6 +95,14 @@ def unsupported_layer_types(config) -> list[str]:
     return sorted(set(layer_types(config)) - set(SUPPORTED_LAYER_TYPES))
 
 
+def one_row_refusal(config, what: str) -> str | None:
+    """Why text config `config` cannot decode `what` (a batch of rows, a tree), or None: its slot-anchored layers."""
+    anchored = sorted(set(layer_types(config)) & set(SLOT_ANCHORED))
+    return None if not anchored else (f"target family {config.model_type} decodes one row at a time in chains: its "
+                                      f"{anchored} layers' indexer cuts key blocks by cache slot, which {what} would "
+                                      "move off the token's position")
+
+
 class FamilyState:
     """Per-model cache construction, masks and per-row rollback of the layers' states. Built once per RaggedLM.
 
@@ -111,6 +122,7 @@ class FamilyState:
                              "of their cache)")
         if mechanism not in MECHANISMS:
             raise ValueError(f"linear-attention rollback mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+        self.anchored = bool(set(self.types) & set(SLOT_ANCHORED))  # one row in chains: see `one_row_refusal`
         self.window = getattr(config, "sliding_window", None)
         self.windowed = "sliding_attention" in self.types
         self.kernel = getattr(config, "_attn_implementation", None) or "eager"
@@ -168,7 +180,8 @@ class FamilyState:
         for index, layer in enumerate(cache.layers):
             if type(layer).__name__ == "DynamicSlidingWindowLayer" or type(layer) is DynamicLayer:
                 cache.layers[index] = RoomyLayer()
-            elif type(layer) not in (LinearAttentionLayer, DummyLayer):
+            elif type(layer) not in (LinearAttentionLayer, DummyLayer) and \
+                    getattr(layer, "_layer_type", None) not in SLOT_ANCHORED:
                 raise ValueError(f"target family {self.family}: cache layer {index} is a {type(layer).__name__}; "
                                  "missing: a per-row rollback of it in the engine")
         return cache

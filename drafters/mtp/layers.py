@@ -100,7 +100,7 @@ def family_classes(model_type: str) -> FamilyClasses:
 def block_config(target_info: TargetInfo, num_modules: int):
     """The target's HF config object for building MTP blocks at layer indices N .. N + num_modules - 1: attention
     through SDPA (which takes our boolean masks), and hybrid models' `layer_types` extended with full attention for
-    those indices (Qwen3-Next's MTP layer is a full-attention layer)."""
+    those indices (Qwen3-Next's MTP layer is a full-attention layer), and per-layer MLP kinds with the last layer's."""
     from transformers import AutoConfig
 
     values = target_text_config(target_info)
@@ -113,6 +113,9 @@ def block_config(target_info: TargetInfo, num_modules: int):
         per_layer = {**(values.get("per_layer_config") or {}), **per_layer_overrides(values, added, len(layer_types))}
         values.update(layer_types=(list(layer_types) + added)[:total], num_hidden_layers=total,
                       **({"per_layer_config": per_layer} if per_layer else {}))
+    mlp_types = values.get("mlp_layer_types")
+    if isinstance(mlp_types, (list, tuple)):  # MiniMax-M3: per-layer MLP kinds, the blocks' as the last layer's
+        values.update(mlp_layer_types=(list(mlp_types) + [mlp_types[-1]] * num_modules)[:total])
     # Gemma 4 E2B / E4B: a block computes its own K/V (no KV-shared tail) and takes no per-layer input
     values.update({key: 0 for key in ("num_kv_shared_layers", "hidden_size_per_layer_input") if values.get(key)})
     config = AutoConfig.for_model(family, **values)

@@ -75,6 +75,13 @@ DEBUG_TARGETS = {
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
         v_head_dim=16)),
+    # MiniMax-M3's shape: sparse layers whose indexer keeps 2 key blocks of 8 per query (the nearest one always), so
+    # sequences past 24 tokens attend sparsely; dense then routed MoE MLPs.
+    "tiny-minimax-m3": dict(model_type="minimax_m3_vl_text", seed=9, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, intermediate_size=32, num_hidden_layers=4, head_dim=16, dense_intermediate_size=128,
+        shared_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8, index_n_heads=2,
+        index_head_dim=16, index_block_size=8, index_topk_blocks=2, index_local_blocks=1,
+        layer_types=["full_attention", "minimax_m3_sparse"] * 2, mlp_layer_types=["dense"] + ["sparse"] * 3)),
 }
 MTP_LAYER = "full_attention"  # the layer type of a Qwen MTP module's decoder layer
 

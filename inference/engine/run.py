@@ -57,6 +57,20 @@ class GenerateOutput:
     adaptive: bool = False
     row_seconds: list[float] = field(default_factory=list)
 
+    @classmethod
+    def one_after_another(cls, outputs: list["GenerateOutput"]) -> "GenerateOutput":
+        """The outputs of calls run one after another as one call's: rows in order, forwards and seconds summed, and
+        each row's latency counted from the first call's start."""
+        merged = cls([], [], [], outputs[0].num_draft_tokens, adaptive=any(out.adaptive for out in outputs))
+        for out in outputs:
+            merged.row_seconds += [merged.time_total + seconds for seconds in out.row_seconds]
+            for name in ("tokens", "accept_lengths", "proposed", "confidence_logits", "chosen"):
+                getattr(merged, name).extend(getattr(out, name))
+            for name in ("target_forwards", "verify_forwards", "time_draft", "time_verify", "time_prefill",
+                         "time_other", "time_total"):
+                setattr(merged, name, getattr(merged, name) + getattr(out, name))
+        return merged
+
 
 class Clock:
     """Accumulates wall time per phase; synchronises an accelerator so device work lands in the right phase. An

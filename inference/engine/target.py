@@ -101,6 +101,7 @@ class TargetModel:
         # first: it refuses a family the engine cannot roll back, in one line, where the decoder can run at all (not
         # for the head-only placements and config-only plans, whose layers stay on the meta device)
         family = FamilyState(model, decodes=not any(p.is_meta for p in model.get_decoder().layers.parameters()))
+        self.one_row = family.anchored  # decoded one row at a time, in chains (ragged_state.one_row_refusal)
         self.model = model.eval()
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)

@@ -13,6 +13,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
+from drafters.ragged_state import one_row_refusal
+
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")  # one file, or the index of its shards
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")  # what a model directory keeps its weights in, any layout
 
@@ -90,6 +92,19 @@ def auto_model(config):
             AutoModelForImageTextToText._model_mapping and config.get_text_config(decoder=True) is not config:
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
+
+
+def check_one_row(path: str, asked: list[tuple[str, str, str]]) -> None:
+    """Refuse, from config.json alone (before any weight loads), the first of `asked` ((flag as typed, what it asks
+    the engine to decode, what to do instead), e.g. ("--batch-size 4", "a batch of several rows", "use --batch-size
+    1")) where the target of directory `path` decodes one row at a time, in chains (ragged_state.one_row_refusal)."""
+    if not asked or not os.path.isfile(os.path.join(path, "config.json")):
+        return
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False).get_text_config(decoder=True)
+    for flag, what, instead in asked:
+        refusal = one_row_refusal(config, what)
+        if refusal:
+            raise ValueError(f"{flag}: {refusal}; {instead}")
 
 
 def load_model(path: str, dtype: torch.dtype):

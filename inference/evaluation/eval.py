@@ -32,13 +32,14 @@ import transformers
 from tqdm import tqdm
 
 from drafters import check_drafter_spec
-from inference.assets.store import target_config
+from inference.assets.store import resolve_target, target_config
 from inference.engine.costs import CostProfile
 from inference.engine.cpu import CpuBackend, cpu_flags, cpu_model
 from inference.engine.generate import GenerateOutput
 from inference.engine.roofline import stream_bandwidth, weight_bytes
 from inference.engine.schedule import build_schedules, parse_schedule_specs
 from inference.engine.target import TargetModel, default_device
+from inference.engine.target_files import check_one_row
 from inference.engine.tree.draft import check_budget
 from inference.evaluation.chat_template import (check_chat_template, parse_template_kwargs, render_prompt,
                                                 trained_mode_mismatch)
@@ -269,6 +270,14 @@ def check_drafters(settings: EvalSettings, flag: str = "--drafter") -> None:
             raise ValueError(f"{flag} {name!r}: {err}") from None
 
 
+def check_rows(settings: EvalSettings) -> None:
+    """A batch or a tree the target's family cannot decode (MiniMax-M3), refused before it loads (check_one_row)."""
+    batch, trees = max(settings.batch_size), ",".join(map(str, settings.tree_budget))
+    asked = [(f"--batch-size {batch}", "a batch of several rows", "use --batch-size 1"),
+             (f"--tree-budget {trees}", "a tree's nodes", "drop --tree-budget")]
+    check_one_row(resolve_target(settings.target), [a for a, on in zip(asked, (batch > 1, bool(trees))) if on])
+
+
 def warm_up(target, methods: list[Method], questions: list, settings: EvalSettings) -> None:
     """One short untimed generation per drafter so one-time costs do not land in the first timed run."""
     prompt = [render_prompt(target.tokenizer, questions[0].turns[:1], [], not settings.no_chat_template,
@@ -355,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(settings.threads)
         prompt_sets = load_prompt_sets(settings)
         check_drafters(settings)
+        check_rows(settings)
         device = default_device()
         config = run_config(settings, device)
         previous = read_appendable(settings.out, config) if settings.append else []  # checked before anything loads
