@@ -158,11 +158,14 @@ class RaggedLM:
         for layer in self.cache.layers:
             if getattr(layer, "keys", None) is None:  # linear-attention and KV-sharing layers hold no slots
                 continue
-            for name in ("keys", "values"):
-                tensor = getattr(layer, name)  # [B, H_kv, L + N, d]
-                block = tensor[:, :, mark:]
+            for name in ("keys", "values", "indexer_keys"):  # DeepSeek-V3.2's indexer keys: [B, L + N, d]
+                tensor = getattr(layer, name, None)  # [B, H_kv, L + N, d]; None: not this layer's
+                if tensor is None:
+                    continue
+                slots = tensor if tensor.dim() == 4 else tensor[:, None]  # a view [B, H, L + N, d]
+                block = slots[:, :, mark:]
                 index = order[:, None, :, None].expand(-1, block.shape[1], -1, block.shape[3])
-                tensor[:, :, mark:] = block.gather(2, index)
+                slots[:, :, mark:] = block.gather(2, index)
         self.keep_after(mark, keep)
 
     def keep_rows(self, rows: torch.Tensor) -> None:

@@ -1,8 +1,10 @@
 """What the ragged cache (drafters/ragged_lm.py) must know about a model family's layers to roll rows back exactly.
 
-Three kinds of decoder layer, read from the config's `layer_types` (or `sliding_window` without them):
+The kinds of decoder layer, read from the config's `layer_types` (or `sliding_window` without them):
 - full attention: K/V per slot; holes hidden by the mask, rollback a crop. Llama, Qwen3, DeepSeek-V3's MLA (transformers
-  caches its decompressed K/V), gpt-oss and MoE layers alike (routing is per token, nothing to roll back).
+  caches its decompressed K/V), gpt-oss and MoE layers alike (routing is per token, nothing to roll back). DSA's
+  `indexed_attention` (DeepSeek-V3.2, GLM-5) too: its indexer picks each query's keys by score under the mask, so holes
+  and tree nodes are masked as keys; its own key cache is cropped, row-selected and path-ordered with the K/V.
 - sliding-window attention (Gemma 4, gpt-oss, Mistral): the cache keeps every slot (a full DynamicLayer instead of
   transformers' window-trimmed one, whose crop cannot go back once a sequence outgrows the window), and the mask
   applies the window by POSITION (query position - key position < window), so a row with holes sees the same keys it
@@ -27,7 +29,7 @@ import inspect
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicIndexedLayer, DynamicLayer, LinearAttentionLayer
 
 try:  # transformers >= 5.2x; an older one (e.g. the 5.19 vLLM 0.32 pins) has no placeholder layers to accept
     from transformers.cache_utils import DummyLayer
@@ -35,7 +37,7 @@ except ImportError:
     DummyLayer = None
 
 SLOT_ANCHORED = ("minimax_m3_sparse",)
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention") + SLOT_ANCHORED
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "indexed_attention") + SLOT_ANCHORED
 MASKABLE_ATTENTION = ("sdpa", "eager")
 MECHANISMS = ("snapshot", "rerun")
 
@@ -180,7 +182,7 @@ class FamilyState:
         for index, layer in enumerate(cache.layers):
             if type(layer).__name__ == "DynamicSlidingWindowLayer" or type(layer) is DynamicLayer:
                 cache.layers[index] = RoomyLayer()
-            elif type(layer) not in (LinearAttentionLayer, DummyLayer) and \
+            elif type(layer) not in (LinearAttentionLayer, DummyLayer, DynamicIndexedLayer) and \
                     getattr(layer, "_layer_type", None) not in SLOT_ANCHORED:
                 raise ValueError(f"target family {self.family}: cache layer {index} is a {type(layer).__name__}; "
                                  "missing: a per-row rollback of it in the engine")

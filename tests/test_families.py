@@ -1,7 +1,9 @@
 """The study's target families through the engine (drafters/ragged_state.py): Qwen3-Next, Qwen3.5 and Qwen3.5-MoE
 (gated-DeltaNet hybrids), Gemma 4 (window 16, so every sequence here outgrows it; also with its MoE block and K = V
-global layers, and with E2B / E4B's per-layer inputs and KV-shared tail), gpt-oss (sinks, alternating windows, MoE)
-and DeepSeek-V3 (MLA, MoE), each the `debug:` target built from transformers' own classes, in float64.
+global layers, and with E2B / E4B's per-layer inputs and KV-shared tail), gpt-oss (sinks, alternating windows, MoE),
+DeepSeek-V3 (MLA, MoE), and DeepSeek-V3.2 and GLM-5 (MLA whose indexer picks the 8 keys each query reads, under the
+attention mask, so holes and tree nodes are masked as keys), each the `debug:` target built from transformers' own
+classes, in float64.
 
 For every family: greedy speculative output == plain greedy through the same engine at batch 1 and 3 (n-gram, a draft
 model, tree verification), the T = 1 sampling law (chi-square, as test_contract.py), native MTP where the checkpoint
@@ -28,7 +30,8 @@ from inference.engine.target import TargetModel
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 GEMMA4 = ["tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma4-e"]
-FAMILIES = HYBRIDS + GEMMA4 + ["tiny-gpt-oss", "tiny-deepseek-v3"]
+DSA = ["tiny-deepseek-v3.2", "tiny-glm-5"]  # MLA with an indexer choosing the keys each query reads
+FAMILIES = HYBRIDS + GEMMA4 + ["tiny-gpt-oss", "tiny-deepseek-v3"] + DSA
 MAX_NEW = 24  # with prompts of 7-20 tokens every row ends past Gemma 4's and gpt-oss's window of 16
 
 
@@ -127,7 +130,7 @@ def test_native_mtp_greedy_exact(name):
     assert sum(map(len, out.accept_lengths)) > 0
 
 
-@pytest.mark.parametrize("name", GEMMA4 + ["tiny-gpt-oss", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("name", GEMMA4 + ["tiny-gpt-oss", "tiny-deepseek-v3"] + DSA)
 def test_output_equals_transformers_assisted_generation(name):
     """transformers' assisted generation with the same draft model and 3 drafts gives our tokens (its candidate
     generator refuses the hybrids: 'assisted generation is not supported with stateful models')."""

@@ -40,6 +40,8 @@ KV_LAYERS = {"gemma4_text": ()}  # Gemma 4 layers: the default mapping (last sli
 # Cells that are refused when the drafter is built, with the one-line reason (docs/support.md says why).
 REFUSED = {
     ("tiny-deepseek-v3", "assistant"): "MLA cache",  # compressed K/V with decoupled RoPE keys
+    ("tiny-deepseek-v3.2", "assistant"): "MLA cache",  # MLA as well, whose keys an indexer selects
+    ("tiny-glm-5", "assistant"): "MLA cache",
 }
 
 

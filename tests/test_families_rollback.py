@@ -23,7 +23,8 @@ from inference.engine.tree.target import tree_extend
 # Parts of some forwards run in float32 whatever the model's dtype: transformers' gated delta rule (its reference
 # kernels cast to float32 and keep a float32 recurrent state) and the RMSNorm of gpt-oss and DeepSeek-V3 (computed in
 # float32, cast back; Mistral's too). Those families are compared at float32 level, Gemma 4 at float64's.
-FLOAT32_INSIDE = {"tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "mistral"}
+FLOAT32_INSIDE = {"tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "mistral",
+                  "tiny-deepseek-v3.2", "tiny-glm-5"}  # and the DSA indexer's scores
 FLOAT64 = dict(rtol=1e-9, atol=1e-11)
 FLOAT32 = dict(rtol=1e-5, atol=1e-6)
 LOGITS_TOLERANCE = dict(rtol=1e-6, atol=1e-6)  # the engine hands logits on in float32 (for float64 families)
@@ -41,6 +42,8 @@ def row_state(runner: RaggedLM, row: int) -> list:
             state.append((layer.conv_states[0][row].clone(), layer.recurrent_states[0][row].clone()))
         elif getattr(layer, "keys", None) is not None:
             state.append((layer.keys[row][:, valid], layer.values[row][:, valid]))
+            if getattr(layer, "indexer_keys", None) is not None:  # DSA: the indexer's own key cache [B, L, d]
+                state.append((layer.indexer_keys[row][valid],))
     return state
 
 

@@ -113,9 +113,10 @@ def block_config(target_info: TargetInfo, num_modules: int):
         per_layer = {**(values.get("per_layer_config") or {}), **per_layer_overrides(values, added, len(layer_types))}
         values.update(layer_types=(list(layer_types) + added)[:total], num_hidden_layers=total,
                       **({"per_layer_config": per_layer} if per_layer else {}))
-    mlp_types = values.get("mlp_layer_types")
-    if isinstance(mlp_types, (list, tuple)):  # MiniMax-M3: per-layer MLP kinds, the blocks' as the last layer's
-        values.update(mlp_layer_types=(list(mlp_types) + [mlp_types[-1]] * num_modules)[:total])
+    for key, added in (("mlp_layer_types", None), ("indexer_types", "full")):  # per-layer MLP kinds (the blocks' as
+        kinds = values.get(key)  # the last layer's), GLM-5's indexer modes (a block runs its own indexer)
+        if isinstance(kinds, (list, tuple)):
+            values[key] = (list(kinds) + [added or kinds[-1]] * num_modules)[:total]
     # Gemma 4 E2B / E4B: a block computes its own K/V (no KV-shared tail) and takes no per-layer input
     values.update({key: 0 for key in ("num_kv_shared_layers", "hidden_size_per_layer_input") if values.get(key)})
     config = AutoConfig.for_model(family, **values)
@@ -193,6 +194,7 @@ class BlockCache:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
         self.store: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.index: torch.Tensor | None = None  # a DSA indexer's keys [B, C, d]
         self._marked = self.lengths.clone()
         self._columns: torch.Tensor | None = None
 
@@ -229,11 +231,27 @@ class BlockCache:
             stored[rows, :, columns] = new.transpose(1, 2).to(stored.dtype)
         return self.store[0][:, :, :used], self.store[1][:, :, :used]
 
+    def update_indexer(self, keys: torch.Tensor, *args) -> torch.Tensor:
+        """DSA blocks (DeepSeek-V3.2, GLM-5): the indexer's keys [B, n, d] written at the planned columns; returns the
+        cached ones [B, C, d] up to the block (its selection is masked by `plan`'s mask, so holes are never chosen)."""
+        columns = self._columns
+        used = int(columns.max()) + 1
+        if self.index is None or self.index.shape[1] < used:
+            old = self.index
+            self.index = keys.new_zeros(keys.shape[0], max(used, 64, 0 if old is None else 2 * old.shape[1]),
+                                        keys.shape[2])
+            if old is not None:
+                self.index[:, :old.shape[1]] = old
+        rows = torch.arange(keys.shape[0], device=keys.device).unsqueeze(1).expand_as(columns)
+        self.index[rows, columns] = keys.to(self.index.dtype)
+        return self.index[:, :used]
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` [B'] (the engine drops finished rows; drafters/base.py keep_rows)."""
         rows = rows.to(self.lengths.device)
         self.lengths, self.valid, self._marked = self.lengths[rows], self.valid[rows], self._marked[rows]
         self.store = None if self.store is None else tuple(t[rows] for t in self.store)
+        self.index = None if self.index is None else self.index[rows]
         self._columns = None if self._columns is None else self._columns[rows]
 
     def mark(self) -> None:

@@ -75,6 +75,14 @@ DEBUG_TARGETS = {
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
         v_head_dim=16)),
+    # DeepSeek-V3.2's and GLM-5's sparse attention (DSA): MLA whose indexer (16 heads, so scores rarely tie at zero)
+    # keeps the top 8 keys per query by score, under the attention mask
+    **{name: dict(model_type=kind, seed=seed, logit_scale=8.0, mtp=False, pad_row=True, config=dict(
+        _ATTENTION, num_key_value_heads=4, intermediate_size=128, num_hidden_layers=3, moe_intermediate_size=32,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, index_n_heads=16, index_head_dim=16, index_topk=8))
+       for name, kind, seed in (("tiny-deepseek-v3.2", "deepseek_v32", 10), ("tiny-glm-5", "glm_moe_dsa", 11))},
     # MiniMax-M3's shape: sparse layers whose indexer keeps 2 key blocks of 8 per query (the nearest one always), so
     # sequences past 24 tokens attend sparsely; dense then routed MoE MLPs.
     "tiny-minimax-m3": dict(model_type="minimax_m3_vl_text", seed=9, logit_scale=8.0, mtp=False, config=dict(
@@ -127,15 +135,20 @@ def debug_config(name: str, tokenizer, num_layers: int | None = None):
                                 bos_token_id=None, **fields)
 
 
-def _seeded_model(config, seed: int, logit_scale: float):
+def _seeded_model(config, seed: int, logit_scale: float, pad_row: bool = False):
+    """pad_row: the pad token's embedding drawn like the others (transformers' init zeroes it; a trained model's is
+    not zero, and DSA's indexer reads a zero hidden state as a tie of every key, which topk breaks by slot)."""
     from transformers import AutoModelForCausalLM
 
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float().eval()
-    torch.random.set_rng_state(generator_state)
     with torch.no_grad():  # sharper logits than the default init: random targets then write repetitive, learnable text
         model.get_output_embeddings().weight.mul_(logit_scale)
+        embeddings = model.get_input_embeddings().weight
+        if pad_row:
+            embeddings[config.pad_token_id] = torch.randn(embeddings.shape[1]) * embeddings.std()
+    torch.random.set_rng_state(generator_state)
     return model
 
 
@@ -178,7 +191,7 @@ def write_debug_target(name: str, directory: str) -> None:
         save_file({key: t.contiguous() for key, t in tensors.items()}, os.path.join(directory, "model.safetensors"),
                   metadata={"format": "pt"})
     else:
-        _seeded_model(config, spec["seed"], spec["logit_scale"]).save_pretrained(directory)
+        _seeded_model(config, spec["seed"], spec["logit_scale"], spec.get("pad_row", False)).save_pretrained(directory)
     generation = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     generation.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
