@@ -37,6 +37,7 @@ except ImportError:
     DummyLayer = None
 
 SLOT_ANCHORED = ("minimax_m3_sparse",)
+MASKED_INDEXERS = ("deepseek_v32", "glm_moe_dsa")  # whose indexed_attention was read to pick keys under the mask
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "indexed_attention") + SLOT_ANCHORED
 MASKABLE_ATTENTION = ("sdpa", "eager")
 MECHANISMS = ("snapshot", "rerun")
@@ -94,7 +95,8 @@ def layer_types(config) -> list[str]:
 
 def unsupported_layer_types(config) -> list[str]:
     """The layer types of text config `config` the engine cannot roll back (so cannot decode), sorted."""
-    return sorted(set(layer_types(config)) - set(SUPPORTED_LAYER_TYPES))
+    supported = set(SUPPORTED_LAYER_TYPES) - (set() if config.model_type in MASKED_INDEXERS else {"indexed_attention"})
+    return sorted(set(layer_types(config)) - supported)
 
 
 def one_row_refusal(config, what: str) -> str | None:
@@ -107,9 +109,7 @@ def one_row_refusal(config, what: str) -> str | None:
 
 class FamilyState:
     """Per-model cache construction, masks and per-row rollback of the layers' states. Built once per RaggedLM.
-
-    Raises ValueError (one line: the family and what is missing) for a model the engine cannot roll back exactly.
-    """
+    Raises ValueError (one line: the family and what is missing) for a model the engine cannot roll back exactly."""
 
     def __init__(self, model, mechanism: str = "snapshot", decodes: bool = True):
         """decodes: whether the model's decoder runs here; a target that only lends its head (its layers on the meta
@@ -120,8 +120,8 @@ class FamilyState:
         unknown = unsupported_layer_types(config)
         if unknown and decodes:
             raise ValueError(f"target family {self.family}: layer types {unknown} are not supported by the engine "
-                             f"(it rolls back {', '.join(SUPPORTED_LAYER_TYPES)} layers; missing: a per-row rollback "
-                             "of their cache)")
+                             f"(it rolls back {', '.join(SUPPORTED_LAYER_TYPES)} layers, indexed_attention of "
+                             f"{', '.join(MASKED_INDEXERS)} only; missing: a per-row rollback of their cache)")
         if mechanism not in MECHANISMS:
             raise ValueError(f"linear-attention rollback mechanism must be one of {MECHANISMS}, got {mechanism!r}")
         self.anchored = bool(set(self.types) & set(SLOT_ANCHORED))  # one row in chains: see `one_row_refusal`

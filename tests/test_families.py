@@ -263,6 +263,25 @@ def test_debug_targets_resolve_by_name_with_native_mtp_in_the_qwen_layout(name):
         assert not any(n.startswith("mtp.") for n in names)
 
 
+def test_an_indexed_family_whose_indexer_was_not_read_is_refused():
+    """DSA's `indexed_attention` is decoded for DeepSeek-V3.2 and GLM-5, whose indexer picks keys under the attention
+    mask; another family with layers of that name (AXK2) may anchor them otherwise (MiniMax-M3's anchor to slots), so
+    it is refused in one line naming the families that decode."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("axk2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=16,
+                                  n_routed_experts=2, num_experts_per_tok=1, q_lora_rank=16, kv_lora_rank=16,
+                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, index_n_heads=2,
+                                  index_head_dim=16, index_topk=4, bos_token_id=None, eos_token_id=0)
+    assert set(config.layer_types) == {"indexed_attention"}
+    with pytest.raises(ValueError) as error:
+        TargetModel(AutoModelForCausalLM.from_config(config))
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("target family axk2: layer types ['indexed_attention']")
+    assert "indexed_attention of deepseek_v32, glm_moe_dsa only" in message
+
+
 def test_eval_refuses_an_unsupported_family_in_one_line_exit_2(tmp_path, capsys):
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
