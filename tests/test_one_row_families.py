@@ -9,7 +9,9 @@ attends sparsely past 16 tokens, and the engine decodes it exactly where slots a
   and so do the next logits;
 - the T = 1 law, rows decoded one after another, each with its own random streams;
 - a batch given to speculative_generate is decoded row by row, as each row alone; a batch forward, padding and a tree
-  are refused in one line; eval and calibrate refuse --batch-size > 1 and --tree-budget before any weight loads.
+  are refused in one line; eval refuses --batch-size > 1 and --tree-budget before any weight loads (its records name
+  a batch size; calibrate's temperatures do not depend on one, so its batches run row by row, and it writes its
+  report).
 float64 except where the model computes in float32 (its RMSNorm and the indexer's scores), hence FLOAT32 tolerances.
 """
 
@@ -163,9 +165,8 @@ def test_a_batch_forward_padding_and_trees_are_refused_in_one_line():
 @pytest.mark.parametrize("argv,flag", [
     (["eval", "--drafter", "ngram", "--batch-size", "1,2"], "--batch-size 2"),
     (["eval", "--drafter", "ngram", "--tree-budget", "4"], "--tree-budget 4"),
-    (["calibrate", "ngram", "--batch-size", "4"], "--batch-size 4"),
 ])
-def test_commands_refuse_a_batch_or_a_tree_before_a_weight_loads(argv, flag, monkeypatch, capsys, tmp_path):
+def test_eval_refuses_a_batch_or_a_tree_before_a_weight_loads(argv, flag, monkeypatch, capsys, tmp_path):
     import inference.engine.target
 
     def no_weights(*args, **kwargs):
@@ -184,3 +185,22 @@ def test_eval_decodes_it_at_batch_1(tmp_path, capsys):
     assert cli(["eval", "--target", "debug:" + NAME, "--drafter", "ngram", "--num-prompts", "1", "--max-new-tokens",
                 "24", "--num-draft-tokens", "3", "--out", str(out)]) == 0
     assert "ngram" in capsys.readouterr().out and out.exists()
+
+
+def test_calibrate_runs_its_batches_row_by_row(tmp_path):
+    """`draftsmith calibrate` (its default --batch-size 4) on an untrained DSpark drafter for the target: the rounds it
+    fits temperatures on come from rows decoded one after another, and it writes its report."""
+    import json
+
+    from drafters.dspark import DSparkConfig, DSparkDrafter
+
+    info = target().target_info()
+    torch.manual_seed(1)
+    drafter = DSparkDrafter(DSparkConfig(layer_ids="auto", num_layers=1, block_size=2, intermediate_size=128,
+                                         markov_rank=8, mask_token_id=info.vocab_size - 1), info)
+    drafter.save(str(tmp_path / "dspark"))
+    out = tmp_path / "calibration"
+    assert cli(["calibrate", str(tmp_path / "dspark"), "--target", "debug:" + NAME, "--prompts", "mt_bench,gsm8k",
+                "--num-prompts", "12", "--max-new-tokens", "32", "--out", str(out)]) == 0
+    report = json.loads((out / "calibration.json").read_text())
+    assert len(report["positions"]) == 2 and len(report["temperatures"]) == 2

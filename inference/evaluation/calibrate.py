@@ -28,7 +28,7 @@ from drafters.files import write_json_atomic
 from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel, default_device
 from inference.evaluation.chat_template import check_chat_template, parse_template_kwargs, render_prompt
-from inference.evaluation.eval import check_drafters, check_rows, load_prompt_sets
+from inference.evaluation.eval import check_drafters, load_prompt_sets
 from inference.evaluation.settings import DTYPE_CHOICES, TRUST_REMOTE_CODE_HELP, EvalSettings, check_at_least, split
 
 
@@ -140,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--out: {settings.out} is a file; pass a directory")
     prompt_sets = load_prompt_sets(settings)
     check_drafters(settings, "DRAFTER")  # the drafter is the positional argument
-    check_rows(settings)
     check_calibratable(args.drafter)
     device = default_device()
     target = TargetModel.from_pretrained(settings.target, dtype=settings.torch_dtype(device), device=device,
