@@ -37,8 +37,9 @@ except ImportError:
     DummyLayer = None
 
 SLOT_ANCHORED = ("minimax_m3_sparse",)
-MASKED_INDEXERS = ("deepseek_v32", "glm_moe_dsa")  # whose indexed_attention was read to pick keys under the mask
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "indexed_attention") + SLOT_ANCHORED
+MASKED_INDEXERS = ("deepseek_v32", "glm_moe_dsa")  # whose DSA layers were read to pick keys under the mask
+DSA = ("indexed_attention", "deepseek_sparse_attention")  # the DSA layers' name, and transformers 5.17's
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention") + DSA + SLOT_ANCHORED
 MASKABLE_ATTENTION = ("sdpa", "eager")
 MECHANISMS = ("snapshot", "rerun")
 
@@ -95,7 +96,7 @@ def layer_types(config) -> list[str]:
 
 def unsupported_layer_types(config) -> list[str]:
     """The layer types of text config `config` the engine cannot roll back (so cannot decode), sorted."""
-    supported = set(SUPPORTED_LAYER_TYPES) - (set() if config.model_type in MASKED_INDEXERS else {"indexed_attention"})
+    supported = set(SUPPORTED_LAYER_TYPES) - (set() if config.model_type in MASKED_INDEXERS else set(DSA))
     return sorted(set(layer_types(config)) - supported)
 
 
@@ -120,7 +121,7 @@ class FamilyState:
         unknown = unsupported_layer_types(config)
         if unknown and decodes:
             raise ValueError(f"target family {self.family}: layer types {unknown} are not supported by the engine "
-                             f"(it rolls back {', '.join(SUPPORTED_LAYER_TYPES)} layers, indexed_attention of "
+                             f"(it rolls back {', '.join(SUPPORTED_LAYER_TYPES)} layers, the DSA ones of "
                              f"{', '.join(MASKED_INDEXERS)} only; missing: a per-row rollback of their cache)")
         if mechanism not in MECHANISMS:
             raise ValueError(f"linear-attention rollback mechanism must be one of {MECHANISMS}, got {mechanism!r}")

@@ -279,7 +279,7 @@ def test_an_indexed_family_whose_indexer_was_not_read_is_refused():
         TargetModel(AutoModelForCausalLM.from_config(config))
     message = str(error.value)
     assert "\n" not in message and message.startswith("target family axk2: layer types ['indexed_attention']")
-    assert "indexed_attention of deepseek_v32, glm_moe_dsa only" in message
+    assert "the DSA ones of deepseek_v32, glm_moe_dsa only" in message
 
 
 def test_eval_refuses_an_unsupported_family_in_one_line_exit_2(tmp_path, capsys):
