@@ -95,11 +95,10 @@ def test_greedy_speculative_equals_plain_greedy(name):
     assert accepted > 0 and rejected > 0, (accepted, rejected)  # rows accepted different counts: real rollbacks
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_sampling_law_is_the_targets(name):
-    """T = 1 through chains of 2 sampled drafts from a draft model of the same family: the first three emitted tokens
-    follow the target's joint law (the target cut to a 6-token vocabulary with soft logits)."""
-    vocab, rows = 6, 2000
+def assert_sampling_law(name: str, vocab: int, rows: int, prompt: list[int], timed: bool = True) -> None:
+    """T = 1 through chains of 2 sampled drafts from a draft model of family `name`, `rows` copies of `prompt`: the
+    first three emitted tokens follow the target's joint law (the target cut to a `vocab`-token vocabulary with soft
+    logits), and drafts were both accepted and rejected."""
     model = load_family_model(name)
     model.resize_token_embeddings(vocab)
     with torch.no_grad():
@@ -110,13 +109,18 @@ def test_sampling_law_is_the_targets(name):
     with torch.no_grad():
         draft.get_output_embeddings().weight.copy_(model.get_output_embeddings().weight)
     drafter = DraftModelDrafter(DraftModelConfig(path=name, sample_drafts=True), target.target_info(), model=draft)
-    prompt = [1, 4, 2, 5, 3]
     out = speculative_generate(target, drafter, [prompt] * rows, num_draft_tokens=2, max_new_tokens=3,
-                               temperature=1.0, seed=0, eos_token_ids=[])
+                               temperature=1.0, seed=0, eos_token_ids=[], timed=timed)
     counts = joint_counts(out.tokens, vocab)
     assert_chi_square(counts, exact_joint(model, prompt, vocab) * rows)
     accepted = sum(map(sum, out.accept_lengths))
     assert 0 < accepted < 2 * sum(map(len, out.accept_lengths))  # drafts were accepted and rejected
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sampling_law_is_the_targets(name):
+    """The T = 1 law (assert_sampling_law) on a 6-token vocabulary, 2,000 rows decoded as one batch."""
+    assert_sampling_law(name, vocab=6, rows=2000, prompt=[1, 4, 2, 5, 3])
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"])

@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import joint_counts
-from test_contract import exact_joint
-from test_families import MAX_NEW, draft_model, family_target, load_family_model, plain_greedy, prompts
+from test_families import MAX_NEW, assert_sampling_law, draft_model, family_target, plain_greedy, prompts
 from test_families_drafters import FACTORIES, build
 from test_families_rollback import FLOAT32
-from test_tree import assert_chi_square
 from transformers import AutoModelForCausalLM
 
 from drafters import NgramDrafter
@@ -126,28 +123,9 @@ def test_a_batch_is_decoded_row_by_row_as_each_row_alone():
 
 
 def test_sampling_law_row_by_row():
-    """T = 1 through chains of 2 sampled drafts: the first three emitted tokens of 800 rows (each its own random
-    streams) follow the target's joint law (the target cut to a 4-token vocabulary with soft logits)."""
-    from drafters import DraftModelDrafter
-    from drafters.draft_model import DraftModelConfig
-
-    vocab, rows = 4, 800
-    model = load_family_model(NAME)
-    model.resize_token_embeddings(vocab)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(0.05)
-    small = TargetModel(model, name_or_path=NAME)
-    draft = load_family_model(NAME, seed=3, noise=0.3)
-    draft.resize_token_embeddings(vocab)
-    with torch.no_grad():
-        draft.get_output_embeddings().weight.copy_(model.get_output_embeddings().weight)
-    drafter = DraftModelDrafter(DraftModelConfig(path=NAME, sample_drafts=True), small.target_info(), model=draft)
-    prompt = [1, 3, 2, 0, 2]
-    out = speculative_generate(small, drafter, [prompt] * rows, num_draft_tokens=2, max_new_tokens=3,
-                               temperature=1.0, seed=0, eos_token_ids=[], timed=False)
-    assert_chi_square(joint_counts(out.tokens, vocab), exact_joint(model, prompt, vocab) * rows)
-    accepted = sum(map(sum, out.accept_lengths))
-    assert 0 < accepted < 2 * sum(map(len, out.accept_lengths))
+    """The T = 1 law (test_families.assert_sampling_law) over 800 rows decoded one after another, each its own random
+    streams (a 4-token vocabulary: 64 joint cells, few enough for 800 rows)."""
+    assert_sampling_law(NAME, vocab=4, rows=800, prompt=[1, 3, 2, 0, 2], timed=False)
 
 
 def test_a_batch_forward_padding_and_trees_are_refused_in_one_line():

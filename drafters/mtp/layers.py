@@ -113,8 +113,9 @@ def block_config(target_info: TargetInfo, num_modules: int):
         per_layer = {**(values.get("per_layer_config") or {}), **per_layer_overrides(values, added, len(layer_types))}
         values.update(layer_types=(list(layer_types) + added)[:total], num_hidden_layers=total,
                       **({"per_layer_config": per_layer} if per_layer else {}))
-    for key, added in (("mlp_layer_types", None), ("indexer_types", "full")):  # per-layer MLP kinds (the blocks' as
-        kinds = values.get(key)  # the last layer's), GLM-5's indexer modes (a block runs its own indexer)
+    # per-layer MLP kinds (MiniMax-M3: the blocks' as the last layer's) and GLM-5's indexer modes (a block runs its own)
+    for key, added in (("mlp_layer_types", None), ("indexer_types", "full")):
+        kinds = values.get(key)
         if isinstance(kinds, (list, tuple)):
             values[key] = (list(kinds) + [added or kinds[-1]] * num_modules)[:total]
     # Gemma 4 E2B / E4B: a block computes its own K/V (no KV-shared tail) and takes no per-layer input
@@ -181,6 +182,13 @@ def causal_mask(length: int, device) -> torch.Tensor:
     return torch.ones(length, length, dtype=torch.bool, device=device).tril().view(1, 1, length, length)
 
 
+def with_room(stored: torch.Tensor, used: int) -> torch.Tensor:
+    """`stored` (columns on dim -2) with at least `used` columns: itself, or padded to twice its columns or `used`."""
+    if stored.shape[-2] >= used:
+        return stored
+    return F.pad(stored, (0, 0, 0, max(used, 2 * stored.shape[-2]) - stored.shape[-2]))
+
+
 class BlockCache:
     """The KV cache of one MTP block at one depth, per row, with holes (the pattern of drafters.layers.KVCache).
 
@@ -223,9 +231,7 @@ class BlockCache:
         used = int(columns.max()) + 1
         if self.store is None:
             self.store = tuple(t.new_zeros(t.shape[0], t.shape[1], max(used, 64), t.shape[3]) for t in (first, second))
-        elif self.store[0].shape[2] < used:
-            grow = max(used, 2 * self.store[0].shape[2]) - self.store[0].shape[2]
-            self.store = tuple(F.pad(t, (0, 0, 0, grow)) for t in self.store)
+        self.store = tuple(with_room(t, used) for t in self.store)
         rows = torch.arange(first.shape[0], device=first.device).unsqueeze(1).expand_as(columns)
         for stored, new in zip(self.store, (first, second)):
             stored[rows, :, columns] = new.transpose(1, 2).to(stored.dtype)
@@ -236,12 +242,9 @@ class BlockCache:
         cached ones [B, C, d] up to the block (its selection is masked by `plan`'s mask, so holes are never chosen)."""
         columns = self._columns
         used = int(columns.max()) + 1
-        if self.index is None or self.index.shape[1] < used:
-            old = self.index
-            self.index = keys.new_zeros(keys.shape[0], max(used, 64, 0 if old is None else 2 * old.shape[1]),
-                                        keys.shape[2])
-            if old is not None:
-                self.index[:, :old.shape[1]] = old
+        if self.index is None:
+            self.index = keys.new_zeros(keys.shape[0], max(used, 64), keys.shape[2])
+        self.index = with_room(self.index, used)
         rows = torch.arange(keys.shape[0], device=keys.device).unsqueeze(1).expand_as(columns)
         self.index[rows, columns] = keys.to(self.index.dtype)
         return self.index[:, :used]
