@@ -4,7 +4,8 @@ Ids follow docs/ARCHITECTURE.md's convention: id k is the residual stream enteri
 of layer k - 1 (id 0 = the embeddings, id N = the final pre-norm output). `auto` (also what a recipe gets when it leaves the
 field out) is each drafter's published default on an ordinary target.
 
-Hybrid targets (config.layer_types mixes "linear_attention" with "full_attention": Qwen3-Next, Qwen3.5 / 3.6) may
+Hybrid targets (config.layer_types mixes "linear_attention" with "full_attention": Qwen3-Next, Qwen3.5 / 3.6, and the
+Mamba hybrids Nemotron-H, Granite 4.0-H and Jamba: a target's config dict carries them, ragged_state.config_dict) may
 only be read at full-attention layers' outputs: allowed ids are {j + 1 : layer j is full attention} (in SpecForge's
 output-counting convention, the attention layers 3, 7, ..., 47 of Qwen3-Coder-Next, as the thoughtworks EAGLE-3
 card requires). Wrong aux layers are the most common cause of near-zero served acceptance in peers' trackers, so on
@@ -30,8 +31,10 @@ def is_auto(layer_ids: Any) -> bool:
 
 
 def hybrid_layer_types(config: Mapping[str, Any]) -> list[str] | None:
-    """The target's layer_types when it is a linear / full attention hybrid, else None (the text config of a VLM)."""
-    types = text_config_of(config).get("layer_types")
+    """The target's layer_types when it is a linear / full attention hybrid, else None (the text config of a VLM;
+    Nemotron-H's config.json names them `layers_block_type`)."""
+    text = text_config_of(config)
+    types = text.get("layer_types") or text.get("layers_block_type")
     if isinstance(types, (list, tuple)) and "linear_attention" in types:
         return [str(t) for t in types]
     return None

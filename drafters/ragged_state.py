@@ -9,27 +9,30 @@ The kinds of decoder layer, read from the config's `layer_types` (or `sliding_wi
   transformers' window-trimmed one, whose crop cannot go back once a sequence outgrows the window), and the mask
   applies the window by POSITION (query position - key position < window), so a row with holes sees the same keys it
   would see alone. Such models get a 4-D mask per layer type (sdpa: boolean, eager: additive).
-- linear attention (gated DeltaNet in Qwen3.5 / Qwen3.6 / Qwen3-Next): a conv state and a recurrent state with no
-  sequence axis, so no holes: after a verify every row needs exactly the state after its accepted tokens. Chosen by
-  measurement (docs/benchmarks.md, benchmarks/engine/rollback_cost.py): during a forward after the prefill each mixer is
-  stepped one token at a time through transformers' own single-token path and the state after every position is
-  kept ("snapshot", as vLLM's hybrid spec decoding keeps per-position states); `keep_after` then copies each row's
+- linear attention (gated DeltaNet in Qwen3.5 / Qwen3.6 / Qwen3-Next; Mamba-2 in Nemotron-H, which transformers
+  caches the same way): a conv state and a recurrent state with no sequence axis, so no holes: after a verify every
+  row needs exactly the state after its accepted tokens. Chosen by measurement (docs/benchmarks.md,
+  benchmarks/engine/rollback_cost.py): during a forward after the prefill each mixer is stepped one token at a time
+  through transformers' own single-token path and the state after every position is kept ("snapshot", as vLLM's
+  hybrid spec decoding keeps per-position states; drafters/linear_state.py); `keep_after` then copies each row's
   state at its accepted count. Slots fed as invalid leave a row's state untouched. "rerun" (the block in one chunked
   call, then the accepted prefix stepped again from a saved state) is kept for the measurement. Tree verification
   steps the nodes in order, each from its parent's state, so every node's state is that of its root-to-node path.
+- no mixer (Nemotron-H's `moe` and `mlp` blocks): nothing cached, nothing to roll back.
 - slot-anchored sparse attention (MiniMax-M3's `minimax_m3_sparse`): K/V and its indexer's keys per slot, key blocks
   cut by SLOT (taken as the position), so exact in one row's chains only (no holes, no tree nodes); a crop rolls back.
-Other layer types (chunked attention, Mamba, short convolutions), and a batch or tree of a slot-anchored family, are
-refused in one line naming the family and what is missing.
+Other layer types (chunked attention, short convolutions, Falcon-H1's parallel `hybrid`), a linear-attention layer
+whose mixer is neither (no `conv1d` under one of MIXERS), and a batch or tree of a slot-anchored family, are refused
+in one line naming the family and what is missing.
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicIndexedLayer, DynamicLayer, LinearAttentionLayer
+
+from drafters.linear_state import LinearStateRecorder
 
 try:  # transformers >= 5.2x; an older one (e.g. the 5.19 vLLM 0.32 pins) has no placeholder layers to accept
     from transformers.cache_utils import DummyLayer
@@ -39,7 +42,10 @@ except ImportError:
 SLOT_ANCHORED = ("minimax_m3_sparse",)
 MASKED_INDEXERS = ("deepseek_v32", "glm_moe_dsa")  # whose DSA layers were read to pick keys under the mask
 DSA = ("indexed_attention", "deepseek_sparse_attention")  # the DSA layers' name, and transformers 5.17's
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention") + DSA + SLOT_ANCHORED
+NO_CACHE = ("moe", "mlp")  # Nemotron-H's blocks without a mixer
+KV_TYPES = ("full_attention", "sliding_attention") + DSA + SLOT_ANCHORED  # the layers that cache K/V
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention") + DSA + SLOT_ANCHORED + NO_CACHE
+MIXERS = ("linear_attn", "mamba", "mixer")  # a linear-attention layer's mixer: gated DeltaNet's, Mamba's
 MASKABLE_ATTENTION = ("sdpa", "eager")
 MECHANISMS = ("snapshot", "rerun")
 
@@ -94,6 +100,17 @@ def layer_types(config) -> list[str]:
     return ["sliding_attention" if windowed else "full_attention"] * config.num_hidden_layers
 
 
+def config_dict(config) -> dict:
+    """`config.to_dict()`, with the decoder's `layer_types` where the config has them but does not store them under
+    that name (Nemotron-H's `layers_block_type`; Jamba's, derived from its layer periods), so that a reader of the
+    dict (hybrid layer ids, the assistant's KV mapping) sees the layer kinds the engine sees."""
+    values = config.to_dict()
+    types = getattr(config, "layer_types", None)
+    if types and "layer_types" not in values and config.get_text_config(decoder=True) is config:
+        values["layer_types"] = list(types)[: config.num_hidden_layers]
+    return values
+
+
 def unsupported_layer_types(config) -> list[str]:
     """The layer types of text config `config` the engine cannot roll back (so cannot decode), sorted."""
     supported = set(SUPPORTED_LAYER_TYPES) - (set() if config.model_type in MASKED_INDEXERS else set(DSA))
@@ -145,18 +162,19 @@ class FamilyState:
         positions (the hidden states a drafter reads there and after it, and the final one)."""
         return slice(-keep, None) if keep and records and self.shares_kv else keep
 
-    def _install_recorders(self, model, mechanism: str) -> dict[int, "LinearStateRecorder"]:
+    def _install_recorders(self, model, mechanism: str) -> dict[int, LinearStateRecorder]:
         indices = [i for i, kind in enumerate(self.types) if kind == "linear_attention"]
         if not indices:
             return {}
         layers = model.get_decoder().layers
         recorders = {}
         for index in indices:
-            mixer = getattr(layers[index], "linear_attn", None)
-            if mixer is None or not hasattr(mixer, "conv1d"):
-                raise ValueError(f"target family {self.family}: layer {index} is linear attention but not a gated "
-                                 "DeltaNet mixer (`linear_attn` with a conv1d); missing: a per-row rollback of its "
-                                 "state")
+            mixer = next((getattr(layers[index], name) for name in MIXERS
+                          if hasattr(getattr(layers[index], name, None), "conv1d")), None)
+            if mixer is None:
+                raise ValueError(f"target family {self.family}: layer {index} is linear attention but has no "
+                                 f"gated DeltaNet or Mamba mixer (one of {MIXERS} with a conv1d); missing: a per-row "
+                                 "rollback of its state")
             existing = getattr(mixer, "_draftsmith_recorder", None)
             recorders[index] = existing if existing is not None else LinearStateRecorder(mixer, index)
             recorders[index].mechanism = mechanism
@@ -167,13 +185,14 @@ class FamilyState:
         return bool(self.recorders)
 
     def check_kv_layers(self, kv_layers) -> None:
-        """A drafter reads K/V of attention layers only (linear-attention layers hold a state, not K/V)."""
-        linear = [int(i) for i in kv_layers
-                  if 0 <= int(i) < len(self.types) and self.types[int(i)] == "linear_attention"]
-        if linear:
-            allowed = [i for i, kind in enumerate(self.types) if kind != "linear_attention"]
-            raise ValueError(f"drafter.kv_layers: target layers {linear} of {self.family} are linear attention (a "
-                             f"recurrent state, no K/V to read); choose among its attention layers {allowed}")
+        """A drafter reads K/V of attention layers only (a linear-attention layer holds a state, a block without a
+        mixer nothing)."""
+        bad = [int(i) for i in kv_layers if 0 <= int(i) < len(self.types) and self.types[int(i)] not in KV_TYPES]
+        if bad:
+            allowed = [i for i, kind in enumerate(self.types) if kind in KV_TYPES]
+            kinds = sorted({self.types[i] for i in bad})
+            raise ValueError(f"drafter.kv_layers: target layers {bad} of {self.family} are {', '.join(kinds)} (no "
+                             f"K/V to read); choose among its attention layers {allowed}")
 
     # ---- the cache ---------------------------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:
@@ -287,114 +306,3 @@ class FamilyState:
     def select_recorded_rows(self, rows: torch.Tensor) -> None:
         for recorder in self.recorders.values():
             recorder.keep_rows(rows)
-
-
-class LinearStateRecorder:
-    """Wraps one gated-DeltaNet mixer's forward. Outside a recorded block it is the mixer itself.
-
-    snapshot: every recorded position is fed alone through the mixer's single-token path (transformers' own
-    causal_conv1d_update and recurrent gated delta rule) and the conv / recurrent state after it is kept.
-    rerun: a block without invalid slots runs as one chunked call (one with invalid slots is stepped); the inputs are
-    kept, and `select` restores the state before the blocks and steps the inputs again up to the furthest kept
-    position.
-    """
-
-    def __init__(self, mixer, layer_idx: int):
-        self.mixer, self.layer_idx, self.original = mixer, layer_idx, mixer.forward
-        # the mixer's keyword for the cache: `cache`, or `cache_params` in transformers 5.17 and before
-        self.cache_name = "cache" if "cache" in inspect.signature(mixer.forward).parameters else "cache_params"
-        self.mechanism, self.recording = "snapshot", False
-        self.clear()
-        mixer.forward = self.forward
-        mixer._draftsmith_recorder = self
-
-    def clear(self) -> None:
-        self.conv: list[torch.Tensor] = []  # per position (0 = before): [B, C, K] conv state
-        self.recurrent: list[torch.Tensor] = []  # [B, H, d_k, d_v]
-        self.inputs: list[torch.Tensor] = []  # rerun: the mixer's inputs [B, S, D] per block
-        self.valids: list[torch.Tensor | None] = []
-        self.valid = self.parents = None
-        self.recording = False
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        self.conv = [state[rows] for state in self.conv]
-        self.recurrent = [state[rows] for state in self.recurrent]
-        self.inputs = [block[rows] for block in self.inputs]
-        self.valids = [None if valid is None else valid[rows] for valid in self.valids]
-
-    def _states(self, cache):
-        layer = cache.layers[self.layer_idx]
-        return layer.conv_states[0], layer.recurrent_states[0]
-
-    def begin(self, cache, valid, parents) -> None:
-        # the prefill: nothing to roll back to (the layer's own flag: Cache.get_recurrent_state, which reads it,
-        # is newer than transformers 5.17)
-        if not cache.layers[self.layer_idx].has_previous_state[0]:
-            return
-        if not self.conv:
-            conv, recurrent = self._states(cache)
-            self.conv, self.recurrent = [conv.clone()], [recurrent.clone()]
-        self.valid, self.parents, self.recording = valid, parents, True
-
-    def call(self, hidden_states, cache, attention_mask, kwargs):
-        """The mixer's own forward."""
-        return self.original(hidden_states=hidden_states, attention_mask=attention_mask, **{self.cache_name: cache},
-                             **kwargs)
-
-    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-        cache = kwargs.pop("cache_params", cache)
-        if not self.recording or cache is None:
-            return self.call(hidden_states, cache, attention_mask, kwargs)
-        if self.mechanism == "rerun" and self.parents is None:
-            self.inputs.append(hidden_states)
-            self.valids.append(self.valid)
-            if self.valid is None:  # a chunked call advances every slot, so only a block without invalid slots
-                return self.call(hidden_states, cache, attention_mask, kwargs)
-        return self._step(hidden_states, cache, self.valid, kwargs)
-
-    def _step(self, hidden_states, cache, valid, kwargs, upto: int | None = None):
-        """Feed positions one at a time through the mixer's single-token path, appending the state after each."""
-        conv, recurrent = self._states(cache)
-        outputs = []
-        for j in range(hidden_states.shape[1] if upto is None else upto):
-            if self.parents is not None:  # tree: start from the parent's state (record 0 = before the block)
-                self._load(cache, [row[j] + len(self.conv) - j for row in self.parents])
-            before = (conv.clone(), recurrent.clone()) if valid is not None else None
-            outputs.append(self.call(hidden_states[:, j:j + 1], cache, None, kwargs))
-            if before is not None:  # an invalid slot leaves the row's state as it was
-                keep = valid[:, j].to(conv.device)
-                conv.copy_(torch.where(keep[:, None, None], conv, before[0]))
-                recurrent.copy_(torch.where(keep[:, None, None, None], recurrent, before[1]))
-            self.conv.append(conv.clone())
-            self.recurrent.append(recurrent.clone())
-        return torch.cat(outputs, dim=1)
-
-    def _load(self, cache, index: list[int]) -> None:
-        """Row b's state := record index[b] (one row copied per row, never the whole record stack)."""
-        conv, recurrent = self._states(cache)
-        conv.copy_(torch.stack([self.conv[i][b] for b, i in enumerate(index)]))
-        recurrent.copy_(torch.stack([self.recurrent[i][b] for b, i in enumerate(index)]))
-
-    def select(self, cache, index: list[int]) -> None:
-        """Row b's state := record index[b]; then the records are dropped."""
-        if not self.conv:
-            return
-        if self.inputs:
-            self._rerun(cache, index)
-        self._load(cache, index)
-        self.clear()
-
-    def _rerun(self, cache, index: list[int]) -> None:
-        """Restore the state before the blocks and step their inputs again up to the furthest kept position."""
-        conv, recurrent = self._states(cache)
-        conv.copy_(self.conv[0])
-        recurrent.copy_(self.recurrent[0])
-        self.conv, self.recurrent = self.conv[:1], self.recurrent[:1]
-        inputs = torch.cat(self.inputs, dim=1)
-        valid = None if all(v is None for v in self.valids) else torch.cat(
-            [torch.ones(b.shape[:2], dtype=torch.bool, device=b.device) if v is None else v
-             for b, v in zip(self.inputs, self.valids)], dim=1)
-        self.inputs, self.valid = [], None
-        upto = max(index)
-        if upto > 0:
-            self._step(inputs, cache, valid, {}, upto=upto)

@@ -1,9 +1,10 @@
 """The study's target families through the engine (drafters/ragged_state.py): Qwen3-Next, Qwen3.5 and Qwen3.5-MoE
 (gated-DeltaNet hybrids), Gemma 4 (window 16, so every sequence here outgrows it; also with its MoE block and K = V
 global layers, and with E2B / E4B's per-layer inputs and KV-shared tail), gpt-oss (sinks, alternating windows, MoE),
-DeepSeek-V3 (MLA, MoE), and DeepSeek-V3.2 and GLM-5 (MLA whose indexer picks the 8 keys each query reads, under the
-attention mask, so holes and tree nodes are masked as keys), each the `debug:` target built from transformers' own
-classes, in float64.
+DeepSeek-V3 (MLA, MoE), DeepSeek-V3.2 and GLM-5 (MLA whose indexer picks the 8 keys each query reads, under the
+attention mask, so holes and tree nodes are masked as keys), and the Mamba hybrids Nemotron-H, Granite 4.0-H (Mamba-2)
+and Jamba (Mamba-1), whose states the engine records as gated DeltaNet's, each the `debug:` target built from
+transformers' own classes, in float64.
 
 For every family: greedy speculative output == plain greedy through the same engine at batch 1 and 3 (n-gram, a draft
 model, tree verification), the T = 1 sampling law (chi-square, as test_contract.py), native MTP where the checkpoint
@@ -31,7 +32,8 @@ from inference.engine.target import TargetModel
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 GEMMA4 = ["tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma4-e"]
 DSA = ["tiny-deepseek-v3.2", "tiny-glm-5"]  # MLA with an indexer choosing the keys each query reads
-FAMILIES = HYBRIDS + GEMMA4 + ["tiny-gpt-oss", "tiny-deepseek-v3"] + DSA
+MAMBA = ["tiny-nemotron-h", "tiny-granite-4", "tiny-jamba"]  # Mamba layers (a conv and an SSM state) beside attention
+FAMILIES = HYBRIDS + GEMMA4 + ["tiny-gpt-oss", "tiny-deepseek-v3"] + DSA + MAMBA
 MAX_NEW = 24  # with prompts of 7-20 tokens every row ends past Gemma 4's and gpt-oss's window of 16
 
 
@@ -149,7 +151,7 @@ def test_output_equals_transformers_assisted_generation(name):
     assert ours.tokens[0] == reference[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", HYBRIDS + MAMBA)
 def test_hybrid_without_rollback_is_what_transformers_refuses(name):
     """Why the engine records linear states itself: transformers' own assisted generation refuses these targets."""
     target = family_target(name)
@@ -158,14 +160,19 @@ def test_hybrid_without_rollback_is_what_transformers_refuses(name):
                               do_sample=False, max_new_tokens=4)
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
-def test_kv_of_a_linear_attention_layer_is_refused_naming_the_allowed_layers(name):
+@pytest.mark.parametrize("name,refused,allowed", [(name, "[0]", "[1, 3]") for name in HYBRIDS] +
+                         [("tiny-nemotron-h", "[0, 1]", "[2, 5]"),  # a Mamba-2 and a MoE block
+                          ("tiny-granite-4", "[0]", "[1, 3]"), ("tiny-jamba", "[0]", "[1, 3]")])
+def test_kv_of_a_layer_without_kv_is_refused_naming_the_allowed_layers(name, refused, allowed):
     from drafters.assistant import AssistantConfig, AssistantDrafter
 
     target = family_target(name)
     drafter = AssistantDrafter(AssistantConfig(num_layers=2, kv_layers=(0, 1)), target.target_info())
-    with pytest.raises(ValueError, match=r"drafter.kv_layers: target layers \[0\] .* attention layers \[1, 3\]"):
+    with pytest.raises(ValueError) as refusal:
         target.check_request(drafter.feature_request())
+    message = str(refusal.value)
+    assert message.startswith(f"drafter.kv_layers: target layers {refused} of ") and "\n" not in message
+    assert message.endswith(f"(no K/V to read); choose among its attention layers {allowed}")
 
 
 def test_unsupported_family_is_refused_in_one_line():

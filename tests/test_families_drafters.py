@@ -36,12 +36,15 @@ FACTORIES = {  # (target info, its number of layers) -> drafter; ids and widths 
     "mtp": lambda info, n: MTPDrafter(MTPConfig(num_modules=1, reuse=True), info),
     "ngram": lambda info, n: NgramDrafter(NgramConfig(), info),
 }
-KV_LAYERS = {"gemma4_text": ()}  # Gemma 4 layers: the default mapping (last sliding, last global layer)
+KV_LAYERS = {"gemma4_text": (),  # Gemma 4 layers: the default mapping (last sliding, last global layer)
+             "nemotron_h": (2, 5)}  # its attention blocks
 # Cells that are refused when the drafter is built, with the one-line reason (docs/support.md says why).
 REFUSED = {
     ("tiny-deepseek-v3", "assistant"): "MLA cache",  # compressed K/V with decoupled RoPE keys
     ("tiny-deepseek-v3.2", "assistant"): "MLA cache",  # MLA as well, whose keys an indexer selects
     ("tiny-glm-5", "assistant"): "MLA cache",
+    ("tiny-nemotron-h", "mtp"): "no decoder layer class",  # its blocks hold one mixer each (attention has no MLP)
+    ("tiny-jamba", "mtp"): "which the MTP block is built from",  # no rotary embedding class (no positions)
 }
 
 

@@ -12,6 +12,7 @@ import torch
 from drafters.base import FeatureRequest
 from inference.assets.debug_target import DEBUG_TARGETS
 from inference.engine.target import TargetModel
+from inference.engine.target_files import final_norm
 from train.features.cache import FeatureCache, FeatureProvider, cache_meta
 
 LENGTH = 20  # past tiny-gemma4's and tiny-gpt-oss's sliding window of 16
@@ -21,7 +22,7 @@ def reference(model, input_ids, attention_mask) -> list[torch.Tensor]:
     """[N + 1] hidden states by our ids, from transformers alone: hidden_states[k] for k < N, and the final norm's
     input for N (transformers' last entry is after the norm)."""
     seen = {}
-    norm = model.get_decoder().norm
+    norm = final_norm(model.get_decoder())
     handle = norm.register_forward_pre_hook(lambda module, args: seen.__setitem__("pre_norm", args[0]))
     try:
         with torch.no_grad():

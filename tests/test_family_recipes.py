@@ -12,6 +12,7 @@ import json
 import os
 
 import pytest
+from transformers import AutoConfig
 
 from drafters.layer_ids import attention_output_ids, auto_layer_ids, nearest_distinct
 from inference.assets.debug_target import DEBUG_TARGETS
@@ -63,8 +64,11 @@ def test_debug_recipe_trains_on_the_family(recipe, target, chats, tmp_path, caps
     assert header["target"]["name_or_path"].endswith(f"debug-{target}-v2")
     with open(os.path.join(header["target"]["name_or_path"], "config.json")) as f:
         target_config = json.load(f)
+    if "attn_layer_period" in target_config:  # Jamba's config.json derives its layer kinds from periods
+        target_config["layer_types"] = AutoConfig.for_model(**target_config).layer_types
     allowed = attention_output_ids(target_config, header["target"]["num_layers"])
-    assert (allowed is None) == (target not in ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"))
+    assert (allowed is None) == (target not in ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe",
+                                                "tiny-nemotron-h", "tiny-granite-4", "tiny-jamba"))
     if allowed is not None:  # every id a hybrid's drafter reads is a full-attention layer's output
         assert set(header["target_layer_ids"]) <= set(allowed), header["target_layer_ids"]
 

@@ -84,7 +84,8 @@ def family_classes(model_type: str) -> FamilyClasses:
     layer_names = [n for n in getattr(getattr(transformers, name), "_no_split_modules", None) or []
                    if n.endswith("DecoderLayer")]
     if not layer_names:
-        raise ValueError(f"target model_type {model_type!r}: no decoder layer class found in {module.__name__}")
+        raise ValueError(f"target model_type {model_type!r}: no decoder layer class found in {module.__name__} (the "
+                         "MTP block is one of the target's decoder layers); train another drafter kind")
     prefix = layer_names[0].removesuffix("DecoderLayer")
     family = prefix.removesuffix("Text")  # Gemma4TextDecoderLayer beside Gemma4RMSNorm
     names = (layer_names[0], *(next((n for n in (prefix + part, family + part, family + "Text" + part)
@@ -93,7 +94,8 @@ def family_classes(model_type: str) -> FamilyClasses:
     classes = [getattr(module, n, None) for n in names]  # Qwen3.5: Qwen3_5RMSNorm, Qwen3_5TextRotaryEmbedding
     if any(c is None for c in classes):
         raise ValueError(f"target model_type {model_type!r}: {module.__name__} lacks one of {prefix}DecoderLayer, "
-                         f"{prefix}RMSNorm, {prefix}RotaryEmbedding, which the MTP block is built from")
+                         f"{prefix}RMSNorm, {prefix}RotaryEmbedding, which the MTP block is built from; train another "
+                         "drafter kind")
     return FamilyClasses(*classes)
 
 

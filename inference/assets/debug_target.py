@@ -6,13 +6,14 @@ as any other target directory. Weights are seeded, so the same name always gives
 written under a temporary name and renamed into place, so concurrent processes (DDP ranks) never see half of it.
 
 One target per family the study's models belong to, each built from transformers' own config and model classes
-(hidden 64, 3-4 layers, the 260-token vocabulary): Llama; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (hybrids: gated-DeltaNet
+(hidden 64, 3-7 layers, the 260-token vocabulary): Llama; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (hybrids: gated-DeltaNet
 layers with a conv and a recurrent state, and gated full attention); Gemma 4 (sliding window 16 beside global
 layers, so any test sequence outgrows the window); gpt-oss (attention sinks, alternating windows, MoE); DeepSeek-V3
-(MLA and MoE). The Qwen ones also carry one randomly initialised native MTP module in their checkpoint, in the names
-vLLM's Qwen3-Next / Qwen3.5 MTP loaders read (`mtp.fc`, `mtp.pre_fc_norm_{embedding,hidden}`, `mtp.layers.0.*` = a
-full-attention decoder layer of the family, `mtp.norm`; config `mtp_num_hidden_layers: 1`), so `--drafter
-native-mtp` runs on them.
+(MLA and MoE); and beyond the study DeepSeek-V3.2 / GLM-5 (DSA), MiniMax-M3 and the Mamba hybrids Nemotron-H,
+Granite 4.0-H and Jamba. The Qwen ones also carry one randomly initialised native MTP module in their checkpoint, in
+the names vLLM's Qwen3-Next / Qwen3.5 MTP loaders read (`mtp.fc`, `mtp.pre_fc_norm_{embedding,hidden}`,
+`mtp.layers.0.*` = a full-attention decoder layer of the family, `mtp.norm`; config `mtp_num_hidden_layers: 1`), so
+`--drafter native-mtp` runs on them.
 """
 
 from __future__ import annotations
@@ -83,6 +84,24 @@ DEBUG_TARGETS = {
         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
         v_head_dim=16, index_n_heads=16, index_head_dim=16, index_topk=8))
        for name, kind, seed in (("tiny-deepseek-v3.2", "deepseek_v32", 10), ("tiny-glm-5", "glm_moe_dsa", 11))},
+    # Nemotron-H's shape (Nemotron 3 Nano / Super): one mixer per block, Mamba-2 (a conv and an SSM state), routed
+    # MoE, attention without RoPE or a dense MLP
+    "tiny-nemotron-h": dict(model_type="nemotron_h", seed=12, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, head_dim=16, intermediate_size=128, num_hidden_layers=7, mamba_num_heads=4, mamba_head_dim=16,
+        ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, n_group=1, topk_group=1,
+        layer_types=["linear_attention", "moe", "full_attention", "linear_attention", "mlp", "full_attention",
+                     "linear_attention"])),
+    # Granite 4.0-H's shape: Mamba-2 layers and attention layers (no RoPE), each with a routed MoE and a shared MLP
+    "tiny-granite-4": dict(model_type="granitemoehybrid", seed=13, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, intermediate_size=32, num_hidden_layers=4, layer_types=["mamba", "attention"] * 2,
+        mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=8, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64)),
+    # Jamba's shape: Mamba-1 layers (a conv state and a per-channel SSM state) beside attention, MoE every other layer
+    "tiny-jamba": dict(model_type="jamba", seed=14, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, intermediate_size=128, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
+        mamba_d_conv=4, mamba_expand=2)),
     # MiniMax-M3's shape: sparse layers whose indexer keeps 2 key blocks of 8 per query (the nearest one always), so
     # sequences past 24 tokens attend sparsely; dense then routed MoE MLPs.
     "tiny-minimax-m3": dict(model_type="minimax_m3_vl_text", seed=9, logit_scale=8.0, mtp=False, config=dict(

@@ -17,11 +17,11 @@ import torch
 
 from drafters.base import FeatureRequest, TargetInfo
 from drafters.ragged_lm import RaggedLM
-from drafters.ragged_state import FamilyState
+from drafters.ragged_state import FamilyState, config_dict
 from drafters.served import Served
 from inference.assets.store import resolve_target
 from inference.engine.backend import HfBackend, Prepared, Taps
-from inference.engine.target_files import load_head, load_model, load_tokenizer, meta_model
+from inference.engine.target_files import final_norm, load_head, load_model, load_tokenizer, meta_model
 
 LOGIT_CHUNK_VALUES = 1 << 26  # logits `features` holds at once without return_logits: 256 MiB in fp32
 
@@ -111,7 +111,7 @@ class TargetModel:
         self.runner = RaggedLM(model, block_forward=self.prepared.block_forward, family=family)
         decoder = model.get_decoder()
         self.layers = decoder.layers
-        self.final_norm = decoder.norm
+        self.final_norm = final_norm(decoder)
         self.num_layers = len(self.layers)
         self._info: TargetInfo | None = None
 
@@ -229,7 +229,7 @@ class TargetModel:
             rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
             eos_token_ids=eos_ids,
             pad_token_id=getattr(config, "pad_token_id", None),
-            config=config.to_dict(),
+            config=config_dict(config),
             weights=dict(self.model.state_dict(keep_vars=False)),
             unused_token_ids=unused_token_ids(self.tokenizer, self.model.get_output_embeddings().weight.shape[0]),
         )

@@ -145,6 +145,17 @@ def language_model(model):
     return causal.eval()
 
 
+FINAL_NORMS = ("norm", "norm_f", "final_layernorm")  # Llama and most; Nemotron-H; Jamba, Bamba, Zamba2, Falcon-H1
+
+
+def final_norm(decoder):
+    """The decoder's final norm, under the name its family gives it."""
+    for name in FINAL_NORMS:
+        if isinstance(getattr(decoder, name, None), torch.nn.Module):
+            return getattr(decoder, name)
+    raise ValueError(f"target decoder {type(decoder).__name__} has no final norm named one of {FINAL_NORMS}")
+
+
 def checkpoint_key(name: str, weight_map) -> str | None:
     """The key under which a checkpoint stores parameter `name` of the text model: the name itself, or inside a
     vision-language checkpoint's language model, as transformers names it (`model.language_model.` for `model.`:
@@ -170,7 +181,7 @@ def load_head(model, path: str, dtype: torch.dtype, device) -> None:
             weight_map = {key: single for key in f.keys()}
     embed = names[id(model.get_input_embeddings().weight)]
     wanted = {}
-    for module in (model.get_input_embeddings(), model.get_decoder().norm, model.get_output_embeddings()):
+    for module in (model.get_input_embeddings(), final_norm(model.get_decoder()), model.get_output_embeddings()):
         for parameter in module.parameters():
             name = names[id(parameter)]
             key = checkpoint_key(name, weight_map) or checkpoint_key(embed, weight_map)  # tied lm_head: the embeddings
