@@ -92,11 +92,12 @@ def test_prepare_without_vllm_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "f").exists()
 
 
-def test_head_target_holds_only_the_head_and_computes_what_the_full_target_does():
+@pytest.mark.parametrize("name", ["debug:tiny-llama", "debug:tiny-nemotron-h"])  # whose checkpoint says `backbone.`
+def test_head_target_holds_only_the_head_and_computes_what_the_full_target_does(name):
     from inference.assets.store import resolve_target
     from inference.engine.target import TargetModel
 
-    path = resolve_target("debug:tiny-llama")
+    path = resolve_target(name)
     full = TargetModel.from_pretrained(path)
     head = head_target(path, torch.float32, "cpu")
     assert all(p.is_meta for p in head.layers.parameters())

@@ -113,9 +113,9 @@ def served(target, drafter, directory: str, method: str, prompts: list[list[int]
     try:
         theirs = serve_check.vllm_served(target.name_or_path, directory, method, k, prompts, settings.max_new_tokens,
                                          dtype, target.device.type, settings.trust_remote_code)
-    except Exception as err:  # vLLM's refusal of the file is the finding: one line of it, the other rows stand
-        return "fail", f"vLLM (method {method}, k={k}) refused the export: {type(err).__name__}: " + \
-            " ".join(str(err).split())[:400]
+    except Exception as err:  # vLLM's refusal of the file (or of the target) is the finding: one line, the rows stand
+        return "fail", f"vLLM (method {method}, k={k}) did not serve it (the export or the target: read the error): " \
+            f"{type(err).__name__}: " + " ".join(str(err).split())[:400]
     status, detail = serve_check.compare(theirs, mine)
     return status, f"k={k}, " + detail
 

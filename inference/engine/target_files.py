@@ -160,11 +160,16 @@ def checkpoint_key(name: str, weight_map) -> str | None:
     """The key under which a checkpoint stores parameter `name` of the text model: the name itself, or inside a
     vision-language checkpoint's language model, as transformers names it (`model.language_model.` for `model.`:
     Gemma 4, Qwen3.5 / 3.6) or as LLaVA-style releases store it (`language_model.` before the text model's own name:
-    Kimi-K2.5's `language_model.model.embed_tokens.weight` and `language_model.lm_head.weight`)."""
+    Kimi-K2.5's `language_model.model.embed_tokens.weight` and `language_model.lm_head.weight`); or under another
+    prefix for the decoder (Nemotron-H's checkpoints keep `backbone.`, which transformers 5.2x renames `model.` on
+    load): the one key that is the name with its first component replaced."""
     for key in (name, name.replace("model.", "model.language_model.", 1), "language_model." + name):
         if key in weight_map:
             return key
-    return None
+    rest = name.partition(".")[2]
+    others = [key for key in weight_map if key.endswith("." + rest) and key.count(".") == name.count(".")] if rest \
+        else []
+    return others[0] if len(others) == 1 else None
 
 
 def load_head(model, path: str, dtype: torch.dtype, device) -> None:
