@@ -5,14 +5,14 @@ of layer k - 1 (id 0 = the embeddings, id N = the final pre-norm output). `auto`
 field out) is each drafter's published default on an ordinary target.
 
 Hybrid targets (config.layer_types mixes "linear_attention" with "full_attention": Qwen3-Next, Qwen3.5 / 3.6, and the
-Mamba hybrids Nemotron-H, Granite 4.0-H and Jamba: a target's config dict carries them, ragged_state.config_dict) may
-only be read at full-attention layers' outputs: allowed ids are {j + 1 : layer j is full attention} (in SpecForge's
-output-counting convention, the attention layers 3, 7, ..., 47 of Qwen3-Coder-Next, as the thoughtworks EAGLE-3
-card requires). Wrong aux layers are the most common cause of near-zero served acceptance in peers' trackers, so on
-a hybrid `auto` moves every default id to the nearest allowed one (distinct, in order), and an id read from a
-linear-attention layer is refused naming the layer and the allowed ids, unless the config sets
-`allow_linear_attention_ids` (z-lab's published Qwen3.5 / 3.6 DFlash checkpoints read such layers; their readers set
-it, since the checkpoint was trained that way).
+Mamba hybrids Nemotron-H, Granite 4.0-H, Jamba and Zamba2: a target's config dict carries them,
+ragged_state.config_dict) may only be read at attention layers' outputs: allowed ids are {j + 1 : layer j is full
+attention, or `hybrid`, attention beside Mamba} (in SpecForge's output-counting convention, the attention layers 3,
+7, ..., 47 of Qwen3-Coder-Next, as the thoughtworks EAGLE-3 card requires). Wrong aux layers are the most common
+cause of near-zero served acceptance in peers' trackers, so on a hybrid `auto` moves every default id to the nearest
+allowed one (distinct, in order), and an id read from a linear-attention layer is refused naming the layer and the
+allowed ids, unless the config sets `allow_linear_attention_ids` (z-lab's published Qwen3.5 / 3.6 DFlash checkpoints
+read such layers; their readers set it, since the checkpoint was trained that way).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, Iterable, Literal, Mapping
 from drafters.base import text_config_of
 
 AUTO = "auto"
+ATTENTION = ("full_attention", "hybrid")  # the outputs a hybrid's drafter reads (`hybrid`: Falcon-H1's, Zamba2's)
 LayerIds = tuple[int, ...] | Literal["auto"]  # the type of a drafter config's layer_ids field
 
 
@@ -45,7 +46,7 @@ def attention_output_ids(config: Mapping[str, Any], max_id: int) -> list[int] | 
     types = hybrid_layer_types(config)
     if types is None:
         return None
-    return [j + 1 for j, kind in enumerate(types) if kind == "full_attention" and j + 1 <= max_id]
+    return [j + 1 for j, kind in enumerate(types) if kind in ATTENTION and j + 1 <= max_id]
 
 
 def nearest_distinct(targets: Iterable[int], candidates: list[int]) -> tuple[int, ...]:

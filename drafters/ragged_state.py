@@ -18,19 +18,28 @@ The kinds of decoder layer, read from the config's `layer_types` (or `sliding_wi
   state at its accepted count. Slots fed as invalid leave a row's state untouched. "rerun" (the block in one chunked
   call, then the accepted prefix stepped again from a saved state) is kept for the measurement. Tree verification
   steps the nodes in order, each from its parent's state, so every node's state is that of its root-to-node path.
+- attention and a Mamba mixer in one layer (`hybrid`: Falcon-H1's parallel pair, Zamba2's shared attention block
+  before its Mamba-2): transformers' LinearAttentionAndFullAttentionLayer, whose K/V are cropped as full attention's
+  and whose states are recorded as linear attention's.
 - no mixer (Nemotron-H's `moe` and `mlp` blocks): nothing cached, nothing to roll back.
 - slot-anchored sparse attention (MiniMax-M3's `minimax_m3_sparse`): K/V and its indexer's keys per slot, key blocks
   cut by SLOT (taken as the position), so exact in one row's chains only (no holes, no tree nodes); a crop rolls back.
-Other layer types (chunked attention, short convolutions, Falcon-H1's parallel `hybrid`), a linear-attention layer
-whose mixer is neither (no `conv1d` under one of MIXERS), and a batch or tree of a slot-anchored family, are refused
-in one line naming the family and what is missing.
+Other layer types (chunked attention, short convolutions), a stateful layer whose mixer is neither (no `conv1d`
+under one of MIXERS), and a batch or tree of a slot-anchored family, are refused in one line naming the family and
+what is missing.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import CacheLayerMixin, DynamicIndexedLayer, DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import (
+    CacheLayerMixin,
+    DynamicIndexedLayer,
+    DynamicLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionLayer,
+)
 
 from drafters.linear_state import LinearStateRecorder
 
@@ -43,9 +52,13 @@ SLOT_ANCHORED = ("minimax_m3_sparse",)
 MASKED_INDEXERS = ("deepseek_v32", "glm_moe_dsa")  # whose DSA layers were read to pick keys under the mask
 DSA = ("indexed_attention", "deepseek_sparse_attention")  # the DSA layers' name, and transformers 5.17's
 NO_CACHE = ("moe", "mlp")  # Nemotron-H's blocks without a mixer
-KV_TYPES = ("full_attention", "sliding_attention") + DSA + SLOT_ANCHORED  # the layers that cache K/V
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention") + DSA + SLOT_ANCHORED + NO_CACHE
-MIXERS = ("linear_attn", "mamba", "mixer")  # a linear-attention layer's mixer: gated DeltaNet's, Mamba's
+BOTH = ("hybrid",)  # attention and a Mamba mixer in one layer (Falcon-H1's parallel pair, Zamba2's shared block)
+STATEFUL = ("linear_attention",) + BOTH  # the layers with a conv and a recurrent state
+KV_TYPES = ("full_attention", "sliding_attention") + DSA + SLOT_ANCHORED + BOTH  # the layers that cache K/V
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention") + DSA + SLOT_ANCHORED + NO_CACHE \
+    + BOTH
+# a stateful layer's mixer: gated DeltaNet's, Mamba's (Zamba2's hybrid layer holds its Mamba layer's)
+MIXERS = ("linear_attn", "mamba", "mixer", "mamba_decoder.mamba")
 MASKABLE_ATTENTION = ("sdpa", "eager")
 MECHANISMS = ("snapshot", "rerun")
 
@@ -89,6 +102,13 @@ class RoomyLayer(DynamicLayer):
     def reset(self) -> None:
         self.buffers = None
         super().reset()
+
+
+def _attribute(module, dotted: str):
+    """module.a.b for "a.b", or None where a part is missing."""
+    for name in dotted.split("."):
+        module = getattr(module, name, None)
+    return module
 
 
 def layer_types(config) -> list[str]:
@@ -163,14 +183,14 @@ class FamilyState:
         return slice(-keep, None) if keep and records and self.shares_kv else keep
 
     def _install_recorders(self, model, mechanism: str) -> dict[int, LinearStateRecorder]:
-        indices = [i for i, kind in enumerate(self.types) if kind == "linear_attention"]
+        indices = [i for i, kind in enumerate(self.types) if kind in STATEFUL]
         if not indices:
             return {}
         layers = model.get_decoder().layers
         recorders = {}
         for index in indices:
-            mixer = next((getattr(layers[index], name) for name in MIXERS
-                          if hasattr(getattr(layers[index], name, None), "conv1d")), None)
+            mixer = next((m for m in (_attribute(layers[index], name) for name in MIXERS) if hasattr(m, "conv1d")),
+                         None)
             if mixer is None:
                 raise ValueError(f"target family {self.family}: layer {index} is linear attention but has no "
                                  f"gated DeltaNet or Mamba mixer (one of {MIXERS} with a conv1d); missing: a per-row "
@@ -202,7 +222,8 @@ class FamilyState:
         for index, layer in enumerate(cache.layers):
             if type(layer).__name__ == "DynamicSlidingWindowLayer" or type(layer) is DynamicLayer:
                 cache.layers[index] = RoomyLayer()
-            elif type(layer) not in (LinearAttentionLayer, DummyLayer, DynamicIndexedLayer) and \
+            elif type(layer) not in (LinearAttentionLayer, LinearAttentionAndFullAttentionLayer, DummyLayer,
+                                     DynamicIndexedLayer) and \
                     getattr(layer, "_layer_type", None) not in SLOT_ANCHORED:
                 raise ValueError(f"target family {self.family}: cache layer {index} is a {type(layer).__name__}; "
                                  "missing: a per-row rollback of it in the engine")
@@ -212,7 +233,9 @@ class FamilyState:
     def crop(cache: DynamicCache, num_drop: int) -> None:
         """Drop the last num_drop slots of every attention layer (linear layers have no slots)."""
         for layer in cache.layers:
-            if isinstance(layer, CacheLayerMixin):
+            if isinstance(layer, LinearAttentionAndFullAttentionLayer):  # its K/V (its states: keep_states)
+                DynamicLayer.crop(layer, -num_drop)
+            elif isinstance(layer, CacheLayerMixin):
                 layer.crop(-num_drop)
 
     def keep_rows(self, cache: DynamicCache, rows: torch.Tensor) -> None:
@@ -260,7 +283,7 @@ class FamilyState:
         for kind in set(self.types):
             if kind == "sliding_attention":
                 masks[kind] = self.to_kernel(allowed & (distance < self.window))
-            elif kind == "full_attention":
+            elif kind in ("full_attention",) + BOTH:
                 masks[kind] = self.to_kernel(allowed)
             else:  # linear attention reads no mask after the prefill (the recorder skips invalid slots itself)
                 masks[kind] = None

@@ -32,7 +32,8 @@ from inference.engine.target import TargetModel
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 GEMMA4 = ["tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma4-e"]
 DSA = ["tiny-deepseek-v3.2", "tiny-glm-5"]  # MLA with an indexer choosing the keys each query reads
-MAMBA = ["tiny-nemotron-h", "tiny-granite-4", "tiny-jamba"]  # Mamba layers (a conv and an SSM state) beside attention
+# Mamba layers (a conv and an SSM state) beside attention; Falcon-H1's and Zamba2's layers hold both (`hybrid`)
+MAMBA = ["tiny-nemotron-h", "tiny-granite-4", "tiny-jamba", "tiny-falcon-h1", "tiny-zamba2"]
 FAMILIES = HYBRIDS + GEMMA4 + ["tiny-gpt-oss", "tiny-deepseek-v3"] + DSA + MAMBA
 MAX_NEW = 24  # with prompts of 7-20 tokens every row ends past Gemma 4's and gpt-oss's window of 16
 
@@ -162,7 +163,8 @@ def test_hybrid_without_rollback_is_what_transformers_refuses(name):
 
 @pytest.mark.parametrize("name,refused,allowed", [(name, "[0]", "[1, 3]") for name in HYBRIDS] +
                          [("tiny-nemotron-h", "[0, 1]", "[2, 5]"),  # a Mamba-2 and a MoE block
-                          ("tiny-granite-4", "[0]", "[1, 3]"), ("tiny-jamba", "[0]", "[1, 3]")])
+                          ("tiny-granite-4", "[0]", "[1, 3]"), ("tiny-jamba", "[0]", "[1, 3]"),
+                          ("tiny-zamba2", "[0]", "[1]")])  # Zamba2's hybrid layer: Mamba-2 after a shared attention
 def test_kv_of_a_layer_without_kv_is_refused_naming_the_allowed_layers(name, refused, allowed):
     from drafters.assistant import AssistantConfig, AssistantDrafter
 

@@ -37,7 +37,7 @@ FACTORIES = {  # (target info, its number of layers) -> drafter; ids and widths 
     "ngram": lambda info, n: NgramDrafter(NgramConfig(), info),
 }
 KV_LAYERS = {"gemma4_text": (),  # Gemma 4 layers: the default mapping (last sliding, last global layer)
-             "nemotron_h": (2, 5)}  # its attention blocks
+             "nemotron_h": (2, 5), "zamba2": (1, 1)}  # their attention layers
 # Cells that are refused when the drafter is built, with the one-line reason (docs/support.md says why).
 REFUSED = {
     ("tiny-deepseek-v3", "assistant"): "MLA cache",  # compressed K/V with decoupled RoPE keys
@@ -45,6 +45,9 @@ REFUSED = {
     ("tiny-glm-5", "assistant"): "MLA cache",
     ("tiny-nemotron-h", "mtp"): "no decoder layer class",  # its blocks hold one mixer each (attention has no MLP)
     ("tiny-jamba", "mtp"): "which the MTP block is built from",  # no rotary embedding class (no positions)
+    ("tiny-zamba2", "mtp"): "which the MTP block is built from",  # its first decoder layer class is Mamba's
+    ("tiny-falcon-h1", "mtp"): "an MTP block cannot be a full-attention layer",  # every layer holds a Mamba mixer
+    ("tiny-zamba2", "assistant"): "caches 2 KV heads of dim 32",  # its shared attention reads [hidden, embeddings]
 }
 
 

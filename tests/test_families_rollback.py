@@ -25,7 +25,7 @@ from inference.engine.tree.target import tree_extend
 # float32, cast back; Mistral's too). Those families are compared at float32 level, Gemma 4 at float64's.
 FLOAT32_INSIDE = {"tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "mistral",
                   "tiny-deepseek-v3.2", "tiny-glm-5",  # and the DSA indexer's scores
-                  "tiny-nemotron-h", "tiny-granite-4", "tiny-jamba"}  # and Mamba's scans (float32 in theirs)
+                  "tiny-nemotron-h", "tiny-granite-4", "tiny-jamba", "tiny-falcon-h1", "tiny-zamba2"}  # Mamba's scans
 FLOAT64 = dict(rtol=1e-9, atol=1e-11)
 FLOAT32 = dict(rtol=1e-5, atol=1e-6)
 LOGITS_TOLERANCE = dict(rtol=1e-6, atol=1e-6)  # the engine hands logits on in float32 (for float64 families)

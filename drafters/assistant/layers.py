@@ -93,7 +93,8 @@ def resolve_kv_layers(config: AssistantConfig, target_info: TargetInfo) -> tuple
         computing = target_info.num_layers - int(target.get("num_kv_shared_layers") or 0)
         chosen = []
         for kind in types:
-            matches = [i for i in range(computing) if target_types[i] == kind]
+            matches = [i for i in range(computing)  # Falcon-H1's `hybrid` layers: attention beside Mamba-2
+                       if target_types[i] == kind or (kind, target_types[i]) == ("full_attention", "hybrid")]
             if not matches:
                 raise ValueError(f"drafter.kv_layers: the target has no {kind} layer with its own K/V; map the "
                                  "assistant layers explicitly")

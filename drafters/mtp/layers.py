@@ -122,7 +122,11 @@ def block_config(target_info: TargetInfo, num_modules: int):
             values[key] = (list(kinds) + [added or kinds[-1]] * num_modules)[:total]
     # Gemma 4 E2B / E4B: a block computes its own K/V (no KV-shared tail) and takes no per-layer input
     values.update({key: 0 for key in ("num_kv_shared_layers", "hidden_size_per_layer_input") if values.get(key)})
-    config = AutoConfig.for_model(family, **values)
+    try:
+        config = AutoConfig.for_model(family, **values)
+    except AttributeError as err:  # Falcon-H1's layer kinds: a property, every layer attention and Mamba alike
+        raise ValueError(f"target model_type {model_type!r}: an MTP block cannot be a full-attention layer of the "
+                         f"family ({err}); train another drafter kind") from None
     config._attn_implementation = "sdpa"
     config._experts_implementation = "eager"  # MoE blocks: transformers' exact per-expert loop
     return config

@@ -10,10 +10,10 @@ One target per family the study's models belong to, each built from transformers
 layers with a conv and a recurrent state, and gated full attention); Gemma 4 (sliding window 16 beside global
 layers, so any test sequence outgrows the window); gpt-oss (attention sinks, alternating windows, MoE); DeepSeek-V3
 (MLA and MoE); and beyond the study DeepSeek-V3.2 / GLM-5 (DSA), MiniMax-M3 and the Mamba hybrids Nemotron-H,
-Granite 4.0-H and Jamba. The Qwen ones also carry one randomly initialised native MTP module in their checkpoint, in
-the names vLLM's Qwen3-Next / Qwen3.5 MTP loaders read (`mtp.fc`, `mtp.pre_fc_norm_{embedding,hidden}`,
-`mtp.layers.0.*` = a full-attention decoder layer of the family, `mtp.norm`; config `mtp_num_hidden_layers: 1`), so
-`--drafter native-mtp` runs on them.
+Granite 4.0-H, Jamba, Falcon-H1 and Zamba2. The Qwen ones also carry one randomly initialised native MTP module in
+their checkpoint, in the names vLLM's Qwen3-Next / Qwen3.5 MTP loaders read (`mtp.fc`,
+`mtp.pre_fc_norm_{embedding,hidden}`, `mtp.layers.0.*` = a full-attention decoder layer of the family, `mtp.norm`;
+config `mtp_num_hidden_layers: 1`), so `--drafter native-mtp` runs on them.
 """
 
 from __future__ import annotations
@@ -102,6 +102,15 @@ DEBUG_TARGETS = {
         _ATTENTION, intermediate_size=128, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
         expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
         mamba_d_conv=4, mamba_expand=2)),
+    # Falcon-H1's shape: every layer runs attention and a Mamba-2 mixer side by side (`hybrid`: K/V and two states)
+    "tiny-falcon-h1": dict(model_type="falcon_h1", seed=15, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, intermediate_size=128, num_hidden_layers=4, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4,
+        mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=8)),
+    # Zamba2's shape: Mamba-2 layers, and hybrid ones where a shared attention block feeds the layer's Mamba-2
+    "tiny-zamba2": dict(model_type="zamba2", seed=16, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, intermediate_size=128, num_hidden_layers=4, mamba_d_state=16, mamba_headdim=16, n_mamba_heads=8,
+        mamba_ngroups=1, chunk_size=8, num_mem_blocks=1,
+        layers_block_type=["mamba", "hybrid", "mamba", "mamba"])),
     # MiniMax-M3's shape: sparse layers whose indexer keeps 2 key blocks of 8 per query (the nearest one always), so
     # sequences past 24 tokens attend sparsely; dense then routed MoE MLPs.
     "tiny-minimax-m3": dict(model_type="minimax_m3_vl_text", seed=9, logit_scale=8.0, mtp=False, config=dict(
