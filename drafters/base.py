@@ -33,6 +33,14 @@ def text_config_of(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return nested if "hidden_size" not in config and isinstance(nested, Mapping) else config
 
 
+EPS_FIELDS = ("rms_norm_eps", "norm_eps", "layer_norm_epsilon", "layer_norm_eps")  # Llama; LFM2; Nemotron-H; ...
+
+
+def norm_eps(config) -> float:
+    """The epsilon of a (transformers config object's) family's RMSNorm, under the name the family gives it."""
+    return float(next((getattr(config, name) for name in EPS_FIELDS if getattr(config, name, None) is not None), 1e-6))
+
+
 @dataclass(frozen=True)
 class TargetInfo:
     """What a drafter may know about its target. Tensors are shared references, never trained.

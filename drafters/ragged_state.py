@@ -8,7 +8,8 @@ The kinds of decoder layer, read from the config's `layer_types` (or `sliding_wi
 - sliding-window attention (Gemma 4, gpt-oss, Mistral): the cache keeps every slot (a full DynamicLayer instead of
   transformers' window-trimmed one, whose crop cannot go back once a sequence outgrows the window), and the mask
   applies the window by POSITION (query position - key position < window), so a row with holes sees the same keys it
-  would see alone. Such models get a 4-D mask per layer type (sdpa: boolean, eager: additive).
+  would see alone. Such models get a 4-D mask per layer type (sdpa: boolean, eager: additive). Llama 4's chunked
+  attention likewise, the chunk applied by position (query and key in the same `attention_chunk_size` positions).
 - linear attention (gated DeltaNet in Qwen3.5 / Qwen3.6 / Qwen3-Next; Mamba-2 in Nemotron-H, which transformers
   caches the same way): a conv state and a recurrent state with no sequence axis, so no holes: after a verify every
   row needs exactly the state after its accepted tokens. Chosen by measurement (docs/benchmarks.md,
@@ -21,12 +22,15 @@ The kinds of decoder layer, read from the config's `layer_types` (or `sliding_wi
 - attention and a Mamba mixer in one layer (`hybrid`: Falcon-H1's parallel pair, Zamba2's shared attention block
   before its Mamba-2): transformers' LinearAttentionAndFullAttentionLayer, whose K/V are cropped as full attention's
   and whose states are recorded as linear attention's.
+- gated short convolution (LFM2's `conv`): a conv state alone, recorded as linear attention's.
 - no mixer (Nemotron-H's `moe` and `mlp` blocks): nothing cached, nothing to roll back.
 - slot-anchored sparse attention (MiniMax-M3's `minimax_m3_sparse`): K/V and its indexer's keys per slot, key blocks
   cut by SLOT (taken as the position), so exact in one row's chains only (no holes, no tree nodes); a crop rolls back.
-Other layer types (chunked attention, short convolutions), a stateful layer whose mixer is neither (no `conv1d`
-under one of MIXERS), and a batch or tree of a slot-anchored family, are refused in one line naming the family and
-what is missing.
+  Llama 4's NoPE layers too, where transformers computes their query temperature from the slot count
+  (`slot_anchored`).
+Other layer types (DeepSeek-V4's compressed attention), a stateful layer with no such mixer (no Conv1d under one of
+MIXERS), and a batch or tree of a slot-anchored family, are refused in one line naming the family and what is
+missing.
 """
 
 from __future__ import annotations
@@ -53,12 +57,12 @@ MASKED_INDEXERS = ("deepseek_v32", "glm_moe_dsa")  # whose DSA layers were read 
 DSA = ("indexed_attention", "deepseek_sparse_attention")  # the DSA layers' name, and transformers 5.17's
 NO_CACHE = ("moe", "mlp")  # Nemotron-H's blocks without a mixer
 BOTH = ("hybrid",)  # attention and a Mamba mixer in one layer (Falcon-H1's parallel pair, Zamba2's shared block)
-STATEFUL = ("linear_attention",) + BOTH  # the layers with a conv and a recurrent state
-KV_TYPES = ("full_attention", "sliding_attention") + DSA + SLOT_ANCHORED + BOTH  # the layers that cache K/V
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention") + DSA + SLOT_ANCHORED + NO_CACHE \
-    + BOTH
+STATEFUL = ("linear_attention", "conv") + BOTH  # the layers with a conv state (and a recurrent one; LFM2's conv: none)
+WINDOWED = ("sliding_attention", "chunked_attention")  # masked by position: a window (Gemma 4), a chunk (Llama 4)
+KV_TYPES = ("full_attention",) + WINDOWED + DSA + SLOT_ANCHORED + BOTH  # the layers that cache K/V
+SUPPORTED_LAYER_TYPES = ("full_attention",) + WINDOWED + STATEFUL + DSA + SLOT_ANCHORED + NO_CACHE
 # a stateful layer's mixer: gated DeltaNet's, Mamba's (Zamba2's hybrid layer holds its Mamba layer's)
-MIXERS = ("linear_attn", "mamba", "mixer", "mamba_decoder.mamba")
+MIXERS = ("linear_attn", "mamba", "mixer", "mamba_decoder.mamba", "conv")  # LFM2's short convolution: `conv`
 MASKABLE_ATTENTION = ("sdpa", "eager")
 MECHANISMS = ("snapshot", "rerun")
 
@@ -111,6 +115,27 @@ def _attribute(module, dotted: str):
     return module
 
 
+def decoder_of(model):
+    """The causal LM's decoder, the module holding `.layers`: what `get_decoder()` returns, followed further where that
+    is a causal LM again (a vision-language model's `language_model`) or the model itself (Llama 4's text model, whose
+    base_model_prefix names no attribute: its `.model`)."""
+    module = model
+    for _ in range(4):
+        if hasattr(module, "layers"):
+            return module
+        inner = module.get_decoder() if hasattr(module, "get_decoder") else None
+        module = inner if inner is not None and inner is not module else getattr(module, "model", None)
+        if module is None:
+            break
+    raise ValueError(f"target {type(model).__name__}: no decoder holding `layers` found through get_decoder(); load a "
+                     "causal LM whose decoder holds its layers")
+
+
+def _convolves(mixer) -> bool:
+    """A stateful mixer: one with a causal Conv1d (`conv1d`; LFM2's short convolution names it `conv`)."""
+    return any(isinstance(getattr(mixer, name, None), torch.nn.Conv1d) for name in ("conv1d", "conv"))
+
+
 def layer_types(config) -> list[str]:
     """The decoder's layer types; configs without `layer_types` are all full or all sliding-window attention."""
     types = getattr(config, "layer_types", None)
@@ -137,12 +162,23 @@ def unsupported_layer_types(config) -> list[str]:
     return sorted(set(layer_types(config)) - supported)
 
 
-def one_row_refusal(config, what: str) -> str | None:
-    """Why text config `config` cannot decode `what` (a batch of rows, a tree), or None: its slot-anchored layers."""
+def slot_anchored(config) -> str | None:
+    """What of text config `config` reads the cache slot as the position (so holes and tree nodes would move it), or
+    None: MiniMax-M3's sparse layers, and Llama 4's NoPE layers under attention temperature tuning (transformers
+    scales their queries by the slot count of the cache, where vLLM reads the position)."""
     anchored = sorted(set(layer_types(config)) & set(SLOT_ANCHORED))
-    return None if not anchored else (f"target family {config.model_type} decodes one row at a time in chains: its "
-                                      f"{anchored} layers' indexer cuts key blocks by cache slot, which {what} would "
-                                      "move off the token's position")
+    if anchored:
+        return f"its {anchored} layers' indexer cuts key blocks by cache slot"
+    if getattr(config, "attn_temperature_tuning", False) and 0 in (getattr(config, "no_rope_layers", None) or ()):
+        return "its NoPE layers' attention temperature is computed from the cache slot (transformers' Llama 4)"
+    return None
+
+
+def one_row_refusal(config, what: str) -> str | None:
+    """Why text config `config` cannot decode `what` (a batch of rows, a tree), or None (`slot_anchored`)."""
+    reason = slot_anchored(config)
+    return None if reason is None else (f"target family {config.model_type} decodes one row at a time in chains: "
+                                        f"{reason}, which {what} would move off the token's position")
 
 
 class FamilyState:
@@ -162,13 +198,17 @@ class FamilyState:
                              f"{', '.join(MASKED_INDEXERS)} only; missing: a per-row rollback of their cache)")
         if mechanism not in MECHANISMS:
             raise ValueError(f"linear-attention rollback mechanism must be one of {MECHANISMS}, got {mechanism!r}")
-        self.anchored = bool(set(self.types) & set(SLOT_ANCHORED))  # one row in chains: see `one_row_refusal`
+        self.anchored = slot_anchored(config) is not None  # one row in chains: see `one_row_refusal`
         self.window = getattr(config, "sliding_window", None)
-        self.windowed = "sliding_attention" in self.types
+        self.chunk = getattr(config, "attention_chunk_size", None)
+        self.windowed = bool(set(self.types) & set(WINDOWED))
+        if "chunked_attention" in self.types and not self.chunk:
+            raise ValueError(f"target family {self.family}: chunked_attention layers without attention_chunk_size in "
+                             "its config; missing: the chunk to mask by")
         self.kernel = getattr(config, "_attn_implementation", None) or "eager"
         if self.windowed and self.kernel not in MASKABLE_ATTENTION:
-            raise ValueError(f"target family {self.family}: sliding-window layers need attn_implementation in "
-                             f"{MASKABLE_ATTENTION} (the engine passes position-windowed 4-D masks); the target uses "
+            raise ValueError(f"target family {self.family}: sliding-window or chunked layers need attn_implementation "
+                             f"in {MASKABLE_ATTENTION} (the engine passes position-masked 4-D masks); the target uses "
                              f"{self.kernel!r}: load it with attn_implementation='sdpa'")
         self.recorders = self._install_recorders(model, mechanism)
         self.dtype = model.dtype
@@ -186,15 +226,14 @@ class FamilyState:
         indices = [i for i, kind in enumerate(self.types) if kind in STATEFUL]
         if not indices:
             return {}
-        layers = model.get_decoder().layers
+        layers = decoder_of(model).layers
         recorders = {}
         for index in indices:
-            mixer = next((m for m in (_attribute(layers[index], name) for name in MIXERS) if hasattr(m, "conv1d")),
-                         None)
+            mixer = next((m for m in (_attribute(layers[index], name) for name in MIXERS) if _convolves(m)), None)
             if mixer is None:
-                raise ValueError(f"target family {self.family}: layer {index} is linear attention but has no "
-                                 f"gated DeltaNet or Mamba mixer (one of {MIXERS} with a conv1d); missing: a per-row "
-                                 "rollback of its state")
+                raise ValueError(f"target family {self.family}: layer {index} holds a state but has no gated "
+                                 f"DeltaNet, Mamba or short-convolution mixer (one of {MIXERS} with a Conv1d); "
+                                 "missing: a per-row rollback of its state")
             existing = getattr(mixer, "_draftsmith_recorder", None)
             recorders[index] = existing if existing is not None else LinearStateRecorder(mixer, index)
             recorders[index].mechanism = mechanism
@@ -260,7 +299,7 @@ class FamilyState:
         own = torch.zeros_like(allowed)  # every query sees its own slot (a padding query would see nothing)
         own[:, :, -num_new:] = torch.eye(num_new, dtype=torch.bool, device=own.device)
         allowed = allowed | own
-        return self._per_type(allowed, position_ids[:, :, None] - key_pos[:, None, :])
+        return self._per_type(allowed, position_ids, key_pos)
 
     def tree_attention_mask(self, slot_mask: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor):
         """The mask of a tree forward: node i sees the row's valid slots and its ancestors (ancestors [B, N, N] bool,
@@ -275,14 +314,19 @@ class FamilyState:
         lengths = valid.long().sum(-1, keepdim=True)
         key_pos = torch.cat([valid.long().cumsum(-1) - 1, lengths + depth.to(valid.device)], dim=-1)  # [B, L + N]
         query_pos = lengths + depth.to(valid.device)  # [B, N]
-        return self._per_type(allowed, query_pos[:, :, None] - key_pos[:, None, :])
+        return self._per_type(allowed, query_pos, key_pos)
 
-    def _per_type(self, allowed: torch.Tensor, distance: torch.Tensor):
-        """{layer type: mask}; one tensor when every layer has the same type (Mistral's forward takes no dict)."""
+    def _per_type(self, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor):
+        """{layer type: mask} from `allowed` [B, S, L] and the positions of the queries [B, S] and keys [B, L]: a
+        window keeps the keys less than `window` positions back, a chunk those in the query's chunk of positions; one
+        tensor when every layer has the same type (Mistral's forward takes no dict)."""
         masks = {}
         for kind in set(self.types):
             if kind == "sliding_attention":
-                masks[kind] = self.to_kernel(allowed & (distance < self.window))
+                masks[kind] = self.to_kernel(allowed & (query_pos[:, :, None] - key_pos[:, None, :] < self.window))
+            elif kind == "chunked_attention":
+                same = (query_pos // self.chunk)[:, :, None] == (key_pos // self.chunk)[:, None, :]
+                masks[kind] = self.to_kernel(allowed & same)
             elif kind in ("full_attention",) + BOTH:
                 masks[kind] = self.to_kernel(allowed)
             else:  # linear attention reads no mask after the prefill (the recorder skips invalid slots itself)

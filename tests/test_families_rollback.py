@@ -25,7 +25,8 @@ from inference.engine.tree.target import tree_extend
 # float32, cast back; Mistral's too). Those families are compared at float32 level, Gemma 4 at float64's.
 FLOAT32_INSIDE = {"tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "mistral",
                   "tiny-deepseek-v3.2", "tiny-glm-5",  # and the DSA indexer's scores
-                  "tiny-nemotron-h", "tiny-granite-4", "tiny-jamba", "tiny-falcon-h1", "tiny-zamba2"}  # Mamba's scans
+                  "tiny-nemotron-h", "tiny-granite-4", "tiny-jamba", "tiny-falcon-h1", "tiny-zamba2",  # Mamba's scans
+                  "tiny-lfm2", "tiny-llama4-chunked"}  # and Llama 4's RMSNorm
 FLOAT64 = dict(rtol=1e-9, atol=1e-11)
 FLOAT32 = dict(rtol=1e-5, atol=1e-6)
 LOGITS_TOLERANCE = dict(rtol=1e-6, atol=1e-6)  # the engine hands logits on in float32 (for float64 families)
@@ -41,8 +42,9 @@ def row_state(runner: RaggedLM, row: int) -> list:
         if isinstance(layer, LinearAttentionLayer):
             if layer.conv_states[0] is None:  # transformers 5.17's place for a block without a mixer (Nemotron-H)
                 continue
-            # cloned: the cache updates these in place
-            state.append((layer.conv_states[0][row].clone(), layer.recurrent_states[0][row].clone()))
+            # cloned: the cache updates these in place (a short convolution, LFM2's, has no recurrent state)
+            state.append(tuple(s[row].clone() for s in (layer.conv_states[0], layer.recurrent_states[0])
+                               if s is not None))
         elif getattr(layer, "keys", None) is not None:
             state.append((layer.keys[row][:, valid], layer.values[row][:, valid]))
             if getattr(layer, "indexer_keys", None) is not None:  # DSA: the indexer's own key cache [B, L, d]

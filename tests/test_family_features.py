@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from drafters.base import FeatureRequest
+from drafters.ragged_state import decoder_of
 from inference.assets.debug_target import DEBUG_TARGETS
 from inference.engine.target import TargetModel
 from inference.engine.target_files import final_norm
@@ -22,7 +23,7 @@ def reference(model, input_ids, attention_mask) -> list[torch.Tensor]:
     """[N + 1] hidden states by our ids, from transformers alone: hidden_states[k] for k < N, and the final norm's
     input for N (transformers' last entry is after the norm)."""
     seen = {}
-    norm = final_norm(model.get_decoder())
+    norm = final_norm(decoder_of(model))
     handle = norm.register_forward_pre_hook(lambda module, args: seen.__setitem__("pre_norm", args[0]))
     try:
         with torch.no_grad():

@@ -94,8 +94,8 @@ def test_unsupported_models_keep_the_hf_path(cpu_backend):
 
 def test_an_unsupported_family_is_refused_before_the_backend_touches_the_model(cpu_backend):
     model = make_tiny_model("llama", dtype=torch.float32)
-    model.config.layer_types = ["full_attention", "chunked_attention"]
-    with pytest.raises(ValueError, match="layer types .*chunked_attention"):
+    model.config.layer_types = ["full_attention", "heavily_compressed_attention"]  # DeepSeek-V4's
+    with pytest.raises(ValueError, match="layer types .*heavily_compressed_attention"):
         TargetModel(model, backend=cpu_backend)
     assert any(type(module) is nn.Linear for module in model.modules())  # no kernel chosen, nothing swapped
 

@@ -1,6 +1,7 @@
-"""MiniMax-M3 through the engine (drafters/ragged_state.py, slot-anchored layers). Its `minimax_m3_sparse` layers'
-indexer keeps, per query, 2 key blocks of 8 (the nearest always) cut by cache SLOT, so `debug:tiny-minimax-m3`
-attends sparsely past 16 tokens, and the engine decodes it exactly where slots are positions: one row, in chains.
+"""MiniMax-M3 and Llama 4 through the engine (drafters/ragged_state.py, slot-anchored layers). MiniMax-M3's
+`minimax_m3_sparse` layers' indexer keeps, per query, 2 key blocks of 8 (the nearest always) cut by cache SLOT, so
+`debug:tiny-minimax-m3` attends sparsely past 16 tokens, and the engine decodes it exactly where slots are positions:
+one row, in chains.
 
 - the tiny target is sparse at these lengths (its logits differ from the same weights reading every block);
 - greedy speculative decoding (n-gram, a noisy draft model) == plain greedy through the engine == transformers' own
@@ -13,6 +14,9 @@ attends sparsely past 16 tokens, and the engine decodes it exactly where slots a
   a batch size; calibrate's temperatures do not depend on one, so its batches run row by row, and it writes its
   report).
 float64 except where the model computes in float32 (its RMSNorm and the indexer's scores), hence FLOAT32 tolerances.
+Llama 4 (`debug:tiny-llama4`: chunks of 8 positions, NoPE layers whose query temperature transformers computes from
+the cache slot count, stepping every 4 tokens) runs the greedy, every-kind and refusal tests; its chunked attention
+in batches and trees, temperature tuning off, is tests/test_families.py's `tiny-llama4-chunked`.
 """
 
 from __future__ import annotations
@@ -32,11 +36,15 @@ from inference.engine.target import TargetModel
 from train.cli import main as cli
 
 NAME = "tiny-minimax-m3"  # prompts of 7-20 tokens and MAX_NEW 24: rows end at 31-44 tokens, up to 6 blocks of 8
-REFUSAL = "target family minimax_m3_vl_text decodes one row at a time in chains"
+# and Llama 4, whose NoPE layers' attention temperature reads the cache slot (floor_scale 4: it steps every 4 tokens)
+ONE_ROW = [NAME, "tiny-llama4"]
+REFUSALS = {NAME: "target family minimax_m3_vl_text decodes one row at a time in chains",
+            "tiny-llama4": "target family llama4_text decodes one row at a time in chains"}
+REFUSAL = REFUSALS[NAME]
 
 
-def target() -> TargetModel:
-    return family_target(NAME)
+def target(name: str = NAME) -> TargetModel:
+    return family_target(name)
 
 
 def test_the_tiny_target_attends_sparsely():
@@ -50,17 +58,18 @@ def test_the_tiny_target_attends_sparsely():
     assert (sparse_logits[24:] - dense_logits[24:]).abs().amax(-1).min() > 1e-3
 
 
-def test_greedy_speculative_equals_plain_greedy_and_transformers():
-    reference = [target().model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+@pytest.mark.parametrize("name", ONE_ROW)
+def test_greedy_speculative_equals_plain_greedy_and_transformers(name):
+    reference = [target(name).model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
                                          do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
                  for p in prompts()]
-    assert plain_greedy(NAME) == reference
-    ngram = NgramDrafter(NgramDrafter.Config(), target().target_info())
-    drafter = draft_model(target(), NAME)
+    assert plain_greedy(name) == reference
+    ngram = NgramDrafter(NgramDrafter.Config(), target(name).target_info())
+    drafter = draft_model(target(name), name)
     accepted = rejected = 0
-    for prompt, plain in zip(prompts(), plain_greedy(NAME)):
+    for prompt, plain in zip(prompts(), plain_greedy(name)):
         for each in (ngram, drafter):
-            out = speculative_generate(target(), each, [prompt], num_draft_tokens=3, max_new_tokens=MAX_NEW,
+            out = speculative_generate(target(name), each, [prompt], num_draft_tokens=3, max_new_tokens=MAX_NEW,
                                        eos_token_ids=[])
             assert out.tokens == [plain], type(each).__name__
             if each is drafter:
@@ -69,14 +78,15 @@ def test_greedy_speculative_equals_plain_greedy_and_transformers():
     assert accepted > 0 and rejected > 0, (accepted, rejected)
 
 
+@pytest.mark.parametrize("name", ONE_ROW)
 @pytest.mark.parametrize("kind", sorted(FACTORIES) + ["draft_model"])
-def test_every_kind_is_lossless_row_by_row(kind):
+def test_every_kind_is_lossless_row_by_row(kind, name):
     """Every drafter kind (untrained, as tests/test_families_drafters.py builds them) in chains of 2 over the three
     prompts given as one batch: plain greedy's tokens."""
-    family, drafter = build(kind, NAME)
+    family, drafter = build(kind, name)
     out = speculative_generate(family, drafter, prompts(), num_draft_tokens=2, max_new_tokens=MAX_NEW,
                                eos_token_ids=[])
-    assert out.tokens == plain_greedy(NAME)
+    assert out.tokens == plain_greedy(name)
 
 
 def cache_state(runner: RaggedLM) -> list[torch.Tensor]:
@@ -128,16 +138,17 @@ def test_sampling_law_row_by_row():
     assert_sampling_law(NAME, vocab=4, rows=800, prompt=[1, 3, 2, 0, 2], timed=False)
 
 
-def test_a_batch_forward_padding_and_trees_are_refused_in_one_line():
-    runner = RaggedLM(target().model)
+@pytest.mark.parametrize("name", ONE_ROW)
+def test_a_batch_forward_padding_and_trees_are_refused_in_one_line(name):
+    runner = RaggedLM(target(name).model)
     for input_ids, valid in ((torch.tensor([[5, 6, 7], [8, 9, 10]]), None),
                              (torch.tensor([[0, 6, 7]]), torch.tensor([[False, True, True]]))):
         with pytest.raises(ValueError) as error:
             runner.extend(input_ids, valid)
-        assert str(error.value).startswith(REFUSAL) and "\n" not in str(error.value)
-    ngram = NgramDrafter(NgramDrafter.Config(), target().target_info())
-    with pytest.raises(ValueError, match=REFUSAL + r".*a tree's nodes"):
-        tree_speculative_generate(target(), ngram, prompts()[:1], tree_budget=4, max_new_tokens=8, eos_token_ids=[])
+        assert str(error.value).startswith(REFUSALS[name]) and "\n" not in str(error.value)
+    ngram = NgramDrafter(NgramDrafter.Config(), target(name).target_info())
+    with pytest.raises(ValueError, match=REFUSALS[name] + r".*a tree's nodes"):
+        tree_speculative_generate(target(name), ngram, prompts()[:1], tree_budget=4, max_new_tokens=8, eos_token_ids=[])
 
 
 @pytest.mark.parametrize("argv,flag", [

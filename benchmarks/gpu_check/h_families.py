@@ -2,7 +2,8 @@
 Qwen3.5 and Qwen3.5-MoE with gated DeltaNet, whose states the engine records and rolls back itself; Gemma 4 with and
 without its MoE block and with E2B / E4B's KV-shared tail, windows of 16 applied by position in 4-D masks; gpt-oss
 with sinks; DeepSeek-V3 with MLA), Nemotron-H (Mamba-2 layers, recorded like gated DeltaNet, beside attention and
-MoE blocks) and Falcon-H1 (attention and Mamba-2 side by side in every layer). Three prompts of 7-20 tokens and 24 new ones, so every row outgrows the windows:
+MoE blocks), Falcon-H1 (attention and Mamba-2 side by side in every layer) and Llama 4's chunked attention (chunks
+of 8 applied by position). Three prompts of 7-20 tokens and 24 new ones, so every row outgrows the windows:
 plain greedy through the engine at batch 3 against HF `generate`; a draft model of the family (the target with noisy
 weights, so drafts are accepted and rejected) in chains of 3 at batch 3 and in a tree of 5 nodes, against plain
 greedy. Every divergence must be a near-tie of the target's logits (inference/evaluation/lossless.py); the CPU tests
@@ -19,7 +20,7 @@ from benchmarks.gpu_check.context import CheckFailed, Context, each_case
 from benchmarks.gpu_check.d_lossless import gaps, hf_greedy
 
 FAMILIES = ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma4-e",
-            "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-nemotron-h", "tiny-falcon-h1")
+            "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-nemotron-h", "tiny-falcon-h1", "tiny-llama4-chunked")
 NEW_TOKENS = 24  # past the windows of 16
 NUM_DRAFTS, TREE_BUDGET = 3, 5
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import TargetInfo
+from drafters.base import TargetInfo, norm_eps
 from drafters.layers import per_layer_overrides
 from drafters.mtp.config import MTPConfig
 
@@ -115,8 +115,9 @@ def block_config(target_info: TargetInfo, num_modules: int):
         per_layer = {**(values.get("per_layer_config") or {}), **per_layer_overrides(values, added, len(layer_types))}
         values.update(layer_types=(list(layer_types) + added)[:total], num_hidden_layers=total,
                       **({"per_layer_config": per_layer} if per_layer else {}))
-    # per-layer MLP kinds (MiniMax-M3: the blocks' as the last layer's) and GLM-5's indexer modes (a block runs its own)
-    for key, added in (("mlp_layer_types", None), ("indexer_types", "full")):
+    # per-layer MLP kinds (MiniMax-M3: the blocks' as the last layer's), GLM-5's indexer modes (a block runs its own)
+    # and Llama 4's RoPE flags (a block rotates: no NoPE query temperature, which reads the cache slot)
+    for key, added in (("mlp_layer_types", None), ("indexer_types", "full"), ("no_rope_layers", 1)):
         kinds = values.get(key)
         if isinstance(kinds, (list, tuple)):
             values[key] = (list(kinds) + [added or kinds[-1]] * num_modules)[:total]
@@ -141,7 +142,7 @@ class MTPModule(nn.Module):
 
     def __init__(self, config, layer_index: int, classes: FamilyClasses, embedding_first: bool):
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
+        hidden, eps = config.hidden_size, norm_eps(config)
         self.embedding_first = embedding_first
         self.enorm = classes.norm(hidden, eps)
         self.hnorm = classes.norm(hidden, eps)

@@ -9,11 +9,11 @@ One target per family the study's models belong to, each built from transformers
 (hidden 64, 3-7 layers, the 260-token vocabulary): Llama; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (hybrids: gated-DeltaNet
 layers with a conv and a recurrent state, and gated full attention); Gemma 4 (sliding window 16 beside global
 layers, so any test sequence outgrows the window); gpt-oss (attention sinks, alternating windows, MoE); DeepSeek-V3
-(MLA and MoE); and beyond the study DeepSeek-V3.2 / GLM-5 (DSA), MiniMax-M3 and the Mamba hybrids Nemotron-H,
-Granite 4.0-H, Jamba, Falcon-H1 and Zamba2. The Qwen ones also carry one randomly initialised native MTP module in
-their checkpoint, in the names vLLM's Qwen3-Next / Qwen3.5 MTP loaders read (`mtp.fc`,
-`mtp.pre_fc_norm_{embedding,hidden}`, `mtp.layers.0.*` = a full-attention decoder layer of the family, `mtp.norm`;
-config `mtp_num_hidden_layers: 1`), so `--drafter native-mtp` runs on them.
+(MLA and MoE); and beyond the study DeepSeek-V3.2 / GLM-5 (DSA), MiniMax-M3, the Mamba hybrids Nemotron-H,
+Granite 4.0-H, Jamba, Falcon-H1 and Zamba2, LFM2's short convolutions and Llama 4's chunked attention. The Qwen ones
+also carry one randomly initialised native MTP module in their checkpoint, in the names vLLM's Qwen3-Next / Qwen3.5
+MTP loaders read (`mtp.fc`, `mtp.pre_fc_norm_{embedding,hidden}`, `mtp.layers.0.*` = a full-attention decoder layer
+of the family, `mtp.norm`; config `mtp_num_hidden_layers: 1`), so `--drafter native-mtp` runs on them.
 """
 
 from __future__ import annotations
@@ -111,6 +111,18 @@ DEBUG_TARGETS = {
         _ATTENTION, intermediate_size=128, num_hidden_layers=4, mamba_d_state=16, mamba_headdim=16, n_mamba_heads=8,
         mamba_ngroups=1, chunk_size=8, num_mem_blocks=1,
         layers_block_type=["mamba", "hybrid", "mamba", "mamba"])),
+    # LFM2's shape: gated short convolutions (a conv state alone) beside attention
+    "tiny-lfm2": dict(model_type="lfm2", seed=17, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, intermediate_size=128, num_hidden_layers=4, conv_L_cache=3, block_ff_dim=128,
+        block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention"] * 2)),
+    # Llama 4's shape: chunked attention (chunks of 8 positions: every test sequence crosses them) with RoPE, full
+    # attention without it (NoPE) every other layer, whose query temperature steps every floor_scale tokens of the
+    # cache (decoded one row at a time), MoE every other layer; and the same with the temperature tuning off
+    **{name: dict(model_type="llama4_text", seed=18, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, head_dim=16, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=4,
+        num_local_experts=2, num_experts_per_tok=1, attention_chunk_size=8, no_rope_layer_interval=2,
+        interleave_moe_layer_step=2, floor_scale=4, attn_temperature_tuning=tuned))
+       for name, tuned in (("tiny-llama4", True), ("tiny-llama4-chunked", False))},
     # MiniMax-M3's shape: sparse layers whose indexer keeps 2 key blocks of 8 per query (the nearest one always), so
     # sequences past 24 tokens attend sparsely; dense then routed MoE MLPs.
     "tiny-minimax-m3": dict(model_type="minimax_m3_vl_text", seed=9, logit_scale=8.0, mtp=False, config=dict(

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters.base import FeatureRequest, TargetInfo
+from drafters.base import FeatureRequest, TargetInfo, norm_eps
 from drafters.ragged_lm import RaggedLM
-from drafters.ragged_state import FamilyState, config_dict
+from drafters.ragged_state import FamilyState, config_dict, decoder_of
 from drafters.served import Served
 from inference.assets.store import resolve_target
 from inference.engine.backend import HfBackend, Prepared, Taps
@@ -100,7 +100,7 @@ class TargetModel:
         self.placement = placement
         # first: it refuses a family the engine cannot roll back, in one line, where the decoder can run at all (not
         # for the head-only placements and config-only plans, whose layers stay on the meta device)
-        family = FamilyState(model, decodes=not any(p.is_meta for p in model.get_decoder().layers.parameters()))
+        family = FamilyState(model, decodes=not any(p.is_meta for p in decoder_of(model).layers.parameters()))
         self.one_row = family.anchored  # decoded one row at a time, in chains (ragged_state.one_row_refusal)
         self.model = model.eval()
         for parameter in self.model.parameters():
@@ -109,7 +109,7 @@ class TargetModel:
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "")
         self.runner = RaggedLM(model, block_forward=self.prepared.block_forward, family=family)
-        decoder = model.get_decoder()
+        decoder = decoder_of(model)
         self.layers = decoder.layers
         self.final_norm = final_norm(decoder)
         self.num_layers = len(self.layers)
@@ -226,7 +226,7 @@ class TargetModel:
             embed_weight=self.model.get_input_embeddings().weight,
             lm_head_weight=self.model.get_output_embeddings().weight,
             final_norm_weight=getattr(self.final_norm, "weight", None),
-            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+            rms_norm_eps=norm_eps(config),
             eos_token_ids=eos_ids,
             pad_token_id=getattr(config, "pad_token_id", None),
             config=config_dict(config),

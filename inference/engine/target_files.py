@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from drafters.ragged_state import one_row_refusal
+from drafters.ragged_state import decoder_of, one_row_refusal
 
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")  # one file, or the index of its shards
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")  # what a model directory keeps its weights in, any layout
@@ -133,7 +133,8 @@ def language_model(model):
         return model
     with torch.device("meta"):
         causal = AutoModelForCausalLM.from_config(text, dtype=model.dtype)
-    setattr(causal, causal.base_model_prefix, model.get_decoder())
+    inner = decoder_of(causal)  # its attribute (Llama 4's text model: `model`, whatever its base_model_prefix says)
+    setattr(causal, next(name for name, child in causal.named_children() if child is inner), decoder_of(model))
     causal.set_output_embeddings(model.get_output_embeddings())
     unset = [name for name, tensor in (*causal.named_parameters(), *causal.named_buffers()) if tensor.is_meta]
     if unset and not next(model.parameters()).is_meta:
@@ -145,7 +146,8 @@ def language_model(model):
     return causal.eval()
 
 
-FINAL_NORMS = ("norm", "norm_f", "final_layernorm")  # Llama and most; Nemotron-H; Jamba, Bamba, Zamba2, Falcon-H1
+# Llama and most; Nemotron-H; Jamba, Bamba, Zamba2, Falcon-H1; LFM2 (applied after its last layer, despite the name)
+FINAL_NORMS = ("norm", "norm_f", "final_layernorm", "embedding_norm")
 
 
 def final_norm(decoder):
@@ -186,7 +188,7 @@ def load_head(model, path: str, dtype: torch.dtype, device) -> None:
             weight_map = {key: single for key in f.keys()}
     embed = names[id(model.get_input_embeddings().weight)]
     wanted = {}
-    for module in (model.get_input_embeddings(), final_norm(model.get_decoder()), model.get_output_embeddings()):
+    for module in (model.get_input_embeddings(), final_norm(decoder_of(model)), model.get_output_embeddings()):
         for parameter in module.parameters():
             name = names[id(parameter)]
             key = checkpoint_key(name, weight_map) or checkpoint_key(embed, weight_map)  # tied lm_head: the embeddings
