@@ -3,7 +3,8 @@ checkpoint, here with one sparse layer in three (an indexer choosing key blocks 
 transformers' own MiniMax-M3 classes. Its drafter trains from vLLM's features with the trainer holding the head alone
 (`target.placement: served`), is planned from config.json (`estimate --config-only`) and exported with the head read
 out of the release's safetensors; the engine decodes the release one row at a time (tests/test_one_row_families.py).
-Before, every command refused it at its first load.
+Before, every command refused it at its first load. DeepSeek-V4, whose compressed attention the engine does not
+decode, is planned for the served placement alone, exported from its head, and refused by `eval` in one line.
 """
 
 from __future__ import annotations
@@ -99,3 +100,37 @@ def test_a_drafter_is_planned_and_exported_from_the_head(minimax_m3, tmp_path, c
     with open(os.path.join(out, "config.json")) as f:
         exported = json.load(f)
     assert exported["speculators_config"]["verifier"]["architectures"] == ["MiniMaxM3SparseForConditionalGeneration"]
+
+
+def test_a_family_the_engine_cannot_decode_is_planned_served_and_exported(tmp_path, capsys):
+    """DeepSeek-V4 (compressed attention, which the engine does not roll back; vLLM 0.32 registers it): its drafter
+    is planned for `target.placement: served` alone, its head is read with the decoder left on the meta device, and a
+    drafter for it exports naming its architecture, while `eval` refuses the target in one line."""
+    from test_families import tiny_deepseek_v4
+    from transformers import AutoModelForCausalLM
+
+    from drafters import DRAFTERS
+    from train.config import load_recipe
+
+    released = str(tmp_path / "released")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_deepseek_v4(vocab_size=260, eos_token_id=257)).save_pretrained(released)
+    source = resolve_debug_target("debug:tiny-llama")
+    for path in glob.glob(os.path.join(source, "tok*")) + glob.glob(os.path.join(source, "chat*")):
+        shutil.copy(path, released)
+    recipe = os.path.join(ROOT, "recipes", "debug", "tiny_eagle3.yaml")
+    overrides = [f"target.name_or_path={released}", "drafter.layer_ids=[1,2]"]
+    assert cli(["estimate", recipe, *overrides, "--config-only"]) == 0
+    planned = capsys.readouterr().out.splitlines()
+    assert "  (its heavily_compressed_attention layers run in vLLM only: target.placement served)" in planned
+    assert planned[-1].endswith("target.placement: served")
+    head = head_target(released, torch.float32, "cpu")
+    assert all(p.is_meta for p in head.layers.parameters()) and not head.final_norm.weight.is_meta
+    native, out = str(tmp_path / "drafter"), str(tmp_path / "speculators")
+    DRAFTERS["eagle3"](load_recipe(recipe, overrides[1:]).drafter, head.target_info()).save(native)
+    assert cli(["export", native, "--format", "speculators", "--out", out, "--target", released]) == 0
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["speculators_config"]["verifier"]["architectures"] == ["DeepseekV4ForCausalLM"]
+    assert cli(["eval", "--target", released, "--drafter", "ngram", "--num-prompts", "1"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and "layer types ['heavily_compressed_attention'] are not supported" in errors[0]
