@@ -10,15 +10,16 @@ The kinds of decoder layer, read from the config's `layer_types` (or `sliding_wi
   applies the window by POSITION (query position - key position < window), so a row with holes sees the same keys it
   would see alone. Such models get a 4-D mask per layer type (sdpa: boolean, eager: additive). Llama 4's chunked
   attention likewise, the chunk applied by position (query and key in the same `attention_chunk_size` positions).
-- linear attention (gated DeltaNet in Qwen3.5 / Qwen3.6 / Qwen3-Next; Mamba-2 in Nemotron-H, which transformers
-  caches the same way): a conv state and a recurrent state with no sequence axis, so no holes: after a verify every
-  row needs exactly the state after its accepted tokens. Chosen by measurement (docs/benchmarks.md,
-  benchmarks/engine/rollback_cost.py): during a forward after the prefill each mixer is stepped one token at a time
-  through transformers' own single-token path and the state after every position is kept ("snapshot", as vLLM's
-  hybrid spec decoding keeps per-position states; drafters/linear_state.py); `keep_after` then copies each row's
-  state at its accepted count. Slots fed as invalid leave a row's state untouched. "rerun" (the block in one chunked
-  call, then the accepted prefix stepped again from a saved state) is kept for the measurement. Tree verification
-  steps the nodes in order, each from its parent's state, so every node's state is that of its root-to-node path.
+- linear attention (gated DeltaNet in Qwen3.5 / Qwen3.6 / Qwen3-Next; Mamba in Nemotron-H, Granite 4.0-H, Jamba;
+  Kimi Linear's delta attention; transformers caches them the same way): a conv state and a recurrent state with
+  no sequence axis, so no holes: after a verify every row needs exactly the state after its accepted tokens. Chosen
+  by measurement (docs/benchmarks.md, benchmarks/engine/rollback_cost.py): during a forward after the prefill each
+  mixer is stepped one token at a time through transformers' own single-token path and the state after every
+  position is kept ("snapshot", as vLLM's hybrid spec decoding keeps per-position states; drafters/linear_state.py);
+  `keep_after` then copies each row's state at its accepted count. Slots fed as invalid leave a row's state
+  untouched. "rerun" (the block in one chunked call, then the accepted prefix stepped again from a saved state) is
+  kept for the measurement. Tree verification steps the nodes in order, each from its parent's state, so every
+  node's state is that of its root-to-node path.
 - attention and a Mamba mixer in one layer (`hybrid`: Falcon-H1's parallel pair, Zamba2's shared attention block
   before its Mamba-2): transformers' LinearAttentionAndFullAttentionLayer, whose K/V are cropped as full attention's
   and whose states are recorded as linear attention's.
@@ -61,8 +62,9 @@ STATEFUL = ("linear_attention", "conv") + BOTH  # the layers with a conv state (
 WINDOWED = ("sliding_attention", "chunked_attention")  # masked by position: a window (Gemma 4), a chunk (Llama 4)
 KV_TYPES = ("full_attention",) + WINDOWED + DSA + SLOT_ANCHORED + BOTH  # the layers that cache K/V
 SUPPORTED_LAYER_TYPES = ("full_attention",) + WINDOWED + STATEFUL + DSA + SLOT_ANCHORED + NO_CACHE
-# a stateful layer's mixer: gated DeltaNet's, Mamba's (Zamba2's hybrid layer holds its Mamba layer's)
-MIXERS = ("linear_attn", "mamba", "mixer", "mamba_decoder.mamba", "conv")  # LFM2's short convolution: `conv`
+# a stateful layer's mixer: gated DeltaNet's, Mamba's (Zamba2's hybrid layer holds its Mamba layer's), LFM2's short
+# convolution, Kimi Linear's delta attention (its `self_attn`)
+MIXERS = ("linear_attn", "mamba", "mixer", "mamba_decoder.mamba", "conv", "self_attn")
 MASKABLE_ATTENTION = ("sdpa", "eager")
 MECHANISMS = ("snapshot", "rerun")
 
@@ -232,7 +234,7 @@ class FamilyState:
             mixer = next((m for m in (_attribute(layers[index], name) for name in MIXERS) if _convolves(m)), None)
             if mixer is None:
                 raise ValueError(f"target family {self.family}: layer {index} holds a state but has no gated "
-                                 f"DeltaNet, Mamba or short-convolution mixer (one of {MIXERS} with a Conv1d); "
+                                 f"DeltaNet, Mamba, delta or short-convolution mixer (one of {MIXERS} with a Conv1d); "
                                  "missing: a per-row rollback of its state")
             existing = getattr(mixer, "_draftsmith_recorder", None)
             recorders[index] = existing if existing is not None else LinearStateRecorder(mixer, index)

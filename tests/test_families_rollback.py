@@ -26,7 +26,7 @@ from inference.engine.tree.target import tree_extend
 FLOAT32_INSIDE = {"tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "mistral",
                   "tiny-deepseek-v3.2", "tiny-glm-5",  # and the DSA indexer's scores
                   "tiny-nemotron-h", "tiny-granite-4", "tiny-jamba", "tiny-falcon-h1", "tiny-zamba2",  # Mamba's scans
-                  "tiny-lfm2", "tiny-llama4-chunked"}  # and Llama 4's RMSNorm
+                  "tiny-lfm2", "tiny-llama4-chunked", "tiny-kimi-linear"}  # and Llama 4's RMSNorm, Kimi's delta rule
 FLOAT64 = dict(rtol=1e-9, atol=1e-11)
 FLOAT32 = dict(rtol=1e-5, atol=1e-6)
 LOGITS_TOLERANCE = dict(rtol=1e-6, atol=1e-6)  # the engine hands logits on in float32 (for float64 families)

@@ -126,8 +126,8 @@ def attention_shape(target_info: TargetInfo) -> AttentionShape:
     config = text_config(target_info)
     if config.get("kv_lora_rank"):  # MLA caches keys as [no-RoPE part ; decoupled RoPE part] of their own widths
         raise ValueError(f"drafter: the assistant's plain multi-head queries cannot read the MLA cache of a "
-                         f"{config.get('model_type')} target (compressed K/V, decoupled RoPE keys); train mtp or "
-                         "eagle3 for it")
+                         f"{config.get('model_type')} target (compressed K/V, decoupled RoPE keys); train another "
+                         "drafter kind (eagle3, dflash, dspark, medusa; mtp where the family's layers allow)")
     heads = int(config.get("num_attention_heads") or 0)
     if heads < 1:
         raise ValueError("drafter: the target config has no num_attention_heads; the assistant mirrors its heads")

@@ -10,10 +10,11 @@ One target per family the study's models belong to, each built from transformers
 layers with a conv and a recurrent state, and gated full attention); Gemma 4 (sliding window 16 beside global
 layers, so any test sequence outgrows the window); gpt-oss (attention sinks, alternating windows, MoE); DeepSeek-V3
 (MLA and MoE); and beyond the study DeepSeek-V3.2 / GLM-5 (DSA), MiniMax-M3, the Mamba hybrids Nemotron-H,
-Granite 4.0-H, Jamba, Falcon-H1 and Zamba2, LFM2's short convolutions and Llama 4's chunked attention. The Qwen ones
-also carry one randomly initialised native MTP module in their checkpoint, in the names vLLM's Qwen3-Next / Qwen3.5
-MTP loaders read (`mtp.fc`, `mtp.pre_fc_norm_{embedding,hidden}`, `mtp.layers.0.*` = a full-attention decoder layer
-of the family, `mtp.norm`; config `mtp_num_hidden_layers: 1`), so `--drafter native-mtp` runs on them.
+Granite 4.0-H, Jamba, Falcon-H1 and Zamba2, Kimi Linear, LFM2's short convolutions and Llama 4's chunked attention.
+The Qwen ones also carry one randomly initialised native MTP module in their checkpoint, in the names vLLM's
+Qwen3-Next / Qwen3.5 MTP loaders read (`mtp.fc`, `mtp.pre_fc_norm_{embedding,hidden}`, `mtp.layers.0.*` = a
+full-attention decoder layer of the family, `mtp.norm`; config `mtp_num_hidden_layers: 1`), so `--drafter native-mtp`
+runs on them.
 """
 
 from __future__ import annotations
@@ -123,6 +124,13 @@ DEBUG_TARGETS = {
         num_local_experts=2, num_experts_per_tok=1, attention_chunk_size=8, no_rope_layer_interval=2,
         interleave_moe_layer_step=2, floor_scale=4, attn_temperature_tuning=tuned))
        for name, tuned in (("tiny-llama4", True), ("tiny-llama4-chunked", False))},
+    # Kimi Linear's shape: Kimi delta attention (a conv state over q, k, v and a recurrent one) beside MLA, dense then
+    # routed MoE MLPs
+    "tiny-kimi-linear": dict(model_type="kimi_linear", seed=19, logit_scale=8.0, mtp=False, config=dict(
+        _ATTENTION, num_key_value_heads=4, intermediate_size=128, num_hidden_layers=4, moe_intermediate_size=32,
+        kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, num_experts_per_tok=2,
+        num_local_experts=4, linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"] * 2, mlp_layer_types=["dense"] + ["sparse"] * 3)),
     # MiniMax-M3's shape: sparse layers whose indexer keeps 2 key blocks of 8 per query (the nearest one always), so
     # sequences past 24 tokens attend sparsely; dense then routed MoE MLPs.
     "tiny-minimax-m3": dict(model_type="minimax_m3_vl_text", seed=9, logit_scale=8.0, mtp=False, config=dict(
