@@ -4,8 +4,8 @@ Ids follow docs/ARCHITECTURE.md's convention: id k is the residual stream enteri
 of layer k - 1 (id 0 = the embeddings, id N = the final pre-norm output). `auto` (also what a recipe gets when it leaves the
 field out) is each drafter's published default on an ordinary target.
 
-Hybrid targets (config.layer_types mixes "linear_attention" with "full_attention": Qwen3-Next, Qwen3.5 / 3.6, and the
-Mamba hybrids Nemotron-H, Granite 4.0-H, Jamba and Zamba2: a target's config dict carries them,
+Hybrid targets (config.layer_types mixes "linear_attention" with "full_attention": Qwen3-Next, Qwen3.5 / 3.6, Kimi
+Linear, and the Mamba hybrids Nemotron-H, Granite 4.0-H, Jamba and Zamba2: a target's config dict carries them,
 ragged_state.config_dict) may only be read at attention layers' outputs: allowed ids are {j + 1 : layer j is full
 attention, or `hybrid`, attention beside Mamba} (in SpecForge's output-counting convention, the attention layers 3,
 7, ..., 47 of Qwen3-Coder-Next, as the thoughtworks EAGLE-3 card requires). Wrong aux layers are the most common
