@@ -32,10 +32,8 @@ def is_auto(layer_ids: Any) -> bool:
 
 
 def hybrid_layer_types(config: Mapping[str, Any]) -> list[str] | None:
-    """The target's layer_types when it is a linear / full attention hybrid, else None (the text config of a VLM;
-    Nemotron-H's config.json names them `layers_block_type`)."""
-    text = text_config_of(config)
-    types = text.get("layer_types") or text.get("layers_block_type")
+    """The target's layer_types when it is a linear / full attention hybrid, else None (the text config of a VLM)."""
+    types = text_config_of(config).get("layer_types")
     if isinstance(types, (list, tuple)) and "linear_attention" in types:
         return [str(t) for t in types]
     return None

@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoConfig
 
 from drafters.layer_ids import attention_output_ids, auto_layer_ids, nearest_distinct
+from drafters.ragged_state import config_dict
 from inference.assets.debug_target import DEBUG_TARGETS
 from train.cli import main as cli
 
@@ -62,10 +63,8 @@ def test_debug_recipe_trains_on_the_family(recipe, target, chats, tmp_path, caps
     with open(tmp_path / "run" / "final" / "config.json") as f:
         header = json.load(f)
     assert header["target"]["name_or_path"].endswith(f"debug-{target}-v2")
-    with open(os.path.join(header["target"]["name_or_path"], "config.json")) as f:
-        target_config = json.load(f)
-    if "attn_layer_period" in target_config:  # Jamba's config.json derives its layer kinds from periods
-        target_config["layer_types"] = AutoConfig.for_model(**target_config).layer_types
+    # the config as TargetInfo carries it (Nemotron-H's layer kinds under another name, Jamba's derived from periods)
+    target_config = config_dict(AutoConfig.from_pretrained(header["target"]["name_or_path"]))
     allowed = attention_output_ids(target_config, header["target"]["num_layers"])
     assert (allowed is None) == (target not in ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe",
                                                 "tiny-nemotron-h", "tiny-granite-4", "tiny-jamba", "tiny-zamba2",

@@ -23,6 +23,7 @@ from torch import nn
 
 from drafters.assistant.config import AssistantConfig
 from drafters.base import TargetInfo
+from drafters.layer_ids import ATTENTION
 from drafters.layers import RMSNorm, SwiGLU, apply_rope, attention, per_layer_overrides
 
 
@@ -94,7 +95,7 @@ def resolve_kv_layers(config: AssistantConfig, target_info: TargetInfo) -> tuple
         chosen = []
         for kind in types:
             matches = [i for i in range(computing)  # Falcon-H1's `hybrid` layers: attention beside Mamba-2
-                       if target_types[i] == kind or (kind, target_types[i]) == ("full_attention", "hybrid")]
+                       if target_types[i] == kind or (kind == "full_attention" and target_types[i] in ATTENTION)]
             if not matches:
                 raise ValueError(f"drafter.kv_layers: the target has no {kind} layer with its own K/V; map the "
                                  "assistant layers explicitly")

@@ -7,7 +7,8 @@ Each builds a round strategy, a width policy and one `Sampling` value and runs t
 `decode`). `timed=False` runs untimed rounds: no device synchronisation for the phase clock (GenerateOutput's time_*
 fields stay 0), for callers who want the tokens and the acceptance, not the timings; a policy that reads the clock
 (a schedule) keeps it on. A target the engine decodes one row at a time (TargetModel.one_row: MiniMax-M3's
-slot-anchored indexer) runs a chain call's prompts one after another, as one output; trees refuse it.
+slot-anchored indexer, Llama 4's slot-read NoPE temperature) runs a chain call's prompts one after another, as one
+output; trees refuse it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def speculative_generate(target, drafter: Drafter | None, prompts: list[list[int
                       sampling=Sampling(temperature, top_p, top_k, row_seed), eos_token_ids=eos_token_ids,
                       drop_finished_rows=drop_finished_rows, timed=timed)
 
-    if len(prompts) > 1 and getattr(target, "one_row", False):  # MiniMax-M3: eval refuses a batch instead
+    if len(prompts) > 1 and getattr(target, "one_row", False):  # MiniMax-M3, Llama 4: eval refuses a batch instead
         # each row its own random streams, drawn from `seed` (one seed for every row would repeat one sample)
         seeds = torch.randint(0, 2**62, (len(prompts),), generator=torch.Generator().manual_seed(seed)).tolist()
         return GenerateOutput.one_after_another([run([p], s) for p, s in zip(prompts, seeds)])

@@ -271,7 +271,7 @@ def check_drafters(settings: EvalSettings, flag: str = "--drafter") -> None:
 
 
 def check_rows(settings: EvalSettings) -> None:
-    """A batch or a tree the target's family cannot decode (MiniMax-M3), refused before it loads (check_one_row)."""
+    """A batch or a tree the target's family cannot decode (MiniMax-M3, Llama 4), refused before it loads."""
     batch, trees = max(settings.batch_size), ",".join(map(str, settings.tree_budget))
     asked = [(f"--batch-size {batch}", "a batch of several rows", "use --batch-size 1"),
              (f"--tree-budget {trees}", "a tree's nodes", "drop --tree-budget")]
