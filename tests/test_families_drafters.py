@@ -43,7 +43,6 @@ REFUSED = {
     ("tiny-deepseek-v3", "assistant"): "MLA cache",  # compressed K/V with decoupled RoPE keys
     ("tiny-deepseek-v3.2", "assistant"): "MLA cache",  # MLA as well, whose keys an indexer selects
     ("tiny-glm-5", "assistant"): "MLA cache",
-    ("tiny-nemotron-h", "mtp"): "no decoder layer class",  # its blocks hold one mixer each (attention has no MLP)
     ("tiny-jamba", "mtp"): "which the MTP block is built from",  # no rotary embedding class (no positions)
     ("tiny-zamba2", "mtp"): "which the MTP block is built from",  # its first decoder layer class is Mamba's
     ("tiny-falcon-h1", "mtp"): "an MTP block cannot be a full-attention layer",  # every layer holds a Mamba mixer

@@ -30,7 +30,8 @@ class MTPConfig:
       is then the target's distribution renormalised on V_d, and cells whose token (the target's argmax; the data
       token for "hard") lies outside are not trained, as EAGLE-3's. Only the native format carries it.
     layout: the checkpoint family whose conventions the modules follow and into which they export natively:
-      "deepseek_v3", "qwen3_next", "qwen3_5" (Qwen3.5 / 3.6), "mimo" or "speculators" (see the module docstring).
+      "deepseek_v3", "qwen3_next", "qwen3_5" (Qwen3.5 / 3.6), "mimo", "nemotron_h" (Nemotron 3: a step of several
+      blocks) or "speculators" (see the module docstring).
     init_from_native: before training (Drafter.init_from_data), import the MTP weights that ship in the target's own
       checkpoint (drafters/mtp/export.py) instead of starting from fresh modules; a fine-tune of the model's own MTP.
       Fresh modules start as the identity on the hidden path (see `init_module_`).
@@ -44,7 +45,7 @@ class MTPConfig:
     loss: Literal["soft", "hard", "lk", "lk_hybrid"] = "soft"
     lk_eta: float = LK_DEFAULT_ETA
     draft_vocab_size: int | None = None
-    layout: Literal["deepseek_v3", "qwen3_next", "qwen3_5", "mimo", "speculators"] = "deepseek_v3"
+    layout: Literal["deepseek_v3", "qwen3_next", "qwen3_5", "mimo", "nemotron_h", "speculators"] = "deepseek_v3"
     init_from_native: bool = False
     sample_drafts: bool = False
 

@@ -20,89 +20,22 @@ from safetensors.torch import save_file
 from drafters.base import TargetInfo, check_target_match
 from drafters.mtp.config import MTPConfig
 from drafters.mtp.experts import fuse_experts, split_experts
-from drafters.mtp.layers import LAYOUTS, target_text_config
+from drafters.mtp.layers import LAYOUTS, step_blocks, target_text_config
 from drafters.mtp.readers import CHECKS
+from drafters.mtp.records import (
+    DRAFT_VOCAB_READERS,
+    EXPORT_FORMATS,
+    FAMILY_LAYOUTS,
+    NATIVE_LAYOUTS,
+    RECORDS,
+    SHARED_COPIES,
+    CheckpointLayout,
+)
 from drafters.speculators import speculators_section
 
-NATIVE_LAYOUTS = ("deepseek_v3", "qwen3_next", "qwen3_5", "mimo")
-EXPORT_FORMATS = NATIVE_LAYOUTS + ("speculators",)
 SPECULATORS_VERSION = "0.3.0"
 MTP_SHARD = "model-mtp.safetensors"
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-# Target model types whose checkpoints ship MTP weights in a known layout (a mismatch is an error).
-FAMILY_LAYOUTS = {"deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "glm4_moe": "deepseek_v3",
-                  "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5",
-                  "qwen3_5_moe_text": "qwen3_5", "mimo": "mimo"}
-_DEEPSEEK_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-                   "final_norm.weight": "shared_head.norm.weight"}
-_QWEN_NAMES = {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
-               "eh_proj.weight": "fc.weight", "final_norm.weight": "norm.weight"}
-_MIMO_NAMES = {"enorm.weight": "token_layernorm.weight", "hnorm.weight": "hidden_layernorm.weight",
-               "eh_proj.weight": "input_proj.weight", "final_norm.weight": "final_layernorm.weight"}
-_SHARED = {"embed_tokens.weight": "embed_weight", "shared_head.head.weight": "lm_head_weight"}  # deepseek_v3 copies
-# Who reads each export layout: none of them has a draft-vocabulary head (d2t / t2d), so check_exportable refuses one.
-DRAFT_VOCAB_READERS = {"speculators": "vLLM's speculators mtp reader (method mtp)",
-                       "deepseek_v3": "the DeepSeek-V3 MTP loader of vLLM and SGLang (shared_head = the target's head)",
-                       "qwen3_next": "vLLM's Qwen3-Next MTP loader", "qwen3_5": "vLLM's Qwen3.5 MTP loader",
-                       "mimo": "vLLM's MiMo MTP loader"}
-
-
-@dataclass(frozen=True)
-class CheckpointLayout:
-    """Where one layout keeps MTP module k, and what it carries: the one record each layout is read and written by.
-
-    fixed: our module-local name -> the layout's, under fixed_prefix; the block's tensors sit under block_prefix.
-    Prefixes take {index}: k, or the decoder layer N + k when `after_decoder` (DeepSeek-V3 numbers its MTP modules
-    after the target's layers). owned: the prefix of every MTP tensor name (after_decoder: layers numbered >= N).
-    marker: the tensor-name pattern (group 1: the index) that marks the layout in a checkpoint, with `requires`
-    present too, described in errors as `looked_for` (None: the layout is told apart by the target's family, or is
-    not a checkpoint layout). shared_copies: each module stores the embedding and head again. one_module: it carries
-    exactly one module. split_experts: a checkpoint stores MoE experts one tensor each. count_key: the config key
-    counting the modules (in text_config when `count_in_text_config` and there is one)."""
-
-    fixed: Mapping[str, str]
-    fixed_prefix: str
-    block_prefix: str
-    owned: str = ""
-    after_decoder: bool = False
-    marker: str | None = None
-    requires: str | None = None
-    looked_for: str | None = None
-    shared_copies: bool = False
-    one_module: bool = False
-    split_experts: bool = True
-    count_key: str = "num_nextn_predict_layers"
-    count_in_text_config: bool = False
-
-    def prefixes(self, num_layers: int, k: int) -> tuple[str, str]:
-        """(prefix of the fixed names, prefix of the block) of module k."""
-        index = num_layers + k if self.after_decoder else k
-        return self.fixed_prefix.format(index=index), self.block_prefix.format(index=index)
-
-    def owns(self, name: str, num_layers: int) -> bool:
-        """True when tensor `name` of a checkpoint belongs to this layout's MTP modules."""
-        if self.after_decoder:
-            match = re.match(r"model\.layers\.(\d+)\.", name)
-            return bool(match) and int(match.group(1)) >= num_layers
-        return name.startswith(self.owned)
-
-
-RECORDS = {
-    "deepseek_v3": CheckpointLayout(_DEEPSEEK_NAMES, "model.layers.{index}.", "model.layers.{index}.",
-                                    after_decoder=True, marker=r"model\.layers\.(\d+)\.eh_proj\.weight",
-                                    looked_for="model.layers.{N+k}.eh_proj.weight", shared_copies=True),
-    "qwen3_next": CheckpointLayout(_QWEN_NAMES, "mtp.", "mtp.layers.{index}.", owned="mtp.",
-                                   marker=r"mtp\.layers\.(\d+)\.input_layernorm\.weight", requires="mtp.fc.weight",
-                                   looked_for="mtp.fc.weight + mtp.layers.{k}.*", one_module=True),
-    # Qwen3-Next's names and markers; the target's family tells the two apart
-    "qwen3_5": CheckpointLayout(_QWEN_NAMES, "mtp.", "mtp.layers.{index}.", owned="mtp.", one_module=True,
-                                count_key="mtp_num_hidden_layers", count_in_text_config=True),
-    "mimo": CheckpointLayout(_MIMO_NAMES, "model.mtp_layers.{index}.", "model.mtp_layers.{index}.",
-                             owned="model.mtp_layers.", marker=r"model\.mtp_layers\.(\d+)\.input_proj\.weight",
-                             looked_for="model.mtp_layers.{k}.input_proj.weight"),
-    "speculators": CheckpointLayout(_MIMO_NAMES, "mtp_layers.{index}.", "mtp_layers.{index}.", owned="mtp_layers.",
-                                    one_module=True, split_experts=False),
-}
 
 
 # ---- reading a checkpoint's tensor index -----------------------------------------------------------------------------
@@ -192,16 +125,17 @@ def read_native(directory: str, target_info: TargetInfo, layout: str, num_module
         raise ValueError(f"{directory}: the MTP weights are FP8-quantised ({quantised[0]}, ...); dequantise the "
                          "checkpoint to bf16 first")
     state: dict[str, torch.Tensor] = {}
+    num_blocks = len(step_blocks(target_info) or ())
     for k in range(num_modules):
         fixed_prefix, block_prefix = record.prefixes(target_info.num_layers, k)
-        fixed = {ours: fixed_prefix + theirs for ours, theirs in record.fixed.items()}
+        fixed = record.fixed_names(target_info.num_layers, k, num_blocks)
         missing = [name for name in fixed.values() if name not in index]
         if missing:
             raise ValueError(f"{directory}: {layout} MTP module {k} lacks {missing}")
         tensors = read_tensors(directory, index, fixed.values())
         state.update({f"layers.{k}.{ours}": tensors[theirs] for ours, theirs in fixed.items()})
-        block_names = [n for n in index if n.startswith(block_prefix) and n.removeprefix(block_prefix) not in
-                       set(record.fixed.values()) | set(_SHARED)]
+        block_names = [n for n in index if n.startswith(block_prefix) and n not in set(fixed.values())
+                       and n.removeprefix(fixed_prefix) not in SHARED_COPIES]
         block = read_tensors(directory, index, block_names)
         fused = fuse_experts({name.removeprefix(block_prefix): t for name, t in block.items()})
         state.update({f"layers.{k}.block.{name}": t for name, t in fused.items()})
@@ -212,7 +146,7 @@ def read_native(directory: str, target_info: TargetInfo, layout: str, num_module
 
 def _check_shared_copies(directory, index, prefix: str, target_info: TargetInfo) -> None:
     """DeepSeek-V3 stores the embedding and head again per module; they must be the target's (we share those)."""
-    for name, attribute in _SHARED.items():
+    for name, attribute in SHARED_COPIES.items():
         if prefix + name in index:
             stored = read_tensors(directory, index, [prefix + name])[prefix + name]
             ours = getattr(target_info, attribute).detach().to("cpu", stored.dtype)
@@ -242,6 +176,11 @@ def check_exportable(drafter, fmt: str) -> None:
         raise ValueError(f"--format {fmt}: the target's family ships its MTP weights in the {expected} layout, which "
                          f"is what its servers read; export with --format {expected} (train with drafter.layout: "
                          f"{expected})")
+    blocks = step_blocks(drafter.target_info)
+    if blocks and fmt != expected:
+        raise ValueError(f"--format {fmt} carries one decoder layer per MTP module; this target's MTP step is "
+                         f"{len(blocks)} blocks ({', '.join(blocks)}), which its family's layout carries: export with "
+                         f"--format {expected} (train with drafter.layout: {expected})")
     if RECORDS[fmt].one_module and drafter.config.num_modules != 1:
         raise ValueError(f"--format {fmt} carries exactly one MTP module; drafter.num_modules is "
                          f"{drafter.config.num_modules}")
@@ -251,10 +190,11 @@ def layout_tensors(drafter, layout: str, fused_experts: bool = False) -> dict[st
     """The drafter's modules under `layout`'s names (block experts split for the checkpoint layouts, unless
     `fused_experts`: a Qwen3.5 source that stores them fused)."""
     num_layers, out, record = drafter.target_info.num_layers, {}, RECORDS[layout]
+    num_blocks = len(step_blocks(drafter.target_info) or ())
     for k, module in enumerate(drafter.layers):
         state = {name: t.detach().cpu() for name, t in module.state_dict().items()}
         fixed_prefix, block_prefix = record.prefixes(num_layers, k)
-        out.update({fixed_prefix + theirs: state[ours] for ours, theirs in record.fixed.items()})
+        out.update({theirs: state[ours] for ours, theirs in record.fixed_names(num_layers, k, num_blocks).items()})
         block = {name.removeprefix("block."): t for name, t in state.items() if name.startswith("block.")}
         if record.split_experts and not fused_experts:
             block = split_experts(block)

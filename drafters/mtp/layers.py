@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +37,13 @@ LAYOUTS: dict[str, Convention] = {
     "qwen3_5": Convention(embedding_first=True, mask_first_position=False, feed_back_normed=True),  # Qwen3-Next's
     "mimo": Convention(embedding_first=False, mask_first_position=True, feed_back_normed=True),
     "speculators": Convention(embedding_first=True, mask_first_position=False, feed_back_normed=True),
+    "nemotron_h": Convention(embedding_first=True, mask_first_position=False, feed_back_normed=True),
 }
 # Model types whose checkpoints are not a transformers family of their own: the family their decoder layer belongs to.
 BLOCK_FAMILY_ALIASES = {"mimo": "qwen2"}
+# The config key listing the blocks of one MTP step, in families whose step is several of their one-mixer blocks
+# (Nemotron-H: an attention block, then an MoE block, each with its own pre-norm and residual, as vLLM's NemotronHMTP).
+STEP_BLOCKS_KEY = "mtp_layers_block_type"
 
 
 def resolve_num_steps(config: MTPConfig) -> int:
@@ -66,7 +70,7 @@ class FamilyClasses:
 
     decoder_layer: type
     norm: type
-    rotary: type
+    rotary: type | None  # None: the family's attention has no positions (Nemotron-H, Jamba)
 
 
 def family_classes(model_type: str) -> FamilyClasses:
@@ -81,22 +85,36 @@ def family_classes(model_type: str) -> FamilyClasses:
     import transformers
 
     module = sys.modules[getattr(transformers, name).__module__]
-    layer_names = [n for n in getattr(getattr(transformers, name), "_no_split_modules", None) or []
-                   if n.endswith("DecoderLayer")]
+    no_split = getattr(getattr(transformers, name), "_no_split_modules", None) or []
+    layer_names = [n for n in no_split if n.endswith("DecoderLayer")] or [n for n in no_split if n.endswith("Block")]
     if not layer_names:
         raise ValueError(f"target model_type {model_type!r}: no decoder layer class found in {module.__name__} (the "
                          "MTP block is one of the target's decoder layers); train another drafter kind")
-    prefix = layer_names[0].removesuffix("DecoderLayer")
+    prefix = layer_names[0].removesuffix("DecoderLayer").removesuffix("Block")
     family = prefix.removesuffix("Text")  # Gemma4TextDecoderLayer beside Gemma4RMSNorm
     names = (layer_names[0], *(next((n for n in (prefix + part, family + part, family + "Text" + part)
                                      if getattr(module, n, None) is not None), prefix + part)
                                for part in ("RMSNorm", "RotaryEmbedding")))
     classes = [getattr(module, n, None) for n in names]  # Qwen3.5: Qwen3_5RMSNorm, Qwen3_5TextRotaryEmbedding
+    if classes[2] is None and not any(n.endswith("RotaryEmbedding") for n in vars(module)):
+        classes[2] = False  # a family without RoPE: its attention reads no position embeddings
     if any(c is None for c in classes):
         raise ValueError(f"target model_type {model_type!r}: {module.__name__} lacks one of {prefix}DecoderLayer, "
                          f"{prefix}RMSNorm, {prefix}RotaryEmbedding, which the MTP block is built from; train another "
                          "drafter kind")
-    return FamilyClasses(*classes)
+    return FamilyClasses(classes[0], classes[1], classes[2] or None)
+
+
+def step_blocks(target_info: TargetInfo) -> list[str] | None:
+    """The block kinds of one MTP step where the family's step is several blocks (STEP_BLOCKS_KEY), else None.
+    ValueError when the step holds a block the MTP cache cannot carry (a Mamba block, or more than one attention)."""
+    kinds = target_text_config(target_info).get(STEP_BLOCKS_KEY)
+    if not isinstance(kinds, (list, tuple)) or not kinds:
+        return None
+    if "linear_attention" in kinds or list(kinds).count("full_attention") != 1:
+        raise ValueError(f"the target's {STEP_BLOCKS_KEY} {list(kinds)}: draftsmith's MTP step runs one attention "
+                         "block beside MoE / MLP blocks (no Mamba block); set it so in the target's config.json")
+    return list(kinds)
 
 
 def block_config(target_info: TargetInfo, num_modules: int):
@@ -109,6 +127,11 @@ def block_config(target_info: TargetInfo, num_modules: int):
     model_type = values.pop("model_type", None) or "llama"
     family = BLOCK_FAMILY_ALIASES.get(model_type, model_type)
     num_layers, total = target_info.num_layers, target_info.num_layers + num_modules
+    stacked = step_blocks(target_info)
+    if stacked:  # each module: len(stacked) blocks (Nemotron-H's layer kinds, under two names)
+        total = num_layers + num_modules * len(stacked)
+        values.update(layer_types=list(values["layer_types"])[:num_layers] + stacked * num_modules)
+        values.pop("layers_block_type", None)
     layer_types = values.get("layer_types")
     if isinstance(layer_types, (list, tuple)):  # families with per-layer settings (Gemma 4) size them by layer count
         added = ["full_attention"] * (total - len(layer_types))
@@ -134,22 +157,24 @@ def block_config(target_info: TargetInfo, num_modules: int):
 
 
 class MTPModule(nn.Module):
-    """One MTP module: enorm, hnorm, eh_proj (2D -> D, no bias), the family's decoder layer `block`, final_norm.
+    """One MTP module: enorm, hnorm, eh_proj (2D -> D, no bias), the family's decoder layer `block` (or `num_blocks`
+    of its blocks, a BlockStack), final_norm.
 
     Parameter names: enorm.weight, hnorm.weight, eh_proj.weight, final_norm.weight, block.<the HF layer's own names>
     (drafters/mtp/export.py maps them to each checkpoint layout).
     """
 
-    def __init__(self, config, layer_index: int, classes: FamilyClasses, embedding_first: bool):
+    def __init__(self, config, layer_index: int, classes: FamilyClasses, embedding_first: bool, num_blocks: int = 0):
         super().__init__()
         hidden, eps = config.hidden_size, norm_eps(config)
         self.embedding_first = embedding_first
         self.enorm = classes.norm(hidden, eps)
         self.hnorm = classes.norm(hidden, eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = classes.decoder_layer(config, layer_index)
+        self.block = (BlockStack(classes.decoder_layer(config, layer_index + j) for j in range(num_blocks))
+                      if num_blocks else classes.decoder_layer(config, layer_index))
         self.final_norm = classes.norm(hidden, eps)
-        parameters = inspect.signature(self.block.forward).parameters
+        parameters = inspect.signature((self.block[0] if num_blocks else self.block).forward).parameters
         self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
         self._shares_kv = "shared_kv_states" in parameters  # Gemma 4 layers write into a dict a later layer reads
 
@@ -159,9 +184,21 @@ class MTPModule(nn.Module):
         parts = [self.enorm(embeds), self.hnorm(hidden)]
         x = self.eh_proj(torch.cat(parts if self.embedding_first else parts[::-1], dim=-1))
         extra = {"shared_kv_states": {}} if self._shares_kv else {}
-        out = self.block(x, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings,
-                         **{self._cache_arg: cache}, **extra)
+        if position_embeddings is not None:  # None: a family without RoPE
+            extra["position_embeddings"] = position_embeddings
+        out = self.block(x, attention_mask=mask, position_ids=position_ids, **{self._cache_arg: cache}, **extra)
         return out[0] if isinstance(out, tuple) else out
+
+
+class BlockStack(nn.ModuleList):
+    """One MTP step of several blocks (STEP_BLOCKS_KEY), applied in order, each with the same keywords (a block
+    without attention ignores the mask and the cache). Parameter names: {j}.<the HF block's own names>."""
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        for block in self:
+            out = block(x, **kwargs)
+            x = out[0] if isinstance(out, tuple) else out
+        return x
 
 
 @torch.no_grad()

@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import DraftContext, Drafter, FeatureRequest, Proposal, TargetInfo, full_vocab_log_probs
-from drafters.output import DraftOutput
 from drafters.layers import FrozenTargetTensors, draw_drafts
-from drafters.losses import check_lk_eta, chained_depths, listed_depth_weights, target_distilled_loss
+from drafters.losses import chained_depths, check_lk_eta, listed_depth_weights, target_distilled_loss
 from drafters.mtp import export as mtp_export
 from drafters.mtp.config import MTPConfig
 from drafters.mtp.layers import (
@@ -28,8 +27,10 @@ from drafters.mtp.layers import (
     family_classes,
     init_module_,
     resolve_num_steps,
+    step_blocks,
     target_text_config,
 )
+from drafters.output import DraftOutput
 from drafters.vocab import DraftHead
 
 
@@ -67,13 +68,13 @@ class MTPDrafter(DraftHead, Drafter):
         if self.block_config.hidden_size != target_info.hidden_size:
             raise ValueError(f"the target config's hidden_size {self.block_config.hidden_size} differs from the "
                              f"target's {target_info.hidden_size}")
-        first = self.convention.embedding_first
-        self.layers = nn.ModuleList(MTPModule(self.block_config, num_layers + k, classes, first)
-                                    for k in range(config.num_modules))
-        self.rotary = classes.rotary(self.block_config)
+        first, blocks = self.convention.embedding_first, len(step_blocks(target_info) or ())
+        self.layers = nn.ModuleList(MTPModule(self.block_config, num_layers + k * max(blocks, 1), classes, first,
+                                              blocks) for k in range(config.num_modules))
+        self.rotary = classes.rotary(self.block_config) if classes.rotary else None
         # Families with one RoPE per attention type (Gemma 4) take the type: the MTP block is full attention.
-        self._rope_kind = (("full_attention",) if "layer_type" in inspect.signature(self.rotary.forward).parameters
-                           else ())
+        self._rope_kind = (("full_attention",) if self.rotary is not None and
+                           "layer_type" in inspect.signature(self.rotary.forward).parameters else ())
         self._frozen = FrozenTargetTensors(target_info)
         self._depths: list[_Depth] = []
         self._generator = None
@@ -91,6 +92,8 @@ class MTPDrafter(DraftHead, Drafter):
         """cos, sin of the family's rotary at position_ids [B, T]. A multimodal-RoPE family (Qwen3.5: text, height
         and width sections) takes the text positions once per section, [3, B, T]: transformers 5.17 did not
         broadcast them itself."""
+        if self.rotary is None:  # a family without RoPE (Nemotron-H)
+            return None
         if hasattr(self.rotary, "mrope_section"):
             position_ids = position_ids.expand(3, *position_ids.shape)
         return self.rotary(x, position_ids, *self._rope_kind)
@@ -107,7 +110,8 @@ class MTPDrafter(DraftHead, Drafter):
         heads = config.num_attention_heads
         experts = getattr(config, "num_experts_per_tok", None) or 0
         routed = (getattr(config, "moe_intermediate_size", None) or 0) * experts
-        shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+        shared = next((getattr(config, key, None) for key in ("shared_expert_intermediate_size",  # Nemotron-H: moe_
+                       "moe_shared_expert_intermediate_size") if getattr(config, key, None)), 0)
         return {"hidden_size": config.hidden_size, "num_attention_heads": heads,
                 "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
                 "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
