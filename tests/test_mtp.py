@@ -15,12 +15,20 @@ import torch
 import torch.nn.functional as F
 from conftest import make_tiny_model
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3NextConfig, Qwen3NextForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
 
 from drafters import load_drafter
 from drafters.mtp import MTPConfig, MTPDrafter
 from drafters.mtp.export import checkpoint_index, find_native, read_tensors
+from drafters.mtp.layers import causal_mask
 from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel
 from train.features.cache import FeatureProvider
@@ -387,6 +395,43 @@ def test_depth_beyond_the_modules_without_reuse_names_the_field():
         drafter.loss(drafter(batch), batch)
     with pytest.raises(ValueError, match="--format qwen3_next carries exactly one MTP module"):
         MTPDrafter(MTPConfig(num_modules=2, layout="qwen3_next"), info).save("/nonexistent", "qwen3_next")
+
+
+def test_server_steps_equal_the_module_run_autoregressively_over_the_committed_prefix():
+    """proposer "server" (one module, as vLLM and SGLang run it; vLLM's own acceptance is compared in
+    tests/test_serve_check.py): draft 1 is step 0 at the last committed position; draft j + 1 is the module at the
+    next position over draft j and the previous output, attending to the committed prefix's step-0 states and the
+    steps before it. Written out here as one causal forward per draft, without the proposer's cache, over rounds with
+    forced accept counts (rejections, a row that stops early)."""
+    from test_contract import NUM_DRAFTS, decode_with_forced_accepts, tiny_target
+
+    target = tiny_target()
+    torch.manual_seed(3)
+    drafter = MTPDrafter(MTPConfig(num_modules=1, reuse=True), target.target_info()).double().eval()
+    assert drafter.served_steps
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    prompts, schedules = [[5, 17, 33, 9, 120, 41, 7], [250, 11, 64, 90, 3]], [[2, 0, 1, 3], [1, 3, None, None]]
+    with torch.no_grad():
+        sequences, rounds = decode_with_forced_accepts(target, drafter, prompts, schedules)
+        checked = 0
+        for row, row_rounds in enumerate(rounds):
+            ids = torch.tensor([sequences[row]])
+            hidden = features(target, drafter, ids)["final_hidden"]
+            for anchor, proposed, _ in row_rounds:
+                tokens, inputs = ids[:, 1:anchor + 1], hidden[:, :anchor]  # step 0 at 0 .. anchor - 1
+                for j in range(NUM_DRAFTS):
+                    length = tokens.shape[1]
+                    fed, normed = drafter._step(0, tokens, inputs, torch.arange(length)[None],
+                                                causal_mask(length, "cpu"))
+                    assert int(drafter._logits(normed[:, -1]).argmax()) == proposed[j], (row, anchor, j)
+                    tokens = torch.cat([tokens, torch.tensor([[proposed[j]]])], dim=1)
+                    inputs = torch.cat([inputs, fed[:, -1:]], dim=1)
+                    checked += 1
+    assert checked == 6 * NUM_DRAFTS
+    with pytest.raises(ValueError, match="drafter.proposer 'server' runs one module.*num_modules is 2"):
+        MTPDrafter(MTPConfig(num_modules=2, proposer="server"), target.target_info())
 
 
 def test_fp8_mtp_weights_are_refused(native, tmp_path):

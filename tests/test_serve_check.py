@@ -104,3 +104,58 @@ def test_vllm_serves_a_good_export_alike_and_the_check_catches_a_misread_one(tmp
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if "serve vllm" in line)
     assert code == 1 and row.startswith("  FAIL") and "acceptance differs at positions" in row, out
+
+
+def mimo_target(directory) -> str:
+    """A tiny random Qwen2 model that vLLM runs as MiMo (architectures[0] MiMoForCausalLM picks its MTP model):
+    head_dim 64, which vLLM's CPU attention supports; the debug target's tokenizer; a sharpened head."""
+    import os
+    import shutil
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from inference.assets.store import resolve_target
+
+    source = resolve_target("debug:tiny-llama")
+    os.makedirs(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(os.path.join(source, name), directory)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=260, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=258, pad_token_id=256,
+                         bos_token_id=None, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(directory)
+    with open(f"{directory}/config.json") as f:
+        saved = json.load(f)
+    saved["architectures"] = ["MiMoForCausalLM"]  # save_pretrained writes the class's own name
+    with open(f"{directory}/config.json", "w") as f:
+        json.dump(saved, f)
+    return str(directory)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
+def test_vllm_serves_a_native_mtp_export_with_our_acceptance_at_every_position(tmp_path, capsys):
+    """An MTP module overfitted on a MiMo target and exported into its checkpoint (`--format mimo`): vLLM (method
+    mtp, the module reused for k = 3) decodes the same tokens with the same acceptance per position as our engine,
+    whose steps after the first run as servers run them (MTPConfig.proposer)."""
+    from drafters.mtp import MTPConfig, MTPDrafter
+    from inference.engine.target import TargetModel
+
+    directory = mimo_target(tmp_path / "target")
+    target = TargetModel.from_pretrained(directory)
+    torch.manual_seed(0)
+    drafter = MTPDrafter(MTPConfig(layout="mimo", reuse=True, num_steps=2), target.target_info())
+    overfit(target, drafter, steps=60, lr=3e-3).save(str(tmp_path / "served"), "mimo")
+    served = str(tmp_path / "served")
+    code = main([served, "--target", served, "--prompts", PROMPTS, "--max-new-tokens", "32", "--serve", "vllm"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "serve vllm" in line)
+    assert code == 0 and row.startswith("  PASS") and "identical outputs 5/5" in row, out
+    import re
+
+    theirs = re.search(r"vLLM: tau ([\d.]+), accepted per position (\[[^\]]*\]) of (\d+)", row).groups()
+    ours = re.search(r"ours: tau ([\d.]+), (\[[^\]]*\]) of (\d+)", row).groups()
+    assert theirs == ours, row  # tau, the count per position and the rounds, exactly

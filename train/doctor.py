@@ -20,6 +20,10 @@ Two kinds of checks, each printed as PASS / FAIL / WARN / INFO with what to fix:
 3. With `--serve vllm` (in an environment where vLLM is importable): the export served by vLLM on the same prompts,
    k and greedy settings beside our engine; differing outputs or acceptance (per position) fail (train/serve_check.py).
 
+DRAFTER may also be `native-mtp` (the MTP modules in --target's own checkpoint) or a model directory whose checkpoint
+holds MTP modules (an export into the target family's layout, `draftsmith export CKPT --format qwen3_5 ...`): the
+format rows are then drafters/mtp/readers.native_checks, and vLLM serves that directory with `method: mtp`.
+
 Exit status: 0 when nothing failed, 1 when a check failed, 2 for bad input (one line naming the field).
 """
 
@@ -34,7 +38,10 @@ import sys
 
 import torch
 
-from drafters import DRAFTERS, checkpoint_kind, load_drafter
+from drafters import DRAFTERS, NAMED_DRAFTERS, checkpoint_kind, load_drafter
+from drafters.mtp import export as mtp_export
+from drafters.mtp.readers import native_checks
+from inference.assets.store import resolve_target
 from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel, default_device
 from inference.evaluation.chat_template import check_chat_template, parse_template_kwargs, render_prompt
@@ -51,7 +58,8 @@ STATUS = {"pass": "PASS", "fail": "FAIL", "warn": "WARN", "info": "INFO"}
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftsmith doctor", description=__doc__.split("\n\n")[0])
-    parser.add_argument("drafter", help="the checkpoint directory to check (native or any export)")
+    parser.add_argument("drafter", help="the checkpoint directory to check (native or any export; a target directory "
+                        "with MTP modules in it), or native-mtp: the modules in --target's own checkpoint")
     parser.add_argument("--target", required=True, help="the target it will serve with (name or directory)")
     parser.add_argument("--prompts", default="mt_bench", help="builtin prompt set or FastChat question file")
     parser.add_argument("--num-draft-tokens", type=int, default=3, help="k for the engine check")
@@ -105,14 +113,16 @@ def engine_check(trained: dict, random: dict) -> tuple[str, str]:
 
 
 def served(target, drafter, directory: str, method: str, prompts: list[list[int]], k_asked: int,
-           settings: EvalSettings) -> tuple[str, str]:
-    """The export served by vLLM beside our engine (train/serve_check.py), as one row's (status, detail)."""
+           settings: EvalSettings, native: str | None = None) -> tuple[str, str]:
+    """The export served by vLLM beside our engine (train/serve_check.py), as one row's (status, detail); `native`:
+    the model directory whose own MTP modules vLLM serves instead."""
     k = serve_check.served_k(drafter, k_asked)
     mine = serve_check.ours(target, drafter, prompts, k, settings.max_new_tokens)
     dtype = str(target.model.dtype).removeprefix("torch.")
     try:
-        theirs = serve_check.vllm_served(target.name_or_path, directory, method, k, prompts, settings.max_new_tokens,
-                                         dtype, target.device.type, settings.trust_remote_code)
+        theirs = serve_check.vllm_served(native or target.name_or_path, None if native else directory, method, k,
+                                         prompts, settings.max_new_tokens, dtype, target.device.type,
+                                         settings.trust_remote_code)
     except Exception as err:  # vLLM's refusal of the file (or of the target) is the finding: one line, the rows stand
         return "fail", f"vLLM (method {method}, k={k}) did not serve it (the export or the target: read the error): " \
             f"{type(err).__name__}: " + " ".join(str(err).split())[:400]
@@ -138,12 +148,26 @@ def settings_from(args: argparse.Namespace) -> EvalSettings:
                         trust_remote_code=args.trust_remote_code)
 
 
+def native_mtp(spec: str, target: str) -> str | None:
+    """The model directory whose own MTP modules DRAFTER names (module docstring), or None."""
+    if spec in NAMED_DRAFTERS:
+        directory = resolve_target(target)  # its own checkpoint: a name resolves as the target loads
+        if not mtp_export.holds_native(directory):
+            raise ValueError(f"DRAFTER {spec}: --target {target}'s checkpoint holds no MTP modules in a known layout "
+                             f"({', '.join(mtp_export.NATIVE_LAYOUTS)}); check a trained MTP export instead")
+        return directory
+    if checkpoint_kind(spec) == "draft_model" and mtp_export.holds_native(spec):
+        return spec
+    return None
+
+
 def run(settings: EvalSettings, serve: str | None = None) -> int:
     (directory,), (prompt_set,), (k_asked,) = settings.drafter, settings.prompts, settings.num_draft_tokens
-    kind = checkpoint_kind(directory)
+    native = native_mtp(directory, settings.target)
+    kind = "mtp" if native else checkpoint_kind(directory)
     if kind not in DRAFTERS:
         raise ValueError(f"{directory}: drafter kind {kind!r} is not registered; known: {sorted(DRAFTERS)}")
-    method = serve_check.require(serve, kind, _header(directory)) if serve else None
+    method = serve_check.require(serve, kind, _header(native or directory)) if serve else None
     check_drafters(settings, flag="DRAFTER")  # trained for a target of other sizes: refused before the target loads
     _, questions = load_questions(prompt_set, num_prompts=settings.num_prompts)
     device = default_device()
@@ -154,12 +178,17 @@ def run(settings: EvalSettings, serve: str | None = None) -> int:
     check_chat_template(target.tokenizer, use_template, settings.target, settings.chat_template_kwargs)
     prompts = [render_prompt(target.tokenizer, q.turns[:1], [], use_template, settings.chat_template_kwargs)
                for q in questions]
-    print(f"draftsmith doctor: {directory} (drafter kind {kind}) for target {settings.target}")
+    what = f"the MTP modules in {native}'s own checkpoint" if native else f"drafter kind {kind}"
+    print(f"draftsmith doctor: {directory} ({what}) for target {settings.target}")
     module = DRAFTERS[kind].export_module
-    rows = [tuple(row) for row in module.export_checks(directory, info)] if module and module.export_checks else [
-        ("format", "info", f"drafter kind {kind!r} provides no format checks")]
-    try:
-        drafter = target.serve(load_drafter(directory, info))  # on the target's device, in its dtype
+    if native:
+        rows = [tuple(row) for row in native_checks(native, info)]
+    elif module and module.export_checks:
+        rows = [tuple(row) for row in module.export_checks(directory, info)]
+    else:
+        rows = [("format", "info", f"drafter kind {kind!r} provides no format checks")]
+    try:  # on the target's device, in its dtype
+        drafter = target.serve(DRAFTERS["mtp"].from_target(info, native) if native else load_drafter(directory, info))
     except ValueError as err:
         rows.append(("engine", "fail", f"our engine cannot load it: {err}"))
     else:
@@ -168,7 +197,8 @@ def run(settings: EvalSettings, serve: str | None = None) -> int:
         random = acceptance(target, randomised(drafter), prompts, k, settings.max_new_tokens)
         rows.append(("engine", *engine_check(trained, random)))
         if method:
-            rows.append((f"serve {serve}", *served(target, drafter, directory, method, prompts, k_asked, settings)))
+            rows.append((f"serve {serve}", *served(target, drafter, directory, method, prompts, k_asked, settings,
+                                                    native)))
     width = max(len(name) for name, _, _ in rows)
     for name, status, detail in rows:
         print(f"  {STATUS[status]}  {name:<{width}}  {detail}")

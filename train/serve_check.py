@@ -78,18 +78,19 @@ def ours(target, drafter: Drafter, prompts: list[list[int]], k: int, max_new_tok
     return Served([list(t) for t in out.tokens], counts["rounds"], counts["accepted"], counts["survived"])
 
 
-def vllm_served(target_dir: str, export_dir: str, method: str, k: int, prompts: list[list[int]],
+def vllm_served(target_dir: str, export_dir: str | None, method: str, k: int, prompts: list[list[int]],
                 max_new_tokens: int, dtype: str, device_type: str, trust_remote_code: bool = False) -> Served:
-    """vLLM's engine with the export as its drafter, one request at a time (batch 1, as ours), greedy;
-    trust_remote_code: the user's (--trust-remote-code), for the tokenizer code a target ships."""
+    """vLLM's engine with the export as its drafter, one request at a time (batch 1, as ours), greedy (export_dir
+    None: the MTP modules in target_dir's own checkpoint, method mtp); trust_remote_code: the user's
+    (--trust-remote-code), for the tokenizer code a target ships."""
     if device_type == "cpu":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=target_dir, speculative_config={"method": method, "model": export_dir,
-                                                    "num_speculative_tokens": k},
+    drafter = {"model": export_dir} if export_dir else {}
+    llm = LLM(model=target_dir, speculative_config={"method": method, **drafter, "num_speculative_tokens": k},
               enforce_eager=True, disable_log_stats=False, dtype=dtype, max_model_len=2048, seed=0,
               gpu_memory_utilization=0.3, language_model_only=True,  # the drafter's target: the text model
               trust_remote_code=trust_remote_code)

@@ -36,6 +36,11 @@ class MTPConfig:
       checkpoint (drafters/mtp/export.py) instead of starting from fresh modules; a fine-tune of the model's own MTP.
       Fresh modules start as the identity on the hidden path (see `init_module_`).
     sample_drafts: propose by sampling the draft distribution and return it; else argmax drafts.
+    proposer: how a draft after the first is computed. "server": as vLLM and SGLang run an MTP module for several
+      tokens, step j runs the module at the next position over the previous step's output and draft j, its attention
+      reading one cache of the committed positions' first-step K/V and the steps before it (one module only). "depths":
+      DeepSeek-V3's definition, which training teaches: step j runs module j over the last j + 1 positions with step
+      j - 1's outputs there, each step with its own cache. "auto": "server" with one module, "depths" with several.
     """
 
     num_modules: int = 1
@@ -48,6 +53,7 @@ class MTPConfig:
     layout: Literal["deepseek_v3", "qwen3_next", "qwen3_5", "mimo", "nemotron_h", "speculators"] = "deepseek_v3"
     init_from_native: bool = False
     sample_drafts: bool = False
+    proposer: Literal["auto", "server", "depths"] = "auto"
 
     def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
         """One training step's shape for drafters/step_memory.StepShape: num_steps depths of one decoder layer over

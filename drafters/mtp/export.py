@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from drafters.base import TargetInfo, check_target_match
+from drafters.base import TargetInfo, check_target_match, text_config_of
 from drafters.mtp.config import MTPConfig
 from drafters.mtp.experts import fuse_experts, split_experts
 from drafters.mtp.layers import LAYOUTS, step_blocks, target_text_config
@@ -62,6 +62,10 @@ def read_tensors(directory: str, index: Mapping[str, str], names) -> dict[str, t
     out = {}
     for file, wanted in by_file.items():
         with safe_open(os.path.join(directory, file), "pt") as f:
+            absent = sorted(set(wanted) - set(f.keys()))
+            if absent:
+                raise ValueError(f"{directory}: model.safetensors.index.json places {absent[:3]} in {file}, which "
+                                 "does not hold them (a shard rewritten without its index)")
             out.update({name: f.get_tensor(name) for name in wanted})
     return out
 
@@ -84,15 +88,7 @@ def find_native(directory: str, num_layers: int, model_type: str | None = None) 
     numbering with gaps, or a layout that does not match the target's model_type.
     """
     index = checkpoint_index(directory)
-    found: dict[str, list[int]] = {}
-    for layout, record in RECORDS.items():
-        if record.marker is None or (record.requires and record.requires not in index):
-            continue
-        indices = sorted({int(m.group(1)) for m in map(re.compile(record.marker).fullmatch, index) if m})
-        if record.after_decoder:
-            indices = [i - num_layers for i in indices if i >= num_layers]
-        if indices:
-            found[layout] = indices
+    found = _marked(index, num_layers)
     if not found:
         looked = "; ".join(f"{layout} ({record.looked_for})" for layout, record in RECORDS.items() if record.marker)
         raise ValueError(f"{directory}: the target checkpoint has no MTP weights. Looked for the layouts {looked}; "
@@ -111,6 +107,28 @@ def find_native(directory: str, num_layers: int, model_type: str | None = None) 
         raise ValueError(f"{directory}: the target's model_type {model_type!r} ships MTP weights in the {expected} "
                          f"layout, but this checkpoint holds the {layout} layout")
     return NativeMTP(layout, len(indices))
+
+
+def _marked(index: Mapping[str, str], num_layers: int) -> dict[str, list[int]]:
+    """{layout: the module indices its marker finds} over a checkpoint's tensor names."""
+    found: dict[str, list[int]] = {}
+    for layout, record in RECORDS.items():
+        if record.marker is None or (record.requires and record.requires not in index):
+            continue
+        indices = sorted({int(m.group(1)) for m in map(re.compile(record.marker).fullmatch, index) if m})
+        if record.after_decoder:
+            indices = [i - num_layers for i in indices if i >= num_layers]
+        if indices:
+            found[layout] = indices
+    return found
+
+
+def holds_native(directory: str) -> bool:
+    """Whether a model directory's checkpoint holds MTP tensors of a known layout (its config.json gives the layer
+    count DeepSeek-V3's numbering starts from)."""
+    with open(os.path.join(directory, "config.json")) as f:
+        config = text_config_of(json.load(f))
+    return bool(_marked(checkpoint_index(directory), int(config.get("num_hidden_layers") or 0)))
 
 
 def _same_names(a: CheckpointLayout, b: CheckpointLayout) -> bool:

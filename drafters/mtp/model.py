@@ -62,6 +62,9 @@ class MTPDrafter(DraftHead, Drafter):
         if config.layout not in LAYOUTS:
             raise ValueError(f"drafter.layout {config.layout!r} is not one of {sorted(LAYOUTS)}")
         self.convention = LAYOUTS[config.layout]
+        if config.proposer == "server" and config.num_modules != 1:
+            raise ValueError(f"drafter.proposer 'server' runs one module for every step (as vLLM and SGLang do); "
+                             f"drafter.num_modules is {config.num_modules}: use proposer 'depths' or 'auto'")
         num_layers = target_info.num_layers
         classes = family_classes(target_text_config(target_info).get("model_type") or "llama")
         self.block_config = block_config(target_info, config.num_modules)
@@ -123,6 +126,11 @@ class MTPDrafter(DraftHead, Drafter):
     def max_draft_tokens(self) -> int | None:
         return None if self.config.reuse else self.config.num_modules
 
+    @property
+    def served_steps(self) -> bool:
+        """Steps after the first run as servers run them (MTPConfig.proposer)."""
+        return self.config.proposer == "server" or (self.config.proposer == "auto" and self.config.num_modules == 1)
+
     def _module_index(self, depth: int) -> int:
         return depth % self.config.num_modules if self.config.reuse else depth
 
@@ -143,9 +151,10 @@ class MTPDrafter(DraftHead, Drafter):
             self.pick_draft_vocab(token_counts)
             self.copy_target_rows()
 
-    def import_native(self) -> None:
-        """Load the MTP modules shipped in the target's checkpoint (TargetInfo.name_or_path) into this drafter."""
-        directory = self.target_info.name_or_path
+    def import_native(self, directory: str | None = None) -> None:
+        """Load the MTP modules shipped in the target's checkpoint (`directory`, default TargetInfo.name_or_path: an
+        export of the target into its layout holds the same trunk) into this drafter."""
+        directory = directory or self.target_info.name_or_path
         model_type = target_text_config(self.target_info).get("model_type")
         found = mtp_export.find_native(directory, self.target_info.num_layers, model_type)
         if found.layout != self.config.layout:
@@ -162,14 +171,16 @@ class MTPDrafter(DraftHead, Drafter):
                              f"config: {err}") from None
 
     @classmethod
-    def from_target(cls, target_info: TargetInfo) -> "MTPDrafter":
-        """The target's own MTP modules (`--drafter native-mtp`): layout and count read from its checkpoint; the
-        modules are reused for every step beyond the last, as vLLM does."""
+    def from_target(cls, target_info: TargetInfo, directory: str | None = None) -> "MTPDrafter":
+        """The target's own MTP modules (`--drafter native-mtp`), or those of `directory` (a target checkpoint with
+        MTP weights: `draftsmith doctor`): layout and count read from the checkpoint; the modules are reused for
+        every step beyond the last, as vLLM does."""
         model_type = target_text_config(target_info).get("model_type")
-        found = mtp_export.find_native(target_info.name_or_path, target_info.num_layers, model_type)
+        directory = directory or target_info.name_or_path
+        found = mtp_export.find_native(directory, target_info.num_layers, model_type)
         config = MTPConfig(num_modules=found.num_modules, reuse=True, layout=found.layout, init_from_native=True)
         drafter = cls(config, target_info)
-        drafter.import_native()
+        drafter.import_native(directory)
         return drafter.to(target_info.embed_weight.device, target_info.embed_weight.dtype).eval()
 
     def _target_tensor(self, name: str) -> torch.Tensor:
@@ -327,7 +338,7 @@ class MTPDrafter(DraftHead, Drafter):
             return Proposal(tokens=self._tokens.new_zeros(batch, 0))
         for state in self._depths:
             state.cache.rewind()
-        self._grow_to(num_tokens)
+        self._grow_to(1 if self.served_steps else num_tokens)
         anchor = self._known - 1  # position of the token the target emitted last
         rows = torch.arange(batch, device=anchor.device)
         fed = self._depths[0].out[rows, anchor - 1]
@@ -337,7 +348,18 @@ class MTPDrafter(DraftHead, Drafter):
         draft, q = draw_drafts(logits, self.config.sample_drafts, self._generator)
         draft = draft if draft_ids is None else draft_ids[draft]  # target ids: the next depth embeds them
         tokens, probs, depth_logits, speculative = [draft], [q], [logits], None
-        for depth in range(1, num_tokens):
+        cache = self._depths[0].cache  # served steps: its committed entries, then the steps (dropped by a rewind)
+        for step in range(1, num_tokens if self.served_steps else 0):
+            # the step at the next position: the previous step's output and draft `step`
+            position = (anchor - 1 + step).unsqueeze(1)
+            fed, normed = self._step(0, tokens[-1].unsqueeze(1), fed.unsqueeze(1), position,
+                                     cache.plan(torch.ones_like(position, dtype=torch.bool)), cache)
+            fed, logits = fed[:, -1], self._logits(normed[:, -1])
+            draft, q = draw_drafts(logits, self.config.sample_drafts, self._generator)
+            tokens.append(draft if draft_ids is None else draft_ids[draft])
+            probs.append(q)
+            depth_logits.append(logits)
+        for depth in range(1, 0 if self.served_steps else num_tokens):
             # depth runs over positions anchor-depth .. anchor-1: the first has depth-1's committed output, the rest
             # depth-1's speculative outputs; their tokens are the drafts d_1..d_depth.
             committed = self._depths[depth - 1].out[rows, (anchor - depth).clamp(min=0)].unsqueeze(1)

@@ -98,3 +98,13 @@ RECORDS = {
     "speculators": CheckpointLayout(_MIMO_NAMES, "mtp_layers.{index}.", "mtp_layers.{index}.", owned="mtp_layers.",
                                     one_module=True, split_experts=False),
 }
+
+
+# How vLLM (0.32: config/speculative.py, hf_config_override) picks its MTP model for `method: mtp` from the target's
+# config: the model types, or first architectures, that route to each layout's MTP model. Any other config gets no MTP
+# model, whatever tensors the checkpoint holds.
+VLLM_ROUTES = {"deepseek_v3": ({"deepseek_v3", "deepseek_v32", "glm_moe_dsa"}, {"Glm4MoeForCausalLM"}),
+               "qwen3_next": ({"qwen3_next"}, set()),
+               "qwen3_5": ({"qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"}, set()),
+               "mimo": (set(), {"MiMoForCausalLM"}),
+               "nemotron_h": ({"nemotron_h"}, set())}
