@@ -162,7 +162,8 @@ def naive_cell_logits(drafter, input_ids, hidden, row: int, position: int, depth
 def test_training_forward_equals_naive_per_cell_reference(layout, reuse):
     target = TargetModel(make_tiny_model("llama", num_layers=2), name_or_path="tiny")
     torch.manual_seed(3)
-    config = MTPConfig(num_modules=1 if reuse else 3, reuse=reuse, num_steps=3, layout=layout)
+    config = MTPConfig(num_modules=1 if reuse else 3, reuse=reuse, num_steps=3, layout=layout,
+                       proposer="depths")  # the reference's definition; the served steps: test_server_*
     drafter = MTPDrafter(config, target.target_info()).double()
     input_ids = torch.randint(3, 250, (2, 11))
     loss_mask = torch.ones_like(input_ids)
@@ -248,6 +249,7 @@ def test_native_module_logits_equal_the_reference_forward(native, layout):
     assert drafter.kind == "mtp" and drafter.config.layout == layout and drafter.config.num_modules == 1
     assert drafter.max_draft_tokens() is None  # one module, reused for every step as vLLM does
     drafter.config.num_steps = 2
+    drafter.config.proposer = "depths"  # the reference's definition of depth 1 (the served steps: test_server_*)
     input_ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
     batch = features(target, drafter, input_ids)
     with torch.no_grad():
@@ -432,6 +434,35 @@ def test_server_steps_equal_the_module_run_autoregressively_over_the_committed_p
     assert checked == 6 * NUM_DRAFTS
     with pytest.raises(ValueError, match="drafter.proposer 'server' runs one module.*num_modules is 2"):
         MTPDrafter(MTPConfig(num_modules=2, proposer="server"), target.target_info())
+
+
+@pytest.mark.parametrize("layout", ["deepseek_v3", "mimo"])
+def test_server_proposals_equal_the_training_forward(layout):
+    """Training teaches the steps the server runs (layers.StepKeys): wherever a round's drafts up to step k were
+    accepted, the training forward's step-k prediction is the proposal (test_contract's check for the other kinds),
+    with either fed-back state (DeepSeek-V3: pre-norm, MiMo: normed) and position-0 masking."""
+    from test_contract import NUM_DRAFTS, decode_with_forced_accepts, tiny_target, training_batch
+
+    target = tiny_target()
+    torch.manual_seed(4)
+    drafter = MTPDrafter(MTPConfig(num_modules=1, reuse=True, num_steps=NUM_DRAFTS, layout=layout),
+                         target.target_info()).double().eval()
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+        prompts = [[5, 17, 33, 9, 120, 41, 7], [250, 11, 64, 90, 3]]
+        schedules = [[2, NUM_DRAFTS, 0, 1], [0, 1, 3, None]]
+        sequences, rounds = decode_with_forced_accepts(target, drafter, prompts, schedules)
+        output = drafter(training_batch(target, drafter, sequences))
+    cells = {(int(output.batch_index[n]), int(output.label_position[n, k]) - 1 - k, k): output.logits[n, k]
+             for n in range(output.logits.shape[0]) for k in range(output.logits.shape[1])}
+    checked = 0
+    for row, row_rounds in enumerate(rounds):
+        for anchor, proposed, accepted in row_rounds:
+            for k in range(min(accepted + 1, NUM_DRAFTS)):
+                assert int(cells[(row, anchor, k)].argmax()) == proposed[k], (row, anchor, k)
+                checked += 1
+    assert checked >= 12
 
 
 def test_fp8_mtp_weights_are_refused(native, tmp_path):

@@ -93,6 +93,7 @@ def test_native_step_logits_equal_the_blocks_written_out(native):
     assert drafter.kind == "mtp" and drafter.config.layout == "nemotron_h" and drafter.config.num_modules == 1
     assert [type(b).__name__ for b in drafter.layers[0].block] == ["NemotronHBlock"] * 2
     drafter.config.num_steps = 2
+    drafter.config.proposer = "depths"  # depth 1 as written out below (vLLM's own steps: tests/test_mtp.py)
     input_ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
     ones = torch.ones_like(input_ids)
     batch = {"input_ids": input_ids, "attention_mask": ones, "loss_mask": ones}

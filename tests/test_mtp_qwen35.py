@@ -81,6 +81,7 @@ def test_native_module_equals_the_familys_own_layer(name, tmp_path):
     drafter = load_drafter("native-mtp", info)
     assert drafter.config.layout == "qwen3_5" and drafter.max_draft_tokens() is None  # reused, as vLLM does
     drafter.config.num_steps = 2
+    drafter.config.proposer = "depths"  # the reference's depth 1 (the served steps: tests/test_mtp.py test_server_*)
     input_ids = torch.randint(0, 250, (2, 14), generator=torch.Generator().manual_seed(3))
     batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
              "loss_mask": torch.ones_like(input_ids)}

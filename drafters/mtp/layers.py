@@ -306,3 +306,29 @@ class BlockCache:
 
     def rewind(self) -> None:
         self.lengths = self._marked.clone()
+
+
+class StepKeys:
+    """The K/V of the steps of a training forward that proposes as the servers do (MTPConfig.proposer "server"): step
+    j's block at anchor i (row i, position i + j) attends to step 0's K/V at positions <= i and to its own anchor's
+    steps 1 .. j (EAGLE-3's test-time-training pattern), which is what a server's cache holds when it runs step j. The
+    pairs (and a DSA indexer's keys) keep their graph; `mask(j)` is step j's [1, 1, T, T (j + 1)] bool mask, its key
+    blocks in the order the steps ran."""
+
+    def __init__(self, length: int, device):
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.index: list[torch.Tensor] = []
+        self._causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        self._diagonal = torch.eye(length, dtype=torch.bool, device=device)
+
+    def mask(self, step: int) -> torch.Tensor:
+        length = self._causal.shape[0]
+        return torch.cat([self._causal] + [self._diagonal] * step, dim=1).view(1, 1, length, length * (step + 1))
+
+    def update(self, first: torch.Tensor, second: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        self.pairs.append((first, second))
+        return tuple(torch.cat([pair[i] for pair in self.pairs], dim=2) for i in (0, 1))
+
+    def update_indexer(self, keys: torch.Tensor, *args) -> torch.Tensor:
+        self.index.append(keys)
+        return torch.cat(self.index, dim=1)

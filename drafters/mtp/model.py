@@ -22,6 +22,7 @@ from drafters.mtp.layers import (
     LAYOUTS,
     BlockCache,
     MTPModule,
+    StepKeys,
     block_config,
     causal_mask,
     family_classes,
@@ -209,7 +210,8 @@ class MTPDrafter(DraftHead, Drafter):
 
     # ---- training ---------------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Any]) -> DraftOutput:
-        """Teacher-forced depths over the batch (right padding).
+        """Teacher-forced depths over the batch (right padding): DeepSeek-V3's, or the steps as servers run one module
+        (MTPConfig.proposer; layers.StepKeys).
 
         Returns:
             DraftOutput: row n = (batch_index, position i = anchor - 1) for every i where some depth has a loss;
@@ -220,10 +222,15 @@ class MTPDrafter(DraftHead, Drafter):
         batch_size, seq_len = batch["input_ids"].shape
         device = batch["input_ids"].device
         positions = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-        position_embeddings = self.rope(batch["final_hidden"].to(self.layers[0].eh_proj.weight.dtype), positions)
-        mask = causal_mask(seq_len, device)
-        output = chained_depths(batch, self.num_steps, lambda depth, tokens, hidden: self._step(
-            depth, tokens, hidden, positions, mask, position_embeddings=position_embeddings), self._logits)
+        if self.served_steps:  # step k of anchor i at position i + k over StepKeys (MTPConfig.proposer)
+            keys = StepKeys(seq_len, device)
+            output = chained_depths(batch, self.num_steps, lambda depth, tokens, hidden: self._step(
+                depth, tokens, hidden, positions + depth, keys.mask(depth), keys), self._logits)
+        else:
+            position_embeddings = self.rope(batch["final_hidden"].to(self.layers[0].eh_proj.weight.dtype), positions)
+            mask = causal_mask(seq_len, device)
+            output = chained_depths(batch, self.num_steps, lambda depth, tokens, hidden: self._step(
+                depth, tokens, hidden, positions, mask, position_embeddings=position_embeddings), self._logits)
         if self.lm_head is not None:
             rows = output.batch_index.unsqueeze(1).expand_as(output.label_position)
             token = (batch["input_ids"][rows, output.label_position] if self.config.loss == "hard" else
