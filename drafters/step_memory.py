@@ -49,7 +49,8 @@ class StepShape:
     target's hidden (the assistant; 0 = hidden). modules: distinct MTP modules (0 = one per depth). kv_features:
     target layers whose K/V the batch carries (the assistant's queries read them; its layers project none).
     kv_expanded: masked attention repeats K/V to every query head (layers.expands_kv_heads: off the CPU; MTP's HF
-    layers always). params: P trained parameters (None = counted from the shapes)."""
+    layers always). step_keys: a chain's step k attends to k + 1 blocks of keys (MTP's served steps,
+    mtp/layers.StepKeys), not one. params: P trained parameters (None = counted from the shapes)."""
 
     kind: str
     step: str
@@ -74,6 +75,7 @@ class StepShape:
     kv_features: int = 0
     trained_head: bool = False  # MTP: a draft-vocabulary head is trained (whatever its rows)
     kv_expanded: bool = False
+    step_keys: bool = False
     checkpointing: bool = False
     bytes_per_value: int = 4
     params: int | None = None
@@ -187,16 +189,21 @@ def chain_values_per_token(s: StepShape) -> int:
     - per layer: the two norms' outputs and normed inputs, the residual and the output (6 W), q after RoPE and SDPA's
       output, which o_proj reads (2 H d), the MLP's gate, up, SiLU and product (4 I), and the keys and values SDPA
       keeps: its own (2 H_kv d), repeated to every head (2 H d, kv_expanded), or none (the assistant's are the
-      batch's);
+      batch's), once per key block it reads (`key_blocks`);
     - per depth: an MTP module's embedding, enorm / hnorm outputs and normed inputs, [e ; h] and final norm (6 D); an
       assistant step's [e ; h], pre-projection output and final norm (2 D + 3 W); the head's input (one row of D or
       W) and cos / sin (2 d)."""
     h, w = s.hidden, s.width or s.hidden
     qd, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
     kv = 2 * qd if s.kv_expanded else 0 if s.kv_features else 2 * kvd
-    layer = 6 * w + 2 * qd + kv + 4 * s.intermediate
+    layer = 6 * w + 2 * qd + 4 * s.intermediate
     step = 2 * h + 4 * w if s.kv_features else 7 * h
-    return s.depths * (s.num_layers * layer + step + 2 * s.head_dim)
+    return s.depths * (s.num_layers * layer + step + 2 * s.head_dim) + s.num_layers * kv * key_blocks(s)
+
+
+def key_blocks(s: StepShape) -> int:
+    """Blocks of T keys a chain's depths attend to in all: one each, or k + 1 at step k with step_keys."""
+    return s.depths * (s.depths + 1) // 2 if s.step_keys else s.depths
 
 
 def activation_values(s: StepShape) -> int:
@@ -209,7 +216,7 @@ def activation_values(s: StepShape) -> int:
         return tokens * eagle3_values_per_token(s) + (s.num_layers * expanded_kv_values(s, s.seq_len) if padded else 0)
     if s.step == "chain":  # + the float mask SDPA keeps per layer and depth ([1 or B, 1, T, T])
         mask_rows = s.batch if s.kv_features else 1
-        return tokens * chain_values_per_token(s) + s.depths * s.num_layers * mask_rows * s.seq_len ** 2
+        return tokens * chain_values_per_token(s) + key_blocks(s) * s.num_layers * mask_rows * s.seq_len ** 2
     if s.step == "heads":  # the gathered hidden state; in one shot also each residual block's linear output and
         # output (2 D; the last one's output is not kept by a frozen head, whose product keeps only its weight)
         one_shot = tokens * s.depths * s.head_vocab <= LOSS_ONE_SHOT_VALUES

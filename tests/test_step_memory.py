@@ -87,11 +87,17 @@ def test_model_predicts_the_measured_peaks_within_20_percent():
     assert checked >= 12
 
 
-@pytest.mark.parametrize("kind", sorted(FULL_VOCAB))
+# one MTP module over 3 served steps: step k attends to k + 1 blocks of keys (mtp/layers.StepKeys)
+SERVED_MTP = {"mtp-served": lambda info: FULL_VOCAB["mtp"](info).__class__(
+    FULL_VOCAB["mtp"](info).Config(num_modules=1, reuse=True, num_steps=3), info)}
+
+
+@pytest.mark.parametrize("kind", sorted(FULL_VOCAB) + sorted(SERVED_MTP))
 def test_full_vocab_kinds_count_what_autograd_saves(kind):
-    """MTP, Medusa and the assistant: the kept activations plus the one-shot loss's logits and per-cell teacher
-    (what the step saves for its backward pass, counted storage by storage) within 5% of the model's count."""
-    drafter = FULL_VOCAB[kind](target_info())
+    """MTP (DeepSeek-V3's depths and the served steps), Medusa and the assistant: the kept activations plus the
+    one-shot loss's logits and per-cell teacher (what the step saves for its backward pass, counted storage by
+    storage) within 5% of the model's count."""
+    drafter = {**FULL_VOCAB, **SERVED_MTP}[kind](target_info())
     batch = make_batch(drafter, (LENGTH, LENGTH))
     shape = step_shape(drafter, seq_len=LENGTH, batch=2, checkpointing=False)
 

@@ -55,11 +55,17 @@ class MTPConfig:
     sample_drafts: bool = False
     proposer: Literal["auto", "server", "depths"] = "auto"
 
+    @property
+    def served_steps(self) -> bool:
+        """Steps after the first run as servers run them (`proposer`)."""
+        return self.proposer == "server" or (self.proposer == "auto" and self.num_modules == 1)
+
     def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
         """One training step's shape for drafters/step_memory.StepShape: num_steps depths of one decoder layer over
         every position, the loss through the target's full vocabulary. The HF layers repeat K/V for their mask on
         every device (transformers' sdpa_attention_forward)."""
         steps = self.num_modules if self.num_steps is None else int(self.num_steps)
         return {"step": "chain", "depths": steps, "num_layers": 1, "modules": self.num_modules,
+                "step_keys": self.served_steps,
                 "head_vocab": self.draft_vocab_size or vocab, "default_features": 0, "kv_expanded": True,
                 "trained_head": self.draft_vocab_size is not None}

@@ -130,7 +130,7 @@ class MTPDrafter(DraftHead, Drafter):
     @property
     def served_steps(self) -> bool:
         """Steps after the first run as servers run them (MTPConfig.proposer)."""
-        return self.config.proposer == "server" or (self.config.proposer == "auto" and self.config.num_modules == 1)
+        return self.config.served_steps
 
     def _module_index(self, depth: int) -> int:
         return depth % self.config.num_modules if self.config.reuse else depth
