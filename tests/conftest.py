@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,6 +44,16 @@ def tiny_target(request):
     from inference.engine.target import TargetModel
 
     return TargetModel(make_tiny_model(request.param), name_or_path=f"tiny-{request.param}")
+
+
+def edit_config(directory, change) -> None:
+    """Apply `change` (a function of the dict) to directory/config.json in place."""
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    change(config)
+    with open(path, "w") as f:
+        json.dump(config, f)
 
 
 def random_prompts(num: int, seed: int = 0, min_len: int = 3, max_len: int = 12, vocab: int = 256):

@@ -27,7 +27,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_model
+from conftest import edit_config, make_tiny_model
 from safetensors.torch import load_file, save_file
 
 from drafters.dflash import DFlashConfig, DFlashDrafter
@@ -488,15 +488,6 @@ def test_zlab_default_ids_match_ours():
         assert list(default_layer_ids(layers)) == [t + 1 for t in dflash_export.zlab_default_layer_ids(layers, 5)]
 
 
-def _edit(directory, change) -> None:
-    path = os.path.join(directory, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    change(config)
-    with open(path, "w") as f:
-        json.dump(config, f)
-
-
 @pytest.mark.parametrize("fmt,change,message", [
     ("dflash", lambda c: (c["dflash_config"].pop("mask_token_id"), c.pop("mask_token_id")),
      "dflash_config.mask_token_id"),
@@ -520,7 +511,7 @@ def _edit(directory, change) -> None:
 ])
 def test_read_refuses_and_names_the_field(tmp_path, target64, fmt, change, message):
     directory = export(make_drafter(target64), tmp_path, fmt)
-    _edit(directory, change)
+    edit_config(directory, change)
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         DFlashDrafter.load(directory, target64.target_info())
 
@@ -531,7 +522,7 @@ def test_foreign_checkpoint_shapes_load(tmp_path, target64):
     drafter = make_drafter(target64)
     batch = make_batch(target64, drafter)
     zlab = export(drafter, tmp_path / "zlab", "dflash")
-    _edit(zlab, lambda c: [c.pop(k) for k in ("draftsmith", "target_layer_ids", "mask_token_id",
+    edit_config(zlab, lambda c: [c.pop(k) for k in ("draftsmith", "target_layer_ids", "mask_token_id",
                                               "eagle_aux_hidden_state_layer_ids", "draft_vocab_size")])
     spec = export(drafter, tmp_path / "spec", "speculators")
     weights = load_file(os.path.join(spec, "model.safetensors"))

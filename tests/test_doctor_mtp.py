@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import edit_config
 from safetensors.torch import load_file, save_file
 
 from drafters.mtp import MTPConfig, MTPDrafter
@@ -42,12 +43,7 @@ def qwen_export(tmp_path_factory):
 def edited_copy(source: str, directory, config_edit=None, tensors_edit=None) -> str:
     shutil.copytree(source, directory)
     if config_edit:
-        path = os.path.join(directory, "config.json")
-        with open(path) as f:
-            config = json.load(f)
-        config_edit(config)
-        with open(path, "w") as f:
-            json.dump(config, f)
+        edit_config(directory, config_edit)
     if tensors_edit:  # the MTP shard and the index alike
         path, index_path = os.path.join(directory, "model-mtp.safetensors"), os.path.join(
             directory, "model.safetensors.index.json")
