@@ -40,7 +40,7 @@ import torch
 
 from drafters import DRAFTERS, NAMED_DRAFTERS, checkpoint_kind, load_drafter
 from drafters.mtp import export as mtp_export
-from drafters.mtp.readers import native_checks
+from drafters.mtp.native_checks import native_checks
 from inference.assets.store import resolve_target
 from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel, default_device

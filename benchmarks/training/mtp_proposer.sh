@@ -29,5 +29,5 @@ json.dump(config, open(path, "w"), indent=2)
 PY
   draftsmith eval --target smollm2-135m-instruct --prompts mt_bench --num-prompts 8 --max-new-tokens 96 --temperature 0 \
     --threads 2 --drafter $R/P_mtp_server/final,$R/P_mtp_depths_as_served,$R/P_mtp_depths/final --num-draft-tokens 1,3 \
-    --out $O/mtp_proposer.json > $O/mtp_proposer.log 2>&1
+    --out $O/mtp_proposer.json > $R/mtp_proposer_eval.log 2>&1 && gzip -9nf $O/mtp_proposer.json && rm -f $O/mtp_proposer_*.png
 fi
