@@ -23,7 +23,8 @@ from benchmarks.gpu_check.context import (OUT_OF_MEMORY, QWEN3_8B, TINY_SHAPE, C
 from benchmarks.gpu_check.summary import one_line
 
 BLOCK_IDS = {"layer_ids": "auto", "mask_token_id": None}  # ids that fit a few layers; the mask row found unused
-# (label, recipe, drafter overrides, sequence: 0 short / 1 long, activation checkpointing, qwen3 widths)
+# (label, recipe, drafter overrides, sequence: 0 short / 1 long, activation checkpointing, qwen3 widths); the kind is
+# the recipe's
 CASES = [
     ("eagle3", "recipes/llama3.1-8b/eagle3.yaml", {}, 0, False, False),
     ("eagle3", "recipes/llama3.1-8b/eagle3.yaml", {}, 1, False, False),
@@ -32,6 +33,8 @@ CASES = [
     ("dspark", "recipes/qwen3-8b/dspark.yaml", BLOCK_IDS, 1, False, False),
     ("mtp", "recipes/llama3.1-8b/mtp.yaml", {}, 0, False, False),
     ("mtp", "recipes/llama3.1-8b/mtp.yaml", {}, 1, False, False),
+    # one module over 3 steps as servers run it: step k attends to k + 1 blocks of keys (mtp/layers.StepKeys)
+    ("mtp-served", "recipes/llama3.1-8b/mtp.yaml", {"num_modules": 1, "reuse": True, "num_steps": 3}, 1, False, False),
     ("medusa", "recipes/debug/tiny_medusa.yaml", {}, 1, False, False),
     ("assistant", "recipes/llama3.1-8b/assistant.yaml", {}, 0, False, False),
     ("eagle3", "recipes/qwen3-8b/eagle3.yaml", {}, 0, False, True),
