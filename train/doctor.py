@@ -22,7 +22,7 @@ Two kinds of checks, each printed as PASS / FAIL / WARN / INFO with what to fix:
 
 DRAFTER may also be `native-mtp` (the MTP modules in --target's own checkpoint) or a model directory whose checkpoint
 holds MTP modules (an export into the target family's layout, `draftsmith export CKPT --format qwen3_5 ...`): the
-format rows are then drafters/mtp/readers.native_checks, and vLLM serves that directory with `method: mtp`.
+format rows are then drafters/mtp/native_checks.py's, and vLLM serves that directory with `method: mtp`.
 
 Exit status: 0 when nothing failed, 1 when a check failed, 2 for bad input (one line naming the field).
 """

@@ -152,7 +152,8 @@ def read_native(directory: str, target_info: TargetInfo, layout: str, num_module
             raise ValueError(f"{directory}: {layout} MTP module {k} lacks {missing}")
         tensors = read_tensors(directory, index, fixed.values())
         state.update({f"layers.{k}.{ours}": tensors[theirs] for ours, theirs in fixed.items()})
-        block_names = [n for n in index if n.startswith(block_prefix) and n not in set(fixed.values())
+        fixed_names = set(fixed.values())
+        block_names = [n for n in index if n.startswith(block_prefix) and n not in fixed_names
                        and n.removeprefix(fixed_prefix) not in SHARED_COPIES]
         block = read_tensors(directory, index, block_names)
         fused = fuse_experts({name.removeprefix(block_prefix): t for name, t in block.items()})
@@ -269,9 +270,7 @@ def write_native_layout(drafter, directory: str, layout: str) -> None:
     with open(os.path.join(source, "config.json")) as f:
         config = json.load(f)
     record = RECORDS[layout]
-    counted = config["text_config"] if record.count_in_text_config and isinstance(config.get("text_config"),
-                                                                                   dict) else config
-    counted[record.count_key] = drafter.config.num_modules
+    record.counted(config)[record.count_key] = drafter.config.num_modules
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
 

@@ -318,7 +318,7 @@ class StepKeys:
     def __init__(self, length: int, device):
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.index: list[torch.Tensor] = []
-        self._causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        self._causal = causal_mask(length, device)[0, 0]
         self._diagonal = torch.eye(length, dtype=torch.bool, device=device)
 
     def mask(self, step: int) -> torch.Tensor:

@@ -114,8 +114,8 @@ class MTPDrafter(DraftHead, Drafter):
         heads = config.num_attention_heads
         experts = getattr(config, "num_experts_per_tok", None) or 0
         routed = (getattr(config, "moe_intermediate_size", None) or 0) * experts
-        shared = next((getattr(config, key, None) for key in ("shared_expert_intermediate_size",  # Nemotron-H: moe_
-                       "moe_shared_expert_intermediate_size") if getattr(config, key, None)), 0)
+        shared = (getattr(config, "shared_expert_intermediate_size", None)
+                  or getattr(config, "moe_shared_expert_intermediate_size", None) or 0)  # Nemotron-H's name
         return {"hidden_size": config.hidden_size, "num_attention_heads": heads,
                 "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
                 "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
@@ -355,26 +355,23 @@ class MTPDrafter(DraftHead, Drafter):
         draft, q = draw_drafts(logits, self.config.sample_drafts, self._generator)
         draft = draft if draft_ids is None else draft_ids[draft]  # target ids: the next depth embeds them
         tokens, probs, depth_logits, speculative = [draft], [q], [logits], None
-        cache = self._depths[0].cache  # served steps: its committed entries, then the steps (dropped by a rewind)
-        for step in range(1, num_tokens if self.served_steps else 0):
-            # the step at the next position: the previous step's output and draft `step`
-            position = (anchor - 1 + step).unsqueeze(1)
-            fed, normed = self._step(0, tokens[-1].unsqueeze(1), fed.unsqueeze(1), position,
-                                     cache.plan(torch.ones_like(position, dtype=torch.bool)), cache)
-            fed, logits = fed[:, -1], self._logits(normed[:, -1])
-            draft, q = draw_drafts(logits, self.config.sample_drafts, self._generator)
-            tokens.append(draft if draft_ids is None else draft_ids[draft])
-            probs.append(q)
-            depth_logits.append(logits)
-        for depth in range(1, 0 if self.served_steps else num_tokens):
-            # depth runs over positions anchor-depth .. anchor-1: the first has depth-1's committed output, the rest
-            # depth-1's speculative outputs; their tokens are the drafts d_1..d_depth.
-            committed = self._depths[depth - 1].out[rows, (anchor - depth).clamp(min=0)].unsqueeze(1)
-            hidden = committed if speculative is None else torch.cat([committed, speculative], dim=1)
-            positions = (anchor - depth).unsqueeze(1) + torch.arange(depth, device=anchor.device)
-            cache = self._depths[depth].cache
-            speculative, normed = self._step(depth, torch.stack(tokens, dim=1), hidden, positions.clamp(min=0),
-                                             cache.plan(positions >= 0), cache)
+        for depth in range(1, num_tokens):
+            if self.served_steps:
+                # the step at the next position over the previous step's output and draft `depth`, in depth 0's
+                # cache after its committed entries (the next rewind drops the steps)
+                position, cache = (anchor - 1 + depth).unsqueeze(1), self._depths[0].cache
+                fed, normed = self._step(0, tokens[-1].unsqueeze(1), fed.unsqueeze(1), position,
+                                         cache.plan(torch.ones_like(position, dtype=torch.bool)), cache)
+                fed = fed[:, -1]
+            else:
+                # depth runs over positions anchor-depth .. anchor-1: the first has depth-1's committed output, the
+                # rest depth-1's speculative outputs; their tokens are the drafts d_1..d_depth.
+                committed = self._depths[depth - 1].out[rows, (anchor - depth).clamp(min=0)].unsqueeze(1)
+                hidden = committed if speculative is None else torch.cat([committed, speculative], dim=1)
+                positions = (anchor - depth).unsqueeze(1) + torch.arange(depth, device=anchor.device)
+                cache = self._depths[depth].cache
+                speculative, normed = self._step(depth, torch.stack(tokens, dim=1), hidden, positions.clamp(min=0),
+                                                 cache.plan(positions >= 0), cache)
             logits = self._logits(normed[:, -1])
             draft, q = draw_drafts(logits, self.config.sample_drafts, self._generator)
             tokens.append(draft if draft_ids is None else draft_ids[draft])

@@ -32,8 +32,7 @@ def native_checks(directory: str, target_info: TargetInfo) -> list[Check]:
                   f"{DRAFT_VOCAB_READERS[layout]} ({LAYOUTS[layout].describe()})")]
     with open(os.path.join(directory, "config.json")) as f:
         header = json.load(f)
-    counted = header.get("text_config") if record.count_in_text_config and isinstance(header.get("text_config"),
-                                                                                      dict) else header
+    counted = record.counted(header)
     key = ("text_config." if counted is not header else "") + record.count_key
     count = counted.get(record.count_key)
     rows.append(Check("count", "pass", f"config.json {key}: {count}") if count == found.num_modules else Check(

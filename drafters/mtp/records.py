@@ -71,6 +71,11 @@ class CheckpointLayout:
         prefix = self.prefixes(num_layers, k)[0]
         return {ours: prefix + theirs.format(last=max(num_blocks, 1) - 1) for ours, theirs in self.fixed.items()}
 
+    def counted(self, config: dict) -> dict:
+        """The dict of a config.json that holds `count_key` (its text_config when `count_in_text_config`)."""
+        nested = config.get("text_config")
+        return nested if self.count_in_text_config and isinstance(nested, dict) else config
+
     def owns(self, name: str, num_layers: int) -> bool:
         """True when tensor `name` of a checkpoint belongs to this layout's MTP modules."""
         if self.after_decoder:
