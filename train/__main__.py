@@ -22,6 +22,7 @@ from train.config import Recipe, recipe_from_argv, recipe_parser
 from train.fit.checkpoint import resolve_resume
 from train.fit.loop import PREEMPTED_EXIT_CODE, Preempted
 from train.fit.metrics import check_trackers
+from train.warm_start import check_init_from
 
 DESCRIPTION = "Train a drafter from a recipe."
 PROG = "draftsmith train"
@@ -33,10 +34,11 @@ def build_parser():
 
 def check_before_loading(recipe: Recipe) -> None:
     """What the run would refuse only after loading the target and the data: an output.dir it cannot write, the
-    checkpoint to resume from, the prompt set of the decoding probe, and trackers accelerate would drop without a
-    word when not installed."""
+    checkpoint to resume from or start from, the prompt set of the decoding probe, and trackers accelerate would drop
+    without a word when not installed."""
     check_writable_dir(recipe.output.dir, "output.dir")
     resolve_resume(recipe.output.dir, recipe.train.resume_from)
+    check_init_from(recipe)
     if recipe.eval.num_prompts > 0:
         load_questions(recipe.eval.prompts)
     check_trackers(recipe.logging.trackers)

@@ -26,6 +26,7 @@ from train.fit.launch import PRECISION_ENV, fill_deepspeed_config, process_group
 from train.fit.loop import RunClock, Trainer
 from train.fit.metrics import flat_config, load_eval_prompts
 from train.fit.optim import build_optimizer, build_scheduler, schedule_position
+from train.warm_start import load_weights, warm_recipe, warm_start
 
 
 def use_cpu() -> bool:
@@ -146,7 +147,8 @@ def feature_provider(recipe: Recipe, split: str, target: TargetModel, request, n
 
 def build_trainer(recipe: Recipe) -> Trainer:
     """Everything `fit` needs, in order: seed, target, data, derived values, accelerator, drafter (initialised from
-    the data or restored from a checkpoint), optimizer, schedule, feature providers, trackers."""
+    the data, from train.init_from's weights with its architecture, or restored from a checkpoint), optimizer,
+    schedule, feature providers, trackers."""
     set_seed(recipe.train.seed)
     precision = resolve_mixed_precision(recipe.train.mixed_precision, accelerator=not use_cpu(),
                                         launcher=os.environ.get(PRECISION_ENV))
@@ -157,9 +159,16 @@ def build_trainer(recipe: Recipe) -> Trainer:
     trackers = list(recipe.logging.trackers)
     accelerator = build_accelerator(recipe, derived, precision)
     accelerator.print(f"derived: {derived}; data: {data.counts}; mixed precision: {accelerator.mixed_precision}")
-    drafter = place_target(recipe, target, build_drafter(recipe, target), state)
     resume = resolve_resume(recipe.output.dir, recipe.train.resume_from)
-    if resume is None:
+    start = warm_start(recipe, target.target_info()) if resume is None else None  # a resumed run has its weights
+    # with train.init_from, the checkpoint's architecture: what the run builds and its recipe.yaml records
+    recipe = start.recipe if start is not None else warm_recipe(recipe, target.target_info())
+    if start is not None:
+        accelerator.print(start.summary())
+    drafter = place_target(recipe, target, build_drafter(recipe, target), state)
+    if start is not None:
+        load_weights(drafter, start)
+    elif resume is None:
         drafter.init_from_data(count_tokens(data.train, target.target_info().vocab_size))
     optimizer = build_optimizer(drafter, recipe.optim)
     clock = RunClock()  # the trainer's; the schedule may follow it (schedule.anneal_on: time)

@@ -129,6 +129,8 @@ class Phase:
 @dataclass(kw_only=True)
 class TrainConfig:
     """batch_size is per process. Give at most one of global_batch_size / grad_accum, and max_steps or epochs.
+    init_from: start from a trained drafter's weights (a run's final/, an export, checkpoints/step_N) with a fresh
+    step, optimizer and schedule; its architecture wins over the recipe's (train/warm_start.py).
     max_time_minutes is a wall-clock budget: the run stops there and exports (schedule.anneal_on says whether the
     schedule follows it). activation_checkpointing: recompute each draft layer (and TTT step) in the backward pass
     instead of keeping its activations: less memory at long sequences for about one more forward of the layers
@@ -150,6 +152,7 @@ class TrainConfig:
     keep_last: int | None = None
     eval_every: int | None = None
     resume_from: str | None = None
+    init_from: str | None = None
     phases: list[Phase] = field(default_factory=list)
     activation_checkpointing: bool = False
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
@@ -264,7 +267,7 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
 
 
 PATH_FIELDS = ("target.name_or_path", "data.path", "data.regenerated_path", "data.cache_dir", "features.cache_dir",
-               "output.dir", "eval.prompts", "train.resume_from")
+               "output.dir", "eval.prompts", "train.resume_from", "train.init_from")
 
 
 def check_literal_paths(recipe: Recipe) -> None:

@@ -46,6 +46,7 @@ from train.features.placement import PLACEMENTS, engine_bytes_per_gpu, fitting_p
 from train.fit.launch import PRECISION_ENV, resolve_mixed_precision
 from train.memory_plan import (STRATEGIES, RecipeSizes, cache_bytes_per_token, drafter_state_bytes, memory_plan,
                                precision_name, served_bytes_per_param)
+from train.warm_start import check_init_from, warm_recipe
 
 NUM_TIMED_BATCHES = 2
 
@@ -330,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     recipe = load_recipe(args.recipe, args.overrides)
     check_sources(recipe.data)  # as every recipe command does before it loads a model
+    check_init_from(recipe)
     if args.probe_steps < 1:
         raise ValueError(f"--probe-steps must be >= 1, got {args.probe_steps}")
     gpu = gpu_memory(args.gpu_memory_gib)
@@ -342,15 +344,17 @@ def main(argv: list[str] | None = None) -> int:
         if config_only:
             target = config_only_target(recipe, state.device)
             data = load_data(recipe, target, state)
+            recipe = warm_recipe(recipe, target.target_info())
             with torch.device("meta"):  # shapes only: a drafter that copies target weights copies nothing
                 drafter = build_drafter(recipe, target)
         elif args.no_probe:
             target = load_target(recipe, state.device, whole=True)
             data = load_data(recipe, target, state)
+            recipe = warm_recipe(recipe, target.target_info())
             drafter = build_drafter(recipe, target)
         else:
             result, trainer = probe(args.recipe, args.overrides, args.probe_steps, scratch)
-            target, data, drafter = trainer.target, trainer.data, trainer.model
+            target, data, drafter, recipe = trainer.target, trainer.data, trainer.model, trainer.recipe
         request = drafter.feature_request()
         print_cache_estimate(recipe, target, data, request, state.num_processes, state.device)
         sizes = recipe_sizes(recipe, target, drafter, *((None, "no") if result is None else

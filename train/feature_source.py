@@ -21,6 +21,7 @@ from train.features.cache import write_cache
 from train.features.stream import StreamDir
 from train.features.stream_producer import run_producer
 from train.features.vllm_features import vllm_extractor, vllm_head
+from train.warm_start import warm_recipe
 
 # (cache, dataset, indices or None for this rank's whole share, progress bar) -> samples written
 Extract = Callable[[Any, Any, "list[int] | None", bool], int]
@@ -57,7 +58,7 @@ def feature_source(recipe: Recipe, state: PartialState) -> FeatureSource:
         target, rank, ranks = load_target(recipe, state.device, whole=True), state.process_index, state.num_processes
         make_writer = hf_extractor
     data = load_data(recipe, target, state)
-    request = build_drafter(recipe, target).feature_request()
+    request = build_drafter(warm_recipe(recipe, target.target_info()), target).feature_request()
     writer = make_writer(recipe, state, target, request, [data.train, data.eval], rank, ranks)
     return FeatureSource(recipe.features.extractor, target, data, request, rank, ranks, writer)
 

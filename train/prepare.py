@@ -30,6 +30,7 @@ from train.config import Recipe, recipe_from_argv, recipe_parser
 from train.feature_source import feature_source, produce
 from train.features.vllm_features import require_vllm
 from train.regeneration import VLLM_MISSING, regenerate_data
+from train.warm_start import check_init_from
 
 
 def write_features(recipe: Recipe, state: PartialState) -> None:
@@ -52,7 +53,9 @@ def build_parser():
 def check_before_loading(recipe: Recipe) -> None:
     """What prepare would refuse only after loading the target or reading the data: a feature cache it cannot
     write, a regenerate: section with nowhere (or nowhere writable) to write its answers, and regenerate.use_vllm
-    where vLLM is not installed (looked up, not imported: importing it is slow)."""
+    where vLLM is not installed (looked up, not imported: importing it is slow), and a train.init_from holding no
+    drafter of the recipe's kind (its layer ids decide the features)."""
+    check_init_from(recipe)
     if recipe.features.mode != "online" and recipe.features.cache_dir:
         check_writable_dir(recipe.features.cache_dir, "features.cache_dir")
     if recipe.regenerate is None:

@@ -4,7 +4,7 @@ resolve its defaults and the layers it builds: drafters/assistant/layers.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 
 @dataclass(kw_only=True)
@@ -40,6 +40,10 @@ class AssistantConfig:
     embed_scale: float | None = None
     sample_drafts: bool = False
     gemma4_config: dict[str, Any] | None = None
+
+    # What a run started from a trained drafter (train.init_from) takes from its recipe; every other field is the
+    # checkpoint's (train/warm_start.py).
+    TRAINING_OPTIONS: ClassVar[tuple[str, ...]] = ("num_steps", "loss_weights", "loss", "sample_drafts")
 
     def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
         """One training step's shape for drafters/step_memory.StepShape: num_steps steps of its layers over every

@@ -4,7 +4,7 @@ layers it builds: drafters/dflash/layers.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import ClassVar, Literal
 
 from drafters.layer_ids import AUTO, LayerIds
 
@@ -37,6 +37,10 @@ class BlockBackboneConfig:
     rope_theta: float | None = None
 
 
+# The backbone's fields a run started from a trained drafter (train.init_from) takes from its recipe.
+BACKBONE_TRAINING_OPTIONS = ("num_anchors", "allow_linear_attention_ids", "allow_text_mask_token")
+
+
 def backbone_fields(config: BlockBackboneConfig) -> dict:
     """The backbone's fields of a DFlash or DSpark config, by name."""
     return {f.name: getattr(config, f.name) for f in fields(BlockBackboneConfig)}
@@ -67,6 +71,11 @@ class DFlashConfig(BlockBackboneConfig):
     loss: Literal["hard", "soft"] = "hard"
     loss_weighting: Literal["decay", "dpace", "auf"] = "decay"
     dpace_alpha: float = 0.5
+
+    # What a run started from a trained drafter (train.init_from) takes from its recipe; every other field is the
+    # checkpoint's (train/warm_start.py).
+    TRAINING_OPTIONS: ClassVar[tuple[str, ...]] = BACKBONE_TRAINING_OPTIONS + (
+        "loss_decay_gamma", "label_source", "loss", "loss_weighting", "dpace_alpha")
 
     def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
         """One training step's shape for drafters/step_memory.StepShape: blocks of block_size slots at anchors."""

@@ -4,9 +4,9 @@ layers it builds: drafters/dspark/layers.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
-from drafters.dflash.config import BlockBackboneConfig
+from drafters.dflash.config import BACKBONE_TRAINING_OPTIONS, BlockBackboneConfig
 
 
 FULL_VOCAB_TRAINING = ("drafter.draft_vocab_size: DSpark trains over the target's full vocabulary; leave it null and "
@@ -50,6 +50,13 @@ class DSparkConfig(BlockBackboneConfig):
     dpace_alpha: float = 0.5
     confidence_temperatures: tuple[float, ...] = ()
     draft_vocab_size: int | None = None
+
+    # What a run started from a trained drafter (train.init_from) takes from its recipe; every other field is the
+    # checkpoint's; its
+    # temperatures are the recipe's (none), as a fine-tune must be calibrated again (train/warm_start.py).
+    TRAINING_OPTIONS: ClassVar[tuple[str, ...]] = BACKBONE_TRAINING_OPTIONS + (
+        "ce_weight", "l1_weight", "confidence_weight", "loss_decay_gamma", "loss", "loss_weighting", "dpace_alpha",
+        "confidence_temperatures")
 
     def check_recipe(self) -> None:
         """What a recipe may not set that a checkpoint may (train.config runs it before anything loads)."""

@@ -4,7 +4,7 @@ layers it builds: drafters/eagle3/layers.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from drafters.layer_ids import AUTO, LayerIds
 from drafters.losses import LK_DEFAULT_ETA
@@ -47,6 +47,12 @@ class Eagle3Config:
     sample_drafts: bool = False
     loss: Literal["soft", "hard", "lk", "lk_hybrid"] = "soft"
     lk_eta: float = LK_DEFAULT_ETA
+
+    # What a run started from a trained drafter (train.init_from) takes from its recipe; every other field is the
+    # checkpoint's, since it shapes the weights or what they mean (train/warm_start.py).
+    TRAINING_OPTIONS: ClassVar[tuple[str, ...]] = ("ttt_steps", "step_decay", "init_head_from_target",
+                                                   "init_layer_from_target", "fc_init", "sample_drafts", "loss",
+                                                   "lk_eta", "allow_linear_attention_ids")
 
     def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
         """One training step's shape for drafters/step_memory.StepShape: TTT steps over every position."""

@@ -4,7 +4,7 @@ layers it builds: drafters/medusa/layers.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from drafters.losses import LK_DEFAULT_ETA
 
@@ -33,6 +33,10 @@ class MedusaConfig:
     loss: Literal["soft", "hard", "lk", "lk_hybrid"] = "soft"
     lk_eta: float = LK_DEFAULT_ETA
     sample_drafts: bool = False
+
+    # What a run started from a trained drafter (train.init_from) takes from its recipe; every other field is the
+    # checkpoint's (train/warm_start.py).
+    TRAINING_OPTIONS: ClassVar[tuple[str, ...]] = ("step_decay", "loss", "lk_eta", "sample_drafts")
 
     def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
         """One training step's shape for drafters/step_memory.StepShape: num_heads heads on every position's hidden

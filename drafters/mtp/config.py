@@ -4,7 +4,7 @@ layers it builds: drafters/mtp/layers.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from drafters.losses import LK_DEFAULT_ETA
 
@@ -54,6 +54,11 @@ class MTPConfig:
     init_from_native: bool = False
     sample_drafts: bool = False
     proposer: Literal["auto", "server", "depths"] = "auto"
+
+    # What a run started from a trained drafter (train.init_from) takes from its recipe; every other field is the
+    # checkpoint's (train/warm_start.py).
+    TRAINING_OPTIONS: ClassVar[tuple[str, ...]] = ("num_steps", "loss_weights", "loss", "lk_eta", "init_from_native",
+                                                   "sample_drafts", "proposer")
 
     @property
     def served_steps(self) -> bool:
