@@ -350,8 +350,8 @@ def test_from_scratch_heads_export_into_a_llama_target_and_read_back(tmp_path):
     drafter.save(str(tmp_path / "with_mtp"), "deepseek_v3")
     exported = load_target(str(tmp_path / "with_mtp"))
     back = load_drafter("native-mtp", exported.target_info())
-    assert back.config.num_modules == 2
-    back.config.reuse, back.config.num_steps = False, 2
+    assert back.config.num_modules == 2 and back.config.proposer == "server"  # proposing as vLLM runs it
+    back.config.reuse, back.config.num_steps, back.config.proposer = False, 2, "depths"  # both depths' training logits
     batch = features(target, drafter, torch.randint(3, 250, (2, 10)))
     with torch.no_grad():
         torch.testing.assert_close(back(batch).logits, drafter(batch).logits, rtol=0, atol=0)
@@ -432,8 +432,21 @@ def test_server_steps_equal_the_module_run_autoregressively_over_the_committed_p
                     inputs = torch.cat([inputs, fed[:, -1:]], dim=1)
                     checked += 1
     assert checked == 6 * NUM_DRAFTS
-    with pytest.raises(ValueError, match="drafter.proposer 'server' runs one module.*num_modules is 2"):
-        MTPDrafter(MTPConfig(num_modules=2, proposer="server"), target.target_info())
+    # several modules, as servers run them: the first at every step, the others never (whatever their weights)
+    several = MTPDrafter(MTPConfig(num_modules=2, proposer="server"), target.target_info()).double().eval()
+    assert several.max_draft_tokens() is None
+    several.load_state_dict(drafter.state_dict(), strict=False)
+    with torch.no_grad():
+        for parameter in several.layers[1].parameters():
+            parameter.add_(torch.randn_like(parameter))
+        assert decode_with_forced_accepts(target, several, prompts, schedules) == (sequences, rounds)
+    with pytest.raises(ValueError, match="drafter.proposer 'server' trains one module.*num_modules is 2"):
+        several(features(target, several, torch.tensor([sequences[0]])))
+    from train.config import load_recipe
+
+    with pytest.raises(ValueError, match="drafter.proposer 'server' trains one module.*num_modules is 3"):
+        load_recipe(os.path.join(os.path.dirname(__file__), "..", "recipes", "debug", "tiny_mtp.yaml"),
+                    ["drafter.num_modules=3", "drafter.proposer=server"])
 
 
 @pytest.mark.parametrize("layout", ["deepseek_v3", "mimo"])

@@ -106,9 +106,11 @@ def test_vllm_serves_a_good_export_alike_and_the_check_catches_a_misread_one(tmp
     assert code == 1 and row.startswith("  FAIL") and "acceptance differs at positions" in row, out
 
 
-def mimo_target(directory) -> str:
+def mimo_target(directory, num_layers: int = 2) -> str:
     """A tiny random Qwen2 model that vLLM runs as MiMo (architectures[0] MiMoForCausalLM picks its MTP model):
-    head_dim 64, which vLLM's CPU attention supports; the debug target's tokenizer; a sharpened head."""
+    head_dim 64, which vLLM's CPU attention supports; the debug target's tokenizer; a sharpened head. vLLM 0.32
+    renames MTP module i to num_layers + i one prefix rule at a time, so with fewer layers than modules the rules
+    chain (0 -> 2 -> 4 of 3 modules on 2 layers) and a module is left unloaded: give it at least as many layers."""
     import os
     import shutil
 
@@ -121,7 +123,7 @@ def mimo_target(directory) -> str:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         shutil.copy(os.path.join(source, name), directory)
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=260, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=260, hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
                          num_attention_heads=2, num_key_value_heads=1, eos_token_id=258, pad_token_id=256,
                          bos_token_id=None, tie_word_embeddings=False)
     model = Qwen2ForCausalLM(config)
@@ -137,17 +139,21 @@ def mimo_target(directory) -> str:
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
-def test_vllm_serves_a_native_mtp_export_with_our_acceptance_at_every_position(tmp_path, capsys):
-    """An MTP module overfitted on a MiMo target and exported into its checkpoint (`--format mimo`): vLLM (method
-    mtp, the module reused for k = 3) decodes the same tokens with the same acceptance per position as our engine,
-    whose steps after the first run as servers run them (MTPConfig.proposer)."""
+@pytest.mark.parametrize("num_modules", [1, 3])
+def test_vllm_serves_a_native_mtp_export_with_our_acceptance_at_every_position(tmp_path, capsys, num_modules):
+    """MTP modules overfitted on a MiMo target and exported into its checkpoint (`--format mimo`): vLLM (method
+    mtp, k = 3) decodes the same tokens with the same acceptance per position as our engine, whose steps after the
+    first run as servers run them (MTPConfig.proposer "server"): one module reused, or of 3 modules trained on
+    DeepSeek-V3's depths the first alone at every step (vLLM's proposer passes no step index)."""
     from drafters.mtp import MTPConfig, MTPDrafter
     from inference.engine.target import TargetModel
 
-    directory = mimo_target(tmp_path / "target")
+    directory = mimo_target(tmp_path / "target", num_layers=max(2, num_modules))
     target = TargetModel.from_pretrained(directory)
     torch.manual_seed(0)
-    drafter = MTPDrafter(MTPConfig(layout="mimo", reuse=True, num_steps=2), target.target_info())
+    config = (MTPConfig(layout="mimo", reuse=True, num_steps=2) if num_modules == 1 else
+              MTPConfig(layout="mimo", num_modules=num_modules, num_steps=num_modules))
+    drafter = MTPDrafter(config, target.target_info())
     overfit(target, drafter, steps=60, lr=3e-3).save(str(tmp_path / "served"), "mimo")
     served = str(tmp_path / "served")
     code = main([served, "--target", served, "--prompts", PROMPTS, "--max-new-tokens", "32", "--serve", "vllm"])

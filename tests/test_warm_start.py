@@ -97,6 +97,9 @@ def test_what_a_run_cannot_start_from_is_refused_in_one_line_before_the_target_l
                                                                                      capsys, no_target_load):
     trained_like("eagle3", workdir, target, str(tmp_path / "eagle3"))
     trained_like("mtp", workdir, target, str(tmp_path / "mtp"))
+    reduced = trained_like("dspark", workdir, target, str(tmp_path / "dspark"))
+    reduced.reduce_draft_vocab(torch.arange(target.target_info().vocab_size), 40)  # a frequency-ranked head
+    reduced.save(str(tmp_path / "dspark"))
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     recipe = os.path.join(ROOT, "recipes", "debug", "tiny_eagle3.yaml")
     mtp = os.path.join(ROOT, "recipes", "debug", "tiny_mtp.yaml")
@@ -118,6 +121,9 @@ def test_what_a_run_cannot_start_from_is_refused_in_one_line_before_the_target_l
         (["train", mtp, *tiny_overrides(workdir, str(tmp_path / "out")), f"train.init_from={tmp_path / 'mtp'}",
           "drafter.init_from_native=true"],
          f"{error[:-2]} and drafter.init_from_native both give the starting weights; keep one"),
+        (["train", os.path.join(ROOT, "recipes", "debug", "tiny_dspark.yaml"),
+          *tiny_overrides(workdir, str(tmp_path / "out")), f"train.init_from={tmp_path / 'dspark'}"],
+         f"{error}{tmp_path / 'dspark'}: drafter.draft_vocab_size: DSpark trains over the target's full vocabulary"),
         (["prepare", recipe, *tiny_overrides(workdir, str(tmp_path / "out")), f"train.init_from={tmp_path / 'mtp'}"],
          f"draftsmith prepare: error: train.init_from: {tmp_path / 'mtp'} holds a drafter of kind mtp"),
         (["estimate", recipe, *tiny_overrides(workdir, str(tmp_path / "out")), f"train.init_from={tmp_path / 'mtp'}"],

@@ -127,7 +127,13 @@ def merged_config(recipe_config: Any, checkpoint_config: Any, source: str) -> tu
     if conflicts:
         raise ValueError(f"{FIELD}: the checkpoint at {source} fixes the drafter's architecture and the recipe sets "
                          f"it otherwise: {', '.join(conflicts)}; remove those fields from the recipe")
-    return dataclasses.replace(recipe_config, **values), taken
+    merged = dataclasses.replace(recipe_config, **values)
+    if hasattr(merged, "check_recipe"):  # a field a checkpoint may hold but training may not (a reduced DSpark)
+        try:
+            merged.check_recipe()
+        except ValueError as err:
+            raise ValueError(f"{FIELD}: {source}: {err}") from None
+    return merged, taken
 
 
 def warm_start(recipe: Recipe, target_info: TargetInfo) -> WarmStart | None:
@@ -142,11 +148,6 @@ def warm_start(recipe: Recipe, target_info: TargetInfo) -> WarmStart | None:
     except ValueError as err:
         raise ValueError(f"{FIELD}: {err}") from None
     config, taken = merged_config(recipe.drafter, loaded.checkpoint_config(), path)
-    if hasattr(config, "check_recipe"):  # a field a checkpoint may hold but training may not (a reduced DSpark)
-        try:
-            config.check_recipe()
-        except ValueError as err:
-            raise ValueError(f"{FIELD}: {path}: {err}") from None
     state = {name: tensor.detach().cpu() for name, tensor in loaded.state_dict().items()}
     return WarmStart(dataclasses.replace(recipe, drafter=config), state, taken)
 

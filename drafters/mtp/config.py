@@ -36,9 +36,11 @@ class MTPConfig:
       checkpoint (drafters/mtp/export.py) instead of starting from fresh modules; a fine-tune of the model's own MTP.
       Fresh modules start as the identity on the hidden path (see `init_module_`).
     sample_drafts: propose by sampling the draft distribution and return it; else argmax drafts.
-    proposer: how a draft after the first is computed. "server": as vLLM and SGLang run an MTP module for several
+    proposer: how a draft after the first is computed. "server": as vLLM and SGLang run an MTP checkpoint for several
       tokens, step j runs the module at the next position over the previous step's output and draft j, its attention
-      reading one cache of the committed positions' first-step K/V and the steps before it (one module only). "depths":
+      reading one cache of the committed positions' first-step K/V and the steps before it; of several modules only
+      the first runs, at every step (vLLM 0.32's proposer passes its MTP models no step index, so the others load and
+      never run; SGLang loads one), and it trains one module only. "depths":
       DeepSeek-V3's definition, which training teaches: step j runs module j over the last j + 1 positions with step
       j - 1's outputs there, each step with its own cache. "auto": "server" with one module, "depths" with several.
     """
@@ -59,6 +61,14 @@ class MTPConfig:
     # checkpoint's (train/warm_start.py).
     TRAINING_OPTIONS: ClassVar[tuple[str, ...]] = ("num_steps", "loss_weights", "loss", "lk_eta", "init_from_native",
                                                    "sample_drafts", "proposer")
+
+    def check_recipe(self) -> None:
+        """What a recipe may not set that a checkpoint may (train.config runs it before anything loads; training
+        forwards run it too)."""
+        if self.proposer == "server" and self.num_modules != 1:
+            raise ValueError(f"drafter.proposer 'server' trains one module, the one servers run at every step; "
+                             f"drafter.num_modules is {self.num_modules}: use proposer 'depths' or 'auto', or "
+                             "num_modules 1")
 
     @property
     def served_steps(self) -> bool:

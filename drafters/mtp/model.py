@@ -63,9 +63,6 @@ class MTPDrafter(DraftHead, Drafter):
         if config.layout not in LAYOUTS:
             raise ValueError(f"drafter.layout {config.layout!r} is not one of {sorted(LAYOUTS)}")
         self.convention = LAYOUTS[config.layout]
-        if config.proposer == "server" and config.num_modules != 1:
-            raise ValueError(f"drafter.proposer 'server' runs one module for every step (as vLLM and SGLang do); "
-                             f"drafter.num_modules is {config.num_modules}: use proposer 'depths' or 'auto'")
         num_layers = target_info.num_layers
         classes = family_classes(target_text_config(target_info).get("model_type") or "llama")
         self.block_config = block_config(target_info, config.num_modules)
@@ -125,7 +122,7 @@ class MTPDrafter(DraftHead, Drafter):
         return FeatureRequest(layer_ids=tuple(self.target_layer_ids()), final_hidden=True)
 
     def max_draft_tokens(self) -> int | None:
-        return None if self.config.reuse else self.config.num_modules
+        return None if self.config.reuse or self.served_steps else self.config.num_modules
 
     @property
     def served_steps(self) -> bool:
@@ -174,12 +171,13 @@ class MTPDrafter(DraftHead, Drafter):
     @classmethod
     def from_target(cls, target_info: TargetInfo, directory: str | None = None) -> "MTPDrafter":
         """The target's own MTP modules (`--drafter native-mtp`), or those of `directory` (a target checkpoint with
-        MTP weights: `draftsmith doctor`): layout and count read from the checkpoint; the modules are reused for
-        every step beyond the last, as vLLM does."""
+        MTP weights: `draftsmith doctor`): layout and count read from the checkpoint, proposing as vLLM and SGLang run
+        them (MTPConfig.proposer "server": the first module at every step)."""
         model_type = target_text_config(target_info).get("model_type")
         directory = directory or target_info.name_or_path
         found = mtp_export.find_native(directory, target_info.num_layers, model_type)
-        config = MTPConfig(num_modules=found.num_modules, reuse=True, layout=found.layout, init_from_native=True)
+        config = MTPConfig(num_modules=found.num_modules, reuse=True, layout=found.layout, init_from_native=True,
+                           proposer="server")
         drafter = cls(config, target_info)
         drafter.import_native(directory)
         return drafter.to(target_info.embed_weight.device, target_info.embed_weight.dtype).eval()
@@ -219,6 +217,7 @@ class MTPDrafter(DraftHead, Drafter):
             depth_valid [N, K] = label inside the sequence and in loss_mask (and, with a draft vocabulary, the cell's
             token in it: see MTPConfig.draft_vocab_size); draft_ids.
         """
+        self.config.check_recipe()  # the served steps train one module
         batch_size, seq_len = batch["input_ids"].shape
         device = batch["input_ids"].device
         positions = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
