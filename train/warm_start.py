@@ -79,12 +79,25 @@ def checkpoint_architecture(path: str, kind: str, target_info: TargetInfo) -> An
 
 
 def check_init_from(recipe: Recipe) -> None:
-    """What a warm start would refuse, before any weight loads: a path holding no drafter, a drafter of another kind
-    than the recipe trains, the run's own output, a second source of starting weights (MTP's init_from_native), and
-    a recipe setting the checkpoint's architecture otherwise (read with the target's config and tokenizer alone)."""
+    """What a warm start would refuse, before any weight loads: `check_source`'s refusals, and a recipe setting the
+    checkpoint's architecture otherwise (read with the target's config and tokenizer alone)."""
     path = recipe.train.init_from
     if path is None:
         return
+    kind = check_source(recipe)
+    target = TargetModel.from_config(recipe.target.name_or_path, trust_remote_code=recipe.target.trust_remote_code)
+    try:
+        architecture = checkpoint_architecture(path, kind, target.target_info())
+    except ValueError as err:
+        raise ValueError(f"{FIELD}: {err}") from None
+    merged_config(recipe.drafter, architecture, path)
+
+
+def check_source(recipe: Recipe) -> str:
+    """The drafter kind at train.init_from, from its files alone; refused: a path holding no drafter, a drafter of
+    another kind than the recipe trains, the run's own output, and a second source of starting weights (MTP's
+    init_from_native)."""
+    path = recipe.train.init_from
     kind = checkpoint_kind_of(path)
     if kind != recipe.drafter_kind:
         raise ValueError(f"{FIELD}: {path} holds a drafter of kind {kind} and the recipe trains "
@@ -96,12 +109,7 @@ def check_init_from(recipe: Recipe) -> None:
                          "train.resume_from=latest, or copy the checkpoint elsewhere")
     if getattr(recipe.drafter, "init_from_native", False):
         raise ValueError(f"{FIELD} and drafter.init_from_native both give the starting weights; keep one")
-    target = TargetModel.from_config(recipe.target.name_or_path, trust_remote_code=recipe.target.trust_remote_code)
-    try:
-        architecture = checkpoint_architecture(path, kind, target.target_info())
-    except ValueError as err:
-        raise ValueError(f"{FIELD}: {err}") from None
-    merged_config(recipe.drafter, architecture, path)
+    return kind
 
 
 def merged_config(recipe_config: Any, checkpoint_config: Any, source: str) -> tuple[Any, dict[str, tuple[Any, Any]]]:
@@ -142,7 +150,7 @@ def warm_start(recipe: Recipe, target_info: TargetInfo) -> WarmStart | None:
     path = recipe.train.init_from
     if path is None:
         return None
-    check_init_from(recipe)
+    check_source(recipe)
     try:
         loaded = load_trained_drafter(path, target_info)
     except ValueError as err:
@@ -159,7 +167,7 @@ def warm_recipe(recipe: Recipe, target_info: TargetInfo) -> Recipe:
     path = recipe.train.init_from
     if path is None:
         return recipe
-    architecture = checkpoint_architecture(path, checkpoint_kind_of(path), target_info)
+    architecture = checkpoint_architecture(path, check_source(recipe), target_info)
     config, _ = merged_config(recipe.drafter, architecture, path)
     return dataclasses.replace(recipe, drafter=config)
 
