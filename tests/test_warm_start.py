@@ -6,6 +6,7 @@ line before the target loads.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -84,7 +85,9 @@ def test_a_run_starts_from_an_export_and_its_recipe_records_the_checkpoints_arch
     again = load_drafter(final, target.target_info())  # trained on: its weights moved, its architecture kept
     assert again.state_dict().keys() == exported.state_dict().keys()
     assert any(not torch.equal(value, exported.state_dict()[name]) for name, value in again.state_dict().items())
-    reset_accelerate()  # resumed: the same architecture rebuilt, the weights of step 2 restored, not the export's
+    reset_accelerate()  # resumed: the architecture its checkpoint recorded, the weights of step 2, the export gone
+    shutil.rmtree(tmp_path / "export")
+    check_init_from(recipe_of(kind, workdir, str(out), *overrides, "train.resume_from=latest"))
     resumed = build_trainer(recipe_of(kind, workdir, str(out), *overrides, "train.max_steps=3",
                                       "train.resume_from=latest"))
     model = resumed.accelerator.unwrap_model(resumed.model)

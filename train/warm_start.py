@@ -11,7 +11,8 @@ TRAINING_OPTIONS (its config.py) comes from it, since those fields shape the wei
 draft vocabulary, widths). The recipe decides how it trains: those options, the data, optimizer and schedule. A
 recipe that sets an architecture field to another value than the checkpoint's is refused naming the field; one that
 leaves it at its default takes the checkpoint's, and the run prints what it took. The run's recipe.yaml records the
-merged config, so resume and `export` of its checkpoints rebuild the same drafter.
+merged config, so resume and `export` of its checkpoints rebuild the same drafter; a resumed run reads the
+architecture there, so the checkpoint it started from may be gone by then.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from drafters.base import TargetInfo
 from drafters.configs import to_dict
 from inference.engine.target import TargetModel
 from train.config import Recipe, load_recipe
-from train.fit.checkpoint import is_training_checkpoint, load_trained_drafter
+from train.fit.checkpoint import is_training_checkpoint, load_trained_drafter, resolve_resume
 
 FIELD = "train.init_from"
 
@@ -82,7 +83,7 @@ def check_init_from(recipe: Recipe) -> None:
     """What a warm start would refuse, before any weight loads: `check_source`'s refusals, and a recipe setting the
     checkpoint's architecture otherwise (read with the target's config and tokenizer alone)."""
     path = recipe.train.init_from
-    if path is None:
+    if path is None or resume_checkpoint(recipe) is not None:  # a resumed run's architecture is in its checkpoint
         return
     kind = check_source(recipe)
     target = TargetModel.from_config(recipe.target.name_or_path, trust_remote_code=recipe.target.trust_remote_code)
@@ -163,13 +164,22 @@ def warm_start(recipe: Recipe, target_info: TargetInfo) -> WarmStart | None:
 def warm_recipe(recipe: Recipe, target_info: TargetInfo) -> Recipe:
     """The recipe a run builds its drafter from: with train.init_from, the checkpoint's architecture (what `prepare`
     and `estimate` read the drafter's features and sizes from; no weight is read into a drafter, so a meta-device
-    target's `target_info` will do); else the recipe itself."""
+    target's `target_info` will do), or, resuming, the architecture the run's checkpoint recorded; else the recipe."""
     path = recipe.train.init_from
     if path is None:
         return recipe
-    architecture = checkpoint_architecture(path, check_source(recipe), target_info)
+    resumed = resume_checkpoint(recipe)
+    if resumed is not None:
+        architecture, path = load_recipe(os.path.join(resumed, "recipe.yaml")).drafter, resumed
+    else:
+        architecture = checkpoint_architecture(path, check_source(recipe), target_info)
     config, _ = merged_config(recipe.drafter, architecture, path)
     return dataclasses.replace(recipe, drafter=config)
+
+
+def resume_checkpoint(recipe: Recipe) -> str | None:
+    """The training checkpoint train.resume_from resumes (None: a fresh start)."""
+    return resolve_resume(recipe.output.dir, recipe.train.resume_from)
 
 
 def load_weights(drafter: torch.nn.Module, start: WarmStart) -> None:
