@@ -336,6 +336,15 @@ class Drafter(nn.Module):
     @classmethod
     def load(cls, directory: str, target_info: TargetInfo) -> "Drafter":
         """Load any format `detect_format` recognises in directory/config.json, for `target_info`."""
+        config, state = cls.read(directory, target_info)
+        drafter = cls(config, target_info)
+        drafter.load_state_dict(state, strict=True)
+        return drafter
+
+    @classmethod
+    def read(cls, directory: str, target_info: TargetInfo) -> tuple[Any, dict]:
+        """(config, state dict) of any format `detect_format` recognises in directory/config.json, for `target_info`,
+        without building the drafter."""
         with open(os.path.join(directory, "config.json")) as f:
             header = json.load(f)
         fmt = cls.detect_format(header)
@@ -343,12 +352,8 @@ class Drafter(nn.Module):
             raise ValueError(f"{directory}: config.json is not a checkpoint of drafter kind {cls.kind!r} (neither its "
                              "native header nor an export layout it reads)")
         if fmt == "native":
-            config, state = cls.read_native(directory, header, target_info)
-        else:
-            config, state = cls.export_module.read(directory, header, fmt, target_info)
-        drafter = cls(config, target_info)
-        drafter.load_state_dict(state, strict=True)
-        return drafter
+            return cls.read_native(directory, header, target_info)
+        return cls.export_module.read(directory, header, fmt, target_info)
 
     @classmethod
     def read_native(cls, directory: str, header: Mapping[str, Any], target_info: TargetInfo) -> tuple[Any, dict]:

@@ -18,8 +18,6 @@ architecture there, so the checkpoint it started from may be gone by then.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import os
 from typing import Any, NamedTuple
 
@@ -30,7 +28,7 @@ from drafters.base import TargetInfo
 from drafters.configs import to_dict
 from inference.engine.target import TargetModel
 from train.config import Recipe, load_recipe
-from train.fit.checkpoint import is_training_checkpoint, load_trained_drafter, resolve_resume
+from train.fit.checkpoint import is_training_checkpoint, read_training_checkpoint, resolve_resume
 
 FIELD = "train.init_from"
 
@@ -63,20 +61,19 @@ def checkpoint_kind_of(path: str) -> str:
         raise ValueError(f"{FIELD}: {err}") from None
 
 
-def checkpoint_architecture(path: str, kind: str, target_info: TargetInfo) -> Any:
-    """The drafter config a checkpoint of `kind` holds, as its drafter records it (`checkpoint_config`), read for
-    `target_info` (a meta-device target's will do: the drafter is built on the meta device, no weight is copied)."""
-    cls = DRAFTERS[kind]
-    if is_training_checkpoint(path):
-        config = load_recipe(os.path.join(path, "recipe.yaml")).drafter
-    else:
-        with open(os.path.join(path, "config.json")) as f:
-            header = json.load(f)
-        fmt = cls.detect_format(header)
-        read = cls.read_native if fmt == "native" else functools.partial(cls.export_module.read, fmt=fmt)
-        config, _ = read(path, header, target_info=target_info)
+def read_checkpoint(path: str, kind: str, target_info: TargetInfo) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(architecture, state dict) of a checkpoint of `kind` read for `target_info` (a meta-device target's will do):
+    the drafter config as its drafter records it (`checkpoint_config`, built on the meta device, no weight copied)
+    and the weights the drafter loads."""
+    try:
+        if is_training_checkpoint(path):
+            _, config, state = read_training_checkpoint(path, target_info)
+        else:
+            config, state = DRAFTERS[kind].read(path, target_info)
+    except ValueError as err:
+        raise ValueError(f"{FIELD}: {err}") from None
     with torch.device("meta"):
-        return cls(config, target_info).checkpoint_config()
+        return DRAFTERS[kind](config, target_info).checkpoint_config(), state
 
 
 def check_init_from(recipe: Recipe) -> None:
@@ -87,10 +84,7 @@ def check_init_from(recipe: Recipe) -> None:
         return
     kind = check_source(recipe)
     target = TargetModel.from_config(recipe.target.name_or_path, trust_remote_code=recipe.target.trust_remote_code)
-    try:
-        architecture = checkpoint_architecture(path, kind, target.target_info())
-    except ValueError as err:
-        raise ValueError(f"{FIELD}: {err}") from None
+    architecture, _ = read_checkpoint(path, kind, target.target_info())
     merged_config(recipe.drafter, architecture, path)
 
 
@@ -151,13 +145,8 @@ def warm_start(recipe: Recipe, target_info: TargetInfo) -> WarmStart | None:
     path = recipe.train.init_from
     if path is None:
         return None
-    check_source(recipe)
-    try:
-        loaded = load_trained_drafter(path, target_info)
-    except ValueError as err:
-        raise ValueError(f"{FIELD}: {err}") from None
-    config, taken = merged_config(recipe.drafter, loaded.checkpoint_config(), path)
-    state = {name: tensor.detach().cpu() for name, tensor in loaded.state_dict().items()}
+    architecture, state = read_checkpoint(path, check_source(recipe), target_info)
+    config, taken = merged_config(recipe.drafter, architecture, path)
     return WarmStart(dataclasses.replace(recipe, drafter=config), state, taken)
 
 
@@ -172,7 +161,7 @@ def warm_recipe(recipe: Recipe, target_info: TargetInfo) -> Recipe:
     if resumed is not None:
         architecture, path = load_recipe(os.path.join(resumed, "recipe.yaml")).drafter, resumed
     else:
-        architecture = checkpoint_architecture(path, check_source(recipe), target_info)
+        architecture, _ = read_checkpoint(path, check_source(recipe), target_info)
     config, _ = merged_config(recipe.drafter, architecture, path)
     return dataclasses.replace(recipe, drafter=config)
 

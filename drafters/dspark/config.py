@@ -52,8 +52,7 @@ class DSparkConfig(BlockBackboneConfig):
     draft_vocab_size: int | None = None
 
     # What a run started from a trained drafter (train.init_from) takes from its recipe; every other field is the
-    # checkpoint's; its
-    # temperatures are the recipe's (none), as a fine-tune must be calibrated again (train/warm_start.py).
+    # checkpoint's (train/warm_start.py). Its temperatures are the recipe's (none): a fine-tune is calibrated again.
     TRAINING_OPTIONS: ClassVar[tuple[str, ...]] = BACKBONE_TRAINING_OPTIONS + (
         "ce_weight", "l1_weight", "confidence_weight", "loss_decay_gamma", "loss", "loss_weighting", "dpace_alpha",
         "confidence_temperatures")

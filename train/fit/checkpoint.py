@@ -147,17 +147,24 @@ def training_checkpoint_target(directory: str) -> str:
     return load_recipe(os.path.join(directory, "recipe.yaml")).target.name_or_path
 
 
-def drafter_of_training_checkpoint(directory: str, target_info):
-    """The drafter of a training checkpoint (resume state), rebuilt from its recipe.yaml and accelerate's
-    model.safetensors (single process or DDP); the target must have the shapes it was trained against."""
+def read_training_checkpoint(directory: str, target_info) -> tuple[str, Any, dict]:
+    """(drafter kind, drafter config, state dict) of a training checkpoint (resume state): its recipe.yaml and
+    accelerate's model.safetensors (single process or DDP); the target must have the shapes it was trained against."""
     weights = os.path.join(directory, "model.safetensors")
     if not os.path.isfile(weights):
         raise ValueError(f"{directory}: training checkpoint without model.safetensors (an FSDP run shards the "
                          "drafter's weights): export the run's final/ instead, or resume and finish the run")
     check_target(directory, target_info)
     recipe = load_recipe(os.path.join(directory, "recipe.yaml"))
-    drafter = DRAFTERS[recipe.drafter_kind](copy.deepcopy(recipe.drafter), target_info)
-    drafter.load_state_dict(load_file(weights), strict=True)
+    return recipe.drafter_kind, copy.deepcopy(recipe.drafter), load_file(weights)
+
+
+def drafter_of_training_checkpoint(directory: str, target_info):
+    """The drafter of a training checkpoint (resume state), rebuilt from its recipe and weights
+    (`read_training_checkpoint`)."""
+    kind, config, state = read_training_checkpoint(directory, target_info)
+    drafter = DRAFTERS[kind](config, target_info)
+    drafter.load_state_dict(state, strict=True)
     return drafter
 
 
