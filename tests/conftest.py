@@ -11,7 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 torch.set_num_threads(1)
 
@@ -23,6 +24,11 @@ ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 64}),
+    # MLA and routed experts after a dense first layer
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, {
+        "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+        "v_head_dim": 16, "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1}),
 }
 
 
@@ -32,6 +38,7 @@ def make_tiny_model(arch: str = "llama", seed: int = 0, num_layers: int = 2, dty
     config_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(seed)
     config = config_cls(**{**TINY, "num_hidden_layers": num_layers, **extra})
+    config._experts_implementation = "eager"  # MoE: transformers' per-expert loop, which float64 runs
     model = model_cls(config).to(dtype).eval()
     # Sharper logits than the default init so that random models produce repetitive, partly predictable text.
     with torch.no_grad():

@@ -449,20 +449,28 @@ def test_server_steps_equal_the_module_run_autoregressively_over_the_committed_p
                     ["drafter.num_modules=3", "drafter.proposer=server"])
 
 
-@pytest.mark.parametrize("layout", ["deepseek_v3", "mimo"])
-def test_server_proposals_equal_the_training_forward(layout):
+@pytest.mark.parametrize("layout,family", [("deepseek_v3", "deepseek_v3"), ("deepseek_v3", "llama"),
+                                           ("mimo", "llama")])
+def test_server_proposals_equal_the_training_forward(layout, family):
     """Training teaches the steps the server runs (layers.StepKeys): wherever a round's drafts up to step k were
     accepted, the training forward's step-k prediction is the proposal (test_contract's check for the other kinds),
-    with either fed-back state (DeepSeek-V3: pre-norm, MiMo: normed) and position-0 masking."""
+    with either fed-back state and position-0 masking. The state a step feeds to the next is the server's: the
+    normed output in vLLM 0.32's DeepSeek MTP model (a DeepSeek-V3 target) and MiMo's (tests/test_serve_check.py
+    serves both); the layout's own pre-norm one on a family no server runs it for (Llama)."""
     from test_contract import NUM_DRAFTS, decode_with_forced_accepts, tiny_target, training_batch
 
-    target = tiny_target()
+    target = tiny_target() if family == "llama" else TargetModel(make_tiny_model(family, num_layers=2),
+                                                                 name_or_path=f"tiny-{family}")
     torch.manual_seed(4)
     drafter = MTPDrafter(MTPConfig(num_modules=1, reuse=True, num_steps=NUM_DRAFTS, layout=layout),
                          target.target_info()).double().eval()
     with torch.no_grad():
         for parameter in drafter.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
+        ids = torch.tensor([[5, 17, 33, 9]])
+        fed, normed = drafter._step(0, ids, features(target, drafter, ids)["final_hidden"], torch.arange(4)[None],
+                                    causal_mask(4, "cpu"))
+        assert torch.equal(fed, normed) == (family != "llama" or layout == "mimo")
         prompts = [[5, 17, 33, 9, 120, 41, 7], [250, 11, 64, 90, 3]]
         schedules = [[2, NUM_DRAFTS, 0, 1], [0, 1, 3, None]]
         sequences, rounds = decode_with_forced_accepts(target, drafter, prompts, schedules)

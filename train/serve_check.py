@@ -24,6 +24,7 @@ from drafters import Drafter
 from drafters.base import NATIVE_KIND_KEY
 from inference.engine.api import speculative_generate
 from inference.evaluation.metrics import acceptance_counts
+from train.features.vllm_features import eager_kwargs
 
 METHODS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark", "mtp": "mtp", "medusa": "medusa"}
 TOLERANCE = 0.10
@@ -91,8 +92,8 @@ def vllm_served(target_dir: str, export_dir: str | None, method: str, k: int, pr
 
     drafter = {"model": export_dir} if export_dir else {}
     llm = LLM(model=target_dir, speculative_config={"method": method, **drafter, "num_speculative_tokens": k},
-              enforce_eager=True, disable_log_stats=False, dtype=dtype, max_model_len=2048, seed=0,
-              gpu_memory_utilization=0.3, language_model_only=True,  # the drafter's target: the text model
+              **eager_kwargs(device_type == "cpu", True), disable_log_stats=False, dtype=dtype, max_model_len=2048,
+              seed=0, gpu_memory_utilization=0.3, language_model_only=True,  # the drafter's target: the text model
               trust_remote_code=trust_remote_code)
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     tokens = [list(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0].outputs[0].token_ids)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -39,6 +39,23 @@ LAYOUTS: dict[str, Convention] = {
     "speculators": Convention(embedding_first=True, mask_first_position=False, feed_back_normed=True),
     "nemotron_h": Convention(embedding_first=True, mask_first_position=False, feed_back_normed=True),
 }
+# What a served step after the first (MTPConfig.proposer "server") takes as its hidden input, where that differs from
+# the layout's own reading (DeepSeek-V3's paper chains module k's pre-norm output into module k + 1: the depths).
+# vLLM 0.32 serves the DeepSeek-V3 layout of a deepseek_v3 / deepseek_v32 / glm_moe_dsa target (DeepSeek-V3, V3.2,
+# Kimi-K2.5's text model, GLM-5) with its DeepSeek MTP model, which feeds the step's normed output back, as SGLang's
+# NextN models do; its GLM-4.5 MTP model (glm4_moe) feeds the pre-norm output back (SGLang's the normed one: the two
+# servers differ there, and a glm4_moe target is modelled as vLLM serves it). Keyed by (layout, target model type).
+SERVED_FEED_BACK_NORMED = {("deepseek_v3", model_type): True for model_type in ("deepseek_v3", "deepseek_v32",
+                                                                               "glm_moe_dsa")}
+
+
+def convention_of(layout: str, model_type: str | None, served_steps: bool) -> Convention:
+    """The conventions an MTP drafter of `layout` on a target of `model_type` runs with: LAYOUTS, and for the steps
+    the servers run, SERVED_FEED_BACK_NORMED (another family keeps its layout's, so its drafters run as before)."""
+    normed = SERVED_FEED_BACK_NORMED.get((layout, model_type)) if served_steps else None
+    return LAYOUTS[layout] if normed is None else replace(LAYOUTS[layout], feed_back_normed=normed)
+
+
 # Model types whose checkpoints are not a transformers family of their own: the family their decoder layer belongs to.
 BLOCK_FAMILY_ALIASES = {"mimo": "qwen2"}
 # The config key listing the blocks of one MTP step, in families whose step is several of their one-mixer blocks

@@ -25,6 +25,7 @@ from drafters.mtp.layers import (
     StepKeys,
     block_config,
     causal_mask,
+    convention_of,
     family_classes,
     init_module_,
     resolve_num_steps,
@@ -62,9 +63,9 @@ class MTPDrafter(DraftHead, Drafter):
             raise ValueError(f"drafter.draft_vocab_size {config.draft_vocab_size} must be in [1, {vocab_size}] or null")
         if config.layout not in LAYOUTS:
             raise ValueError(f"drafter.layout {config.layout!r} is not one of {sorted(LAYOUTS)}")
-        self.convention = LAYOUTS[config.layout]
+        self._model_type = target_text_config(target_info).get("model_type")
         num_layers = target_info.num_layers
-        classes = family_classes(target_text_config(target_info).get("model_type") or "llama")
+        classes = family_classes(self._model_type or "llama")
         self.block_config = block_config(target_info, config.num_modules)
         if self.block_config.hidden_size != target_info.hidden_size:
             raise ValueError(f"the target config's hidden_size {self.block_config.hidden_size} differs from the "
@@ -123,6 +124,11 @@ class MTPDrafter(DraftHead, Drafter):
 
     def max_draft_tokens(self) -> int | None:
         return None if self.config.reuse or self.served_steps else self.config.num_modules
+
+    @property
+    def convention(self):
+        """The layout's conventions, with the fed-back state of the steps this drafter's proposer runs."""
+        return convention_of(self.config.layout, self._model_type, self.config.served_steps)
 
     @property
     def served_steps(self) -> bool:

@@ -15,7 +15,7 @@ import torch
 from drafters.base import TargetInfo
 from drafters.mtp import export
 from drafters.mtp.config import MTPConfig
-from drafters.mtp.layers import LAYOUTS, target_text_config
+from drafters.mtp.layers import convention_of, target_text_config
 from drafters.mtp.model import MTPDrafter
 from drafters.mtp.records import DRAFT_VOCAB_READERS, RECORDS, VLLM_ROUTES
 from drafters.readers import Check
@@ -23,13 +23,15 @@ from drafters.readers import Check
 
 def native_checks(directory: str, target_info: TargetInfo) -> list[Check]:
     """`draftsmith doctor`'s rows for a target checkpoint with MTP weights (module docstring)."""
+    model_type = target_text_config(target_info).get("model_type")
     try:
-        found = export.find_native(directory, target_info.num_layers, target_text_config(target_info).get("model_type"))
+        found = export.find_native(directory, target_info.num_layers, model_type)
     except ValueError as err:
         return [Check("layout", "fail", str(err))]
     layout, record = found.layout, RECORDS[found.layout]
+    served = convention_of(layout, model_type, served_steps=True)  # how the servers run a checkpoint's modules
     rows = [Check("layout", "pass", f"{layout}: {found.num_modules} MTP module(s) in the checkpoint, for "
-                  f"{DRAFT_VOCAB_READERS[layout]} ({LAYOUTS[layout].describe()})")]
+                  f"{DRAFT_VOCAB_READERS[layout]} ({served.describe()})")]
     with open(os.path.join(directory, "config.json")) as f:
         header = json.load(f)
     counted = record.counted(header)

