@@ -54,7 +54,8 @@ DRAFTERS = [
     Drafter("MTP-1", "study", "study_C", "mtp:final", has_k3=False,
             read_by="DeepSeek-V3 / Qwen3-Next / Qwen3.5 / MiMo / Nemotron-H layouts for vLLM `method: mtp` and "
                     "speculators, read back with transformers' classes; the MiMo and DeepSeek-V3 layouts served by "
-                    "vLLM CPU 0.32 (tiny MiMo and DeepSeek-V3 targets: same outputs, same acceptance per position)"),
+                    "vLLM CPU 0.32 (tiny MiMo, DeepSeek-V3 and GLM-4.5 targets: same outputs, same acceptance per "
+                    "position)"),
     Drafter("MTP-3", "equal_budget", "", "mtp:final", nth_k1=1, nth_k3=0, read_by="as MTP-1"),
     Drafter("one MTP module reused for 3 steps", "equal_budget", "", "mtp:final", nth_k1=2, nth_k3=1,
             read_by="as MTP-1"),

@@ -138,23 +138,54 @@ def mimo_target(directory, num_layers: int = 2) -> str:
     return str(directory)
 
 
+def glm4_moe_target(directory) -> str:
+    """A tiny random GLM-4.5 (routed experts after a dense first layer, partial rotary, head_dim 64 for vLLM's CPU
+    attention), the debug target's tokenizer, a sharpened head: vLLM routes its MTP to its GLM-4.5 MTP model, which
+    feeds a step's pre-norm output to the next (drafters/mtp/layers.py, SERVED_FEED_BACK_NORMED)."""
+    import os
+    import shutil
+
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    from inference.assets.store import resolve_target
+
+    source = resolve_target("debug:tiny-llama")
+    os.makedirs(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(os.path.join(source, name), directory)
+    torch.manual_seed(0)
+    config = Glm4MoeConfig(vocab_size=260, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                           n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                           first_k_dense_replace=1, eos_token_id=258, pad_token_id=256, bos_token_id=None,
+                           tie_word_embeddings=False, max_position_embeddings=2048)
+    model = Glm4MoeForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(directory)
+    return str(directory)
+
+
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
-@pytest.mark.parametrize("layout,num_modules", [("mimo", 1), ("mimo", 3), ("deepseek_v3", 1)])
-def test_vllm_serves_a_native_mtp_export_with_our_acceptance_at_every_position(tmp_path, capsys, layout,
+@pytest.mark.parametrize("family,num_modules", [("mimo", 1), ("mimo", 3), ("deepseek_v3", 1), ("glm4_moe", 1)])
+def test_vllm_serves_a_native_mtp_export_with_our_acceptance_at_every_position(tmp_path, capsys, family,
                                                                                num_modules):
     """MTP modules overfitted on a MiMo target and exported into its checkpoint (`--format mimo`): vLLM (method
     mtp, k = 3) decodes the same tokens with the same acceptance per position as our engine, whose steps after the
     first run as servers run them (MTPConfig.proposer "server"): one module reused, or of 3 modules trained on
     DeepSeek-V3's depths the first alone at every step (vLLM's proposer passes no step index). The same for one
-    module of MLA and routed experts exported into a DeepSeek-V3 checkpoint (vLLM's DeepSeekMTP)."""
+    module exported in the DeepSeek-V3 layout into a DeepSeek-V3 checkpoint (MLA and routed experts; vLLM's DeepSeek
+    MTP model feeds a step's normed output to the next) and into a GLM-4.5 one (its MTP model the pre-norm output):
+    with the other state fed back, one draft differs in some seeds."""
     from drafters.mtp import MTPConfig, MTPDrafter
     from inference.engine.target import TargetModel
     from tests.test_vllm_features import deepseek_v3_target
 
-    directory = (mimo_target(tmp_path / "target", num_layers=max(2, num_modules)) if layout == "mimo" else
-                 deepseek_v3_target(tmp_path / "target"))
-    target = TargetModel.from_pretrained(directory)
-    torch.manual_seed(0)
+    build = {"mimo": lambda d: mimo_target(d, num_layers=max(2, num_modules)), "deepseek_v3": deepseek_v3_target,
+             "glm4_moe": glm4_moe_target}[family]
+    layout = "mimo" if family == "mimo" else "deepseek_v3"
+    target = TargetModel.from_pretrained(build(tmp_path / "target"))
+    torch.manual_seed(1 if family == "glm4_moe" else 0)  # a seed where the other fed-back state differs
     config = (MTPConfig(layout=layout, reuse=True, num_steps=2) if num_modules == 1 else
               MTPConfig(layout=layout, num_modules=num_modules, num_steps=num_modules))
     drafter = MTPDrafter(config, target.target_info())
