@@ -59,9 +59,14 @@ def edited_copy(source: str, directory, config_edit=None, tensors_edit=None) -> 
     return str(directory)
 
 
-def test_an_overfitted_export_passes_every_row(qwen_export, capsys):
+def test_an_overfitted_export_passes_every_row(qwen_export, capsys, monkeypatch):
+    from drafters.mtp import export
+
+    reads, read_native = [], export.read_native
+    monkeypatch.setattr(export, "read_native", lambda *args: reads.append(args[0]) or read_native(*args))
     code, out = doctor(capsys, qwen_export, QWEN)
     assert code == 0, out
+    assert reads == [qwen_export]  # the sizes row's tensors are the drafter's: a module of many GB is read once
     for name in ("layout", "count", "server", "sizes", "engine"):
         assert check_line(out, name).startswith("  PASS"), (name, out)
     assert "qwen3_5: 1 MTP module(s)" in out and "vLLM maps model_type qwen3_5_text" in out

@@ -181,14 +181,18 @@ def run(settings: EvalSettings, serve: str | None = None) -> int:
     what = f"the MTP modules in {native}'s own checkpoint" if native else f"drafter kind {kind}"
     print(f"draftsmith doctor: {directory} ({what}) for target {settings.target}")
     module = DRAFTERS[kind].export_module
+    native_state = None  # the module tensors the native rows read, handed to the drafter (read once)
     if native:
-        rows = [tuple(row) for row in native_checks(native, info)]
+        checks, native_state = native_checks(native, info)
+        rows = [tuple(row) for row in checks]
     elif module and module.export_checks:
         rows = [tuple(row) for row in module.export_checks(directory, info)]
     else:
         rows = [("format", "info", f"drafter kind {kind!r} provides no format checks")]
     try:  # on the target's device, in its dtype
-        drafter = target.serve(DRAFTERS["mtp"].from_target(info, native) if native else load_drafter(directory, info))
+        drafter = target.serve(DRAFTERS["mtp"].from_target(info, native, native_state) if native else
+                               load_drafter(directory, info))
+        del native_state
     except ValueError as err:
         rows.append(("engine", "fail", f"our engine cannot load it: {err}"))
     else:

@@ -155,9 +155,10 @@ class MTPDrafter(DraftHead, Drafter):
             self.pick_draft_vocab(token_counts)
             self.copy_target_rows()
 
-    def import_native(self, directory: str | None = None) -> None:
+    def import_native(self, directory: str | None = None, state: dict | None = None) -> None:
         """Load the MTP modules shipped in the target's checkpoint (`directory`, default TargetInfo.name_or_path: an
-        export of the target into its layout holds the same trunk) into this drafter."""
+        export of the target into its layout holds the same trunk) into this drafter; `state`: their tensors as
+        export.read_native already read them."""
         directory = directory or self.target_info.name_or_path
         model_type = target_text_config(self.target_info).get("model_type")
         found = mtp_export.find_native(directory, self.target_info.num_layers, model_type)
@@ -167,7 +168,8 @@ class MTPDrafter(DraftHead, Drafter):
         if found.num_modules != self.config.num_modules:
             raise ValueError(f"drafter.num_modules is {self.config.num_modules}, but the target checkpoint {directory}"
                              f" has {found.num_modules} MTP module(s)")
-        state = mtp_export.read_native(directory, self.target_info, found.layout, found.num_modules)
+        if state is None:
+            state = mtp_export.read_native(directory, self.target_info, found.layout, found.num_modules)
         try:
             self.layers.load_state_dict({name.removeprefix("layers."): t for name, t in state.items()}, strict=True)
         except RuntimeError as err:
@@ -175,17 +177,19 @@ class MTPDrafter(DraftHead, Drafter):
                              f"config: {err}") from None
 
     @classmethod
-    def from_target(cls, target_info: TargetInfo, directory: str | None = None) -> "MTPDrafter":
+    def from_target(cls, target_info: TargetInfo, directory: str | None = None,
+                    state: dict | None = None) -> "MTPDrafter":
         """The target's own MTP modules (`--drafter native-mtp`), or those of `directory` (a target checkpoint with
-        MTP weights: `draftsmith doctor`): layout and count read from the checkpoint, proposing as vLLM and SGLang run
-        them (MTPConfig.proposer "server": the first module at every step)."""
+        MTP weights: `draftsmith doctor`, which passes the `state` its checks read): layout and count read from the
+        checkpoint, proposing as vLLM and SGLang run them (MTPConfig.proposer "server": the first module at every
+        step)."""
         model_type = target_text_config(target_info).get("model_type")
         directory = directory or target_info.name_or_path
         found = mtp_export.find_native(directory, target_info.num_layers, model_type)
         config = MTPConfig(num_modules=found.num_modules, reuse=True, layout=found.layout, init_from_native=True,
                            proposer="server")
         drafter = cls(config, target_info)
-        drafter.import_native(directory)
+        drafter.import_native(directory, state)
         return drafter.to(target_info.embed_weight.device, target_info.embed_weight.dtype).eval()
 
     def _target_tensor(self, name: str) -> torch.Tensor:

@@ -21,13 +21,14 @@ from drafters.mtp.records import DRAFT_VOCAB_READERS, RECORDS, VLLM_ROUTES
 from drafters.readers import Check
 
 
-def native_checks(directory: str, target_info: TargetInfo) -> list[Check]:
-    """`draftsmith doctor`'s rows for a target checkpoint with MTP weights (module docstring)."""
+def native_checks(directory: str, target_info: TargetInfo) -> tuple[list[Check], dict | None]:
+    """`draftsmith doctor`'s rows for a target checkpoint with MTP weights (module docstring), and the module tensors
+    they read (MTPDrafter.from_target's `state`, so a module of many GB is read once), None when none were read."""
     model_type = target_text_config(target_info).get("model_type")
     try:
         found = export.find_native(directory, target_info.num_layers, model_type)
     except ValueError as err:
-        return [Check("layout", "fail", str(err))]
+        return [Check("layout", "fail", str(err))], None
     layout, record = found.layout, RECORDS[found.layout]
     served = convention_of(layout, model_type, served_steps=True)  # how the servers run a checkpoint's modules
     rows = [Check("layout", "pass", f"{layout}: {found.num_modules} MTP module(s) in the checkpoint, for "
@@ -63,4 +64,4 @@ def native_checks(directory: str, target_info: TargetInfo) -> list[Check]:
     rows.append(Check("sizes", "fail", "; ".join(problems) + " (names as the module holds them; was it built for "
                       "another config?)") if problems else Check(
         "sizes", "pass", f"all {len(stored)} module tensors present with the shapes of a block of the target's config"))
-    return rows
+    return rows, read
