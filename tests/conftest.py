@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -61,6 +62,25 @@ def edit_config(directory, change) -> None:
     change(config)
     with open(path, "w") as f:
         json.dump(config, f)
+
+
+def served_target(directory, model_cls, config, **config_json) -> str:
+    """A tiny random model saved for a server to load (tests/test_serve_check.py, tests/test_vllm_features.py): the
+    debug target's byte tokenizer (vocabulary 260), weights seeded, a sharpened head, and `config_json` written into
+    config.json over what save_pretrained writes there."""
+    from inference.assets.store import resolve_target
+
+    source = resolve_target("debug:tiny-llama")
+    os.makedirs(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(os.path.join(source, name), directory)
+    torch.manual_seed(0)
+    model = model_cls(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(directory)
+    edit_config(directory, lambda saved: saved.update(config_json))
+    return str(directory)
 
 
 def random_prompts(num: int, seed: int = 0, min_len: int = 3, max_len: int = 12, vocab: int = 256):

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from conftest import served_target
 from safetensors.torch import load_file, save_file
 
 from tests.test_doctor import PROMPTS, overfit
@@ -108,62 +109,30 @@ def test_vllm_serves_a_good_export_alike_and_the_check_catches_a_misread_one(tmp
 
 def mimo_target(directory, num_layers: int = 2) -> str:
     """A tiny random Qwen2 model that vLLM runs as MiMo (architectures[0] MiMoForCausalLM picks its MTP model):
-    head_dim 64, which vLLM's CPU attention supports; the debug target's tokenizer; a sharpened head. vLLM 0.32
-    renames MTP module i to num_layers + i one prefix rule at a time, so with fewer layers than modules the rules
-    chain (0 -> 2 -> 4 of 3 modules on 2 layers) and a module is left unloaded: give it at least as many layers."""
-    import os
-    import shutil
-
+    head_dim 64, which vLLM's CPU attention supports. vLLM 0.32 renames MTP module i to num_layers + i one prefix
+    rule at a time, so with fewer layers than modules the rules chain (0 -> 2 -> 4 of 3 modules on 2 layers) and a
+    module is left unloaded: give it at least as many layers."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from inference.assets.store import resolve_target
-
-    source = resolve_target("debug:tiny-llama")
-    os.makedirs(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(os.path.join(source, name), directory)
-    torch.manual_seed(0)
     config = Qwen2Config(vocab_size=260, hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
                          num_attention_heads=2, num_key_value_heads=1, eos_token_id=258, pad_token_id=256,
                          bos_token_id=None, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(directory)
-    with open(f"{directory}/config.json") as f:
-        saved = json.load(f)
-    saved["architectures"] = ["MiMoForCausalLM"]  # save_pretrained writes the class's own name
-    with open(f"{directory}/config.json", "w") as f:
-        json.dump(saved, f)
-    return str(directory)
+    # save_pretrained writes the class's own name
+    return served_target(directory, Qwen2ForCausalLM, config, architectures=["MiMoForCausalLM"])
 
 
 def glm4_moe_target(directory) -> str:
     """A tiny random GLM-4.5 (routed experts after a dense first layer, partial rotary, head_dim 64 for vLLM's CPU
-    attention), the debug target's tokenizer, a sharpened head: vLLM routes its MTP to its GLM-4.5 MTP model, which
-    feeds a step's pre-norm output to the next (drafters/mtp/layers.py, SERVED_FEED_BACK_NORMED)."""
-    import os
-    import shutil
-
+    attention): vLLM routes its MTP to its GLM-4.5 MTP model, which feeds a step's pre-norm output to the next
+    (drafters/mtp/layers.py, SERVED_FEED_BACK_NORMED)."""
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    from inference.assets.store import resolve_target
-
-    source = resolve_target("debug:tiny-llama")
-    os.makedirs(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(os.path.join(source, name), directory)
-    torch.manual_seed(0)
     config = Glm4MoeConfig(vocab_size=260, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
                            first_k_dense_replace=1, eos_token_id=258, pad_token_id=256, bos_token_id=None,
                            tie_word_embeddings=False, max_position_embeddings=2048)
-    model = Glm4MoeForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(directory)
-    return str(directory)
+    return served_target(directory, Glm4MoeForCausalLM, config)
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")

@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from conftest import served_target
 
 from inference.engine.target import head_target
 from train.cli import main as cli
@@ -136,38 +137,19 @@ def test_each_process_of_a_launch_gets_its_own_tensor_parallel_gpus(monkeypatch)
 
 def deepseek_v3_target(directory) -> str:
     """A tiny random DeepSeek-V3 (MLA, a dense layer then two of routed experts with the release's routing) that
-    vLLM CPU runs: kv_lora_rank 512 and a 64-wide rotary part, its CPU MLA kernel's only head size; the debug
-    target's tokenizer; a sharpened head. transformers' DeepseekV3Config writes neither key of the release's routing,
-    and vLLM reads their absence as the older DeepSeek's: softmax scores (`scoring_func`, transformers always
-    sigmoid) and no score correction bias (`topk_method`), so the file states both, as the release's does."""
-    import json
-    import shutil
-
+    vLLM CPU runs: kv_lora_rank 512 and a 64-wide rotary part, its CPU MLA kernel's only head size.
+    transformers' DeepseekV3Config writes neither key of the release's routing, and vLLM reads their absence as the
+    older DeepSeek's: softmax scores (`scoring_func`, transformers always sigmoid) and no score correction bias
+    (`topk_method`), so the file states both, as the release's does."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from inference.assets.store import resolve_target
-
-    source = resolve_target("debug:tiny-llama")
-    os.makedirs(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(os.path.join(source, name), directory)
-    torch.manual_seed(0)
     config = DeepseekV3Config(vocab_size=260, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                               num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
                               n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
                               first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
                               qk_nope_head_dim=64, v_head_dim=64, max_position_embeddings=2048, eos_token_id=258,
                               pad_token_id=256, bos_token_id=None, tie_word_embeddings=False)
-    model = DeepseekV3ForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(directory)
-    with open(f"{directory}/config.json") as f:
-        saved = json.load(f)
-    saved.update(scoring_func="sigmoid", topk_method="noaux_tc")
-    with open(f"{directory}/config.json", "w") as f:
-        json.dump(saved, f)
-    return str(directory)
+    return served_target(directory, DeepseekV3ForCausalLM, config, scoring_func="sigmoid", topk_method="noaux_tc")
 
 
 @pytest.mark.peer
