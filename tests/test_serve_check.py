@@ -45,6 +45,25 @@ def test_differing_outputs_fail_naming_the_prompt_and_the_first_token():
     assert status == "fail" and "prompts [1] (prompt 1 from token 1)" in detail and "identical outputs 1/2" in detail
 
 
+def test_a_deepseek_v3_config_without_the_release_routing_key_warns(tmp_path):
+    """vLLM scores a DeepSeek-V3's experts by config.json's scoring_func (softmax when absent), transformers always by
+    sigmoid: the routing row passes the release's key, warns on its absence, and says nothing for other families."""
+    from train.serve_check import routing
+
+    def directory(name, config):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return str(tmp_path / name)
+
+    assert routing(directory("release", {"model_type": "deepseek_v3", "scoring_func": "sigmoid"}))[1] == "pass"
+    status, detail = routing(directory("built", {"model_type": "deepseek_v3"}))[1:]
+    assert status == "warn" and "scoring_func is absent" in detail and "set scoring_func: sigmoid" in detail
+    nested = {"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3", "hidden_size": 8,
+                                                        "scoring_func": "softmax"}}
+    assert "scoring_func is 'softmax'" in routing(directory("vision", nested))[2]
+    assert routing(directory("llama", {"model_type": "llama"})) is None and routing(str(tmp_path / "none")) is None
+
+
 def test_what_cannot_be_served_is_refused_in_one_line():
     with pytest.raises(ValueError, match="--serve 'sglang'"):
         require("sglang", "eagle3", {})

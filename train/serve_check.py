@@ -17,11 +17,12 @@ capped at the drafter's longest proposal.
 from __future__ import annotations
 
 import gc
+import json
 import os
 from dataclasses import dataclass
 
 from drafters import Drafter
-from drafters.base import NATIVE_KIND_KEY
+from drafters.base import NATIVE_KIND_KEY, text_config_of
 from inference.engine.api import speculative_generate
 from inference.evaluation.metrics import acceptance_counts
 from train.features.vllm_features import eager_kwargs
@@ -64,6 +65,28 @@ def require(server: str, kind: str, header: dict) -> str:
         raise ValueError("--serve vllm: this is draftsmith's native checkpoint, which vLLM does not read; export it "
                          "(draftsmith export DIR --format ...) and check the export")
     return METHODS[kind]
+
+
+def routing(directory: str) -> tuple[str, str, str] | None:
+    """doctor's row on how vLLM routes the experts of the DeepSeek-V3 checkpoint in `directory` (the target, or a
+    target checkpoint with MTP modules), None for another family: vLLM 0.32 scores experts by config.json's
+    `scoring_func`, softmax when the key is absent, while transformers' DeepSeek-V3, which draftsmith trains and
+    measures with, always scores by sigmoid, as the release's config.json states (transformers' DeepseekV3Config
+    writes no such key, so a checkpoint built from it is served as another model)."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        config = text_config_of(json.load(f))
+    if config.get("model_type") != "deepseek_v3":
+        return None
+    scoring = config.get("scoring_func")
+    if scoring == "sigmoid":
+        return "routing", "pass", "config.json scoring_func sigmoid: vLLM routes the experts as transformers does"
+    return "routing", "warn", (f"config.json scoring_func {'is absent' if scoring is None else f'is {scoring!r}'}: "
+                               "vLLM scores the experts by softmax there, transformers' DeepSeek-V3 (our training "
+                               "and engine) by sigmoid, so the served target is not the measured one; set "
+                               "scoring_func: sigmoid and topk_method: noaux_tc, as the release's config.json does")
 
 
 def served_k(drafter: Drafter, k_asked: int) -> int:
