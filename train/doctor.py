@@ -124,8 +124,12 @@ def served(target, drafter, directory: str, method: str, prompts: list[list[int]
                                          prompts, settings.max_new_tokens, dtype, target.device.type,
                                          settings.trust_remote_code)
     except Exception as err:  # vLLM's refusal of the file (or of the target) is the finding: one line, the rows stand
+        message = f"{type(err).__name__}: " + " ".join(str(err).split())[:400]
+        if target.device.type == "cpu" and serve_check.CPU_LIMIT in str(err):
+            return "warn", f"vLLM CPU cannot run this drafter beside this target ({message}): its MLA and standard " \
+                "attention kernels share no KV block size, which says nothing of the export; serve it on a GPU"
         return "fail", f"vLLM (method {method}, k={k}) did not serve it (the export or the target: read the error): " \
-            f"{type(err).__name__}: " + " ".join(str(err).split())[:400]
+            + message
     status, detail = serve_check.compare(theirs, mine)
     return status, f"k={k}, " + detail
 
