@@ -64,6 +64,25 @@ def test_a_deepseek_v3_config_without_the_release_routing_key_warns(tmp_path):
     assert routing(directory("llama", {"model_type": "llama"})) is None and routing(str(tmp_path / "none")) is None
 
 
+def test_a_target_sliding_one_window_over_every_layer_warns(tmp_path):
+    """vLLM makes such a target's window its cache's, which the drafter's attention takes too: the window row warns
+    for one window over every layer, and says nothing for interleaved windows (Gemma, gpt-oss) or none."""
+    from train.serve_check import model_window
+
+    def directory(name, config):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return str(tmp_path / name)
+
+    status, detail = model_window(directory("mistral", {"model_type": "mistral", "sliding_window": 4096}))[1:]
+    assert status == "warn" and "one window of 4096 tokens" in detail and "past 4096 tokens" in detail
+    assert model_window(directory("all", {"sliding_window": 16, "layer_types": ["sliding_attention"] * 2}))
+    assert model_window(directory("mixed", {"sliding_window": 16, "layer_types": ["sliding_attention",
+                                                                                  "full_attention"]})) is None
+    assert model_window(directory("qwen2", {"sliding_window": 4096, "use_sliding_window": False})) is None
+    assert model_window(directory("llama", {"sliding_window": None})) is None
+
+
 def test_what_cannot_be_served_is_refused_in_one_line():
     with pytest.raises(ValueError, match="--serve 'sglang'"):
         require("sglang", "eagle3", {})
@@ -208,3 +227,33 @@ def test_vllm_cpu_s_limit_with_an_mla_target_warns_without_failing_the_export(tm
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if "serve vllm" in line)
     assert code == 0 and row.startswith("  WARN") and "No common block size" in row and "on a GPU" in row, out
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
+@pytest.mark.parametrize("window", [16, 4096])
+def test_vllm_windows_the_drafter_of_a_target_sliding_one_window(tmp_path, capsys, window):
+    """An EAGLE-3 export for a tiny Mistral: vLLM 0.32 gives its drafter the target's one sliding window (16 tokens:
+    the outputs agree, the acceptance per position does not, and the window row says why); a window past the
+    prompts and answers (4,096) is served as ours."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from inference.engine.target import TargetModel
+
+    config = MistralConfig(vocab_size=260, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=64, eos_token_id=258,
+                           pad_token_id=256, bos_token_id=None, tie_word_embeddings=False, sliding_window=window)
+    directory = served_target(tmp_path / "target", MistralForCausalLM, config)
+    target = TargetModel.from_pretrained(directory)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(Eagle3Config(layer_ids=(0, 1, 2), draft_vocab_size=260, ttt_steps=2),
+                            target.target_info())
+    overfit(target, drafter, steps=60, lr=1e-3).save(str(tmp_path / "e3"), "speculators")
+    code = main([str(tmp_path / "e3"), "--target", directory, "--prompts", PROMPTS, "--max-new-tokens", "32",
+                 "--serve", "vllm"])
+    out = capsys.readouterr().out
+    rows = {name: next(line for line in out.splitlines() if line[8:].startswith(name)) for name in
+            ("window", "serve vllm")}
+    assert rows["window"].startswith("  WARN") and "identical outputs 5/5" in rows["serve vllm"], out
+    expected = "acceptance differs at positions [1, 2, 3]" if window == 16 else "PASS"
+    assert (code == 1 if window == 16 else code == 0) and expected in rows["serve vllm"], out

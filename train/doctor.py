@@ -193,7 +193,8 @@ def run(settings: EvalSettings, serve: str | None = None) -> int:
         rows = [tuple(row) for row in module.export_checks(directory, info)]
     else:
         rows = [("format", "info", f"drafter kind {kind!r} provides no format checks")]
-    rows += [row for row in [serve_check.routing(native or target.name_or_path)] if row]
+    rows += [row for row in (serve_check.routing(native or target.name_or_path),
+                             serve_check.model_window(target.name_or_path) if kind != "medusa" else None) if row]
     try:  # on the target's device, in its dtype
         drafter = target.serve(DRAFTERS["mtp"].from_target(info, native, native_state) if native else
                                load_drafter(directory, info))

@@ -92,6 +92,24 @@ def routing(directory: str) -> tuple[str, str, str] | None:
                                "scoring_func: sigmoid and topk_method: noaux_tc, as the release's config.json does")
 
 
+def model_window(directory: str) -> tuple[str, str, str] | None:
+    """doctor's row on the target in `directory` whose config.json sets one sliding window for every layer (no
+    layer_types, or all of them sliding: Mistral-7B-v0.1's 4,096), None otherwise: vLLM 0.32 then makes that window
+    its cache's, which every attention layer without its own window takes, the drafter's too, while draftsmith
+    trains and evaluates the drafter's attention over the whole context (measured: tests/test_serve_check.py)."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        config = text_config_of(json.load(f))
+    window, types = config.get("sliding_window"), config.get("layer_types")
+    if not window or config.get("use_sliding_window") is False or (types and set(types) != {"sliding_attention"}):
+        return None
+    return "window", "warn", (f"the target slides one window of {window} tokens over every layer, which vLLM 0.32 "
+                              "applies to the drafter's attention too, where draftsmith trains and evaluates it over "
+                              f"the whole context: past {window} tokens vLLM drafts otherwise than measured here")
+
+
 def served_k(drafter: Drafter, k_asked: int) -> int:
     block = getattr(drafter.config, "block_size", None)
     k = block - 1 if block else k_asked
