@@ -182,9 +182,15 @@ class SwiGLU(nn.Module):
 def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
     """The RoPE parameters of an HF config dict in transformers-5 form: {"rope_type", "rope_theta", ...scaling}.
 
-    Reads `rope_parameters` (transformers 5) or the older `rope_theta` + `rope_scaling` pair.
+    Reads `rope_parameters` (transformers 5) or the older `rope_theta` + `rope_scaling` pair. A config whose
+    parameters are nested by layer type (Gemma 3 / 4: {"sliding_attention": {...}, "full_attention": {...}}) gives
+    its sliding layers' plain RoPE (theta 10,000 on Gemma 4, which the drafters computed before nesting was read):
+    written nested into a drafter's config, vLLM's Llama drafter layer cannot build its rotary from it.
     """
     params = dict(config.get("rope_parameters") or {})
+    nested = {key: value for key, value in params.items() if isinstance(value, Mapping)}
+    if nested:
+        params = dict(nested.get("sliding_attention") or next(iter(nested.values())))
     if not params:
         params = dict(config.get("rope_scaling") or {})
         params["rope_theta"] = float(config.get("rope_theta", 10000.0))

@@ -128,6 +128,30 @@ def test_wrong_hidden_size_fails(exports, tmp_path, capsys):
     assert "Traceback" not in out
 
 
+def test_rope_nested_by_layer_type_is_written_flat_and_a_nested_one_fails_the_vllm_reader(exports, tmp_path,
+                                                                                               capsys):
+    """A Gemma target's RoPE is nested by layer type in its config; a drafter's config names its own one RoPE (the
+    sliding layers'), which vLLM's Llama draft layer needs: an export written nested fails the vLLM reader row."""
+    from drafters.layers import rope_parameters
+
+    gemma = {"rope_parameters": {"full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                                    "partial_rotary_factor": 0.25},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+    assert rope_parameters(gemma) == {"rope_type": "default", "rope_theta": 10000.0}
+    info = TargetModel.from_pretrained("debug:tiny-gemma4").target_info()
+    drafter = Eagle3Drafter(Eagle3Config(layer_ids=(0, 1, 2), draft_vocab_size=64), info)
+    drafter.save(str(tmp_path / "gemma"), "speculators")
+    written = json.loads((tmp_path / "gemma" / "config.json").read_text())["transformer_layer_config"]
+    assert not any(isinstance(value, dict) for value in written["rope_parameters"].values())
+
+    def nest(config):  # what earlier exports of a Gemma target wrote
+        config["transformer_layer_config"]["rope_parameters"] = gemma["rope_parameters"]
+        return config
+
+    code, out = doctor(capsys, broken_copy(exports, tmp_path, "speculators", edit_config=nest))
+    assert code == 1 and check_line(out, "reader vllm").startswith("  FAIL") and "nested by layer type" in out
+
+
 def test_random_weights_fail_the_engine_check(tmp_path, capsys):
     target = TargetModel.from_pretrained(TARGET)
     torch.manual_seed(0)

@@ -257,3 +257,41 @@ def test_vllm_windows_the_drafter_of_a_target_sliding_one_window(tmp_path, capsy
     assert rows["window"].startswith("  WARN") and "identical outputs 5/5" in rows["serve vllm"], out
     expected = "acceptance differs at positions [1, 2, 3]" if window == 16 else "PASS"
     assert (code == 1 if window == 16 else code == 0) and expected in rows["serve vllm"], out
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
+@pytest.mark.parametrize("family", ["gemma4_text", "gpt_oss"])
+def test_vllm_serves_eagle3_on_interleaved_window_families_with_our_acceptance(tmp_path, capsys, family):
+    """EAGLE-3 exports for tiny Gemma 4 (its RoPE nested by layer type, which the export writes as the drafter's one)
+    and gpt-oss targets, whose sliding windows are per layer: vLLM's outputs and acceptance per position are ours."""
+    import re
+
+    import transformers
+
+    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from inference.engine.target import TargetModel
+
+    common = dict(vocab_size=260, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, eos_token_id=258, pad_token_id=256, bos_token_id=None,
+                  tie_word_embeddings=False, max_position_embeddings=2048, sliding_window=16)
+    if family == "gemma4_text":
+        model_cls, config = transformers.Gemma4ForCausalLM, transformers.Gemma4TextConfig(
+            **common, global_head_dim=128, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, final_logit_softcapping=30.0)
+    else:
+        model_cls, config = transformers.GptOssForCausalLM, transformers.GptOssConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"] * 2)
+    directory = served_target(tmp_path / "target", model_cls, config)
+    target = TargetModel.from_pretrained(directory)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(Eagle3Config(layer_ids=(0, 1, 2), draft_vocab_size=260, ttt_steps=2),
+                            target.target_info())
+    overfit(target, drafter, steps=60, lr=1e-3).save(str(tmp_path / "e3"), "speculators")
+    code = main([str(tmp_path / "e3"), "--target", directory, "--prompts", PROMPTS, "--max-new-tokens", "32",
+                 "--serve", "vllm"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "serve vllm" in line)
+    assert code == 0 and row.startswith("  PASS") and "identical outputs 5/5" in row, out
+    theirs = re.search(r"vLLM: tau ([\d.]+), accepted per position (\[[^\]]*\]) of (\d+)", row).groups()
+    assert theirs == re.search(r"ours: tau ([\d.]+), (\[[^\]]*\]) of (\d+)", row).groups(), row

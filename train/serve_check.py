@@ -132,19 +132,25 @@ def vllm_served(target_dir: str, export_dir: str | None, method: str, k: int, pr
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt
 
     drafter = {"model": export_dir} if export_dir else {}
-    llm = LLM(model=target_dir, speculative_config={"method": method, **drafter, "num_speculative_tokens": k},
-              **eager_kwargs(device_type == "cpu", True), disable_log_stats=False, dtype=dtype, max_model_len=2048,
-              seed=0, gpu_memory_utilization=0.3, language_model_only=True,  # the drafter's target: the text model
-              trust_remote_code=trust_remote_code)
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    tokens = [list(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0].outputs[0].token_ids)
-              for p in prompts]
-    metrics = {m.name: m for m in llm.get_metrics()}
-    del llm
-    gc.collect()
+    llm = None
+    try:
+        llm = LLM(model=target_dir, speculative_config={"method": method, **drafter, "num_speculative_tokens": k},
+                  **eager_kwargs(device_type == "cpu", True), disable_log_stats=False, dtype=dtype,
+                  max_model_len=2048, seed=0, gpu_memory_utilization=0.3,
+                  language_model_only=True,  # the drafter's target: the text model
+                  trust_remote_code=trust_remote_code)
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        tokens = [list(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0].outputs[0]
+                       .token_ids) for p in prompts]
+        metrics = {m.name: m for m in llm.get_metrics()}
+    finally:  # an engine that failed to start leaves its parallel groups behind too; the next one builds its own
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
     per_position = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
     return Served(tokens, int(metrics["vllm:spec_decode_num_drafts"].value),
                   int(metrics["vllm:spec_decode_num_accepted_tokens"].value),
