@@ -122,6 +122,15 @@ def reader_verdict(name: str, label: str, outcome: str | list[str], bad: str, fi
     return Check(name, bad, f"{label} would load it and misread {'; '.join(outcome)}; {fix}")
 
 
+def nested_rope(layer: Mapping[str, Any]) -> str | None:
+    """Why vLLM cannot build the draft layers of a layer config whose rope_parameters are nested by layer type (as
+    a Gemma target's are; drafters.layers.rope_parameters writes the one RoPE a drafter computes), or None."""
+    if any(isinstance(value, Mapping) for value in (layer.get("rope_parameters") or {}).values()):
+        return ("its draft layer builds one rotary and cannot from rope_parameters nested by layer type (an export "
+                "of a Gemma target before draftsmith wrote them flat)")
+    return None
+
+
 def d2t_problem(directory: str, index: Mapping[str, tuple], draft_vocab: int, vocab: int) -> str | None:
     """What is wrong with the file's d2t table for draft_vocab ids over a target vocabulary of `vocab`, or None."""
     with safe_open(os.path.join(directory, index["d2t"][1]), "pt") as f:

@@ -254,6 +254,16 @@ def test_dflash_wrong_hidden_size_fails(dflash_exports, tmp_path, capsys):
     assert check_line(out, "sizes").startswith("  FAIL") and "hidden_size 96 != the target's 64" in out
 
 
+def test_dflash_rope_nested_by_layer_type_fails_the_vllm_reader(dflash_exports, tmp_path, capsys):
+    def nest(config):  # what earlier exports for a Gemma target wrote
+        config["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+        return config
+
+    code, out = doctor(capsys, broken_copy(dflash_exports, tmp_path, "dflash", edit_config=nest))
+    assert code == 1 and check_line(out, "reader vllm").startswith("  FAIL") and "nested by layer type" in out
+
+
 def test_dflash_text_mask_token_fails(dflash_exports, tmp_path):
     def text_token(config):
         config["mask_token_id"] = 65  # a byte the tokenizer uses for text

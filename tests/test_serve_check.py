@@ -260,14 +260,16 @@ def test_vllm_windows_the_drafter_of_a_target_sliding_one_window(tmp_path, capsy
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
-@pytest.mark.parametrize("family", ["gemma4_text", "gpt_oss"])
-def test_vllm_serves_eagle3_on_interleaved_window_families_with_our_acceptance(tmp_path, capsys, family):
-    """EAGLE-3 exports for tiny Gemma 4 (its RoPE nested by layer type, which the export writes as the drafter's one)
-    and gpt-oss targets, whose sliding windows are per layer: vLLM's outputs and acceptance per position are ours."""
+@pytest.mark.parametrize("family,kind", [("gemma4_text", "eagle3"), ("gpt_oss", "eagle3"), ("gemma4_text", "dflash")])
+def test_vllm_serves_drafters_of_interleaved_window_families_with_our_acceptance(tmp_path, capsys, family, kind):
+    """EAGLE-3 and DFlash exports for tiny Gemma 4 (its RoPE nested by layer type, which the export writes as the
+    drafter's one) and gpt-oss targets, whose sliding windows are per layer: vLLM's outputs and acceptance per
+    position are ours."""
     import re
 
     import transformers
 
+    from drafters.dflash import DFlashConfig, DFlashDrafter
     from drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from inference.engine.target import TargetModel
 
@@ -285,10 +287,15 @@ def test_vllm_serves_eagle3_on_interleaved_window_families_with_our_acceptance(t
     directory = served_target(tmp_path / "target", model_cls, config)
     target = TargetModel.from_pretrained(directory)
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(Eagle3Config(layer_ids=(0, 1, 2), draft_vocab_size=260, ttt_steps=2),
-                            target.target_info())
-    overfit(target, drafter, steps=60, lr=1e-3).save(str(tmp_path / "e3"), "speculators")
-    code = main([str(tmp_path / "e3"), "--target", directory, "--prompts", PROMPTS, "--max-new-tokens", "32",
+    if kind == "eagle3":
+        drafter = Eagle3Drafter(Eagle3Config(layer_ids=(0, 1, 2), draft_vocab_size=260, ttt_steps=2),
+                                target.target_info())
+        overfit(target, drafter, steps=60, lr=1e-3).save(str(tmp_path / "export"), "speculators")
+    else:  # the byte tokenizer's last row as the mask: 30 steps leave the acceptance below saturation
+        drafter = DFlashDrafter(DFlashConfig(layer_ids=(0, 1, 2), num_layers=1, block_size=4, num_anchors=256,
+                                             mask_token_id=259, allow_text_mask_token=True), target.target_info())
+        overfit(target, drafter, steps=30, lr=1e-3).save(str(tmp_path / "export"), "dflash")
+    code = main([str(tmp_path / "export"), "--target", directory, "--prompts", PROMPTS, "--max-new-tokens", "32",
                  "--serve", "vllm"])
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if "serve vllm" in line)

@@ -21,7 +21,8 @@ from typing import Any, Mapping
 
 from drafters.base import TargetInfo
 from drafters.eagle3.layers import default_layer_ids
-from drafters.readers import Check, Checkpoint, FormatChecks, d2t_problem, meant_for, reader_verdict
+from drafters.readers import (Check, Checkpoint, FormatChecks, d2t_problem, meant_for, nested_rope,
+                              reader_verdict)
 
 READERS = {
     "draftsmith": "draftsmith's engine",
@@ -106,10 +107,8 @@ def reader_view(reader: str, fmt: str, header: Mapping[str, Any], shapes: Mappin
 def _vllm_view(reader, fmt, header, layer, names, n) -> dict[str, Any] | str:
     """vLLM (both layouts) and the speculators library. vLLM's speculators updater defaults norm_before_residual
     to True; everything else to False. vLLM reads nested eagle_config ids as vLLM ids when the top level has none."""
-    rope = layer.get("rope_parameters") or {}
-    if reader == "vllm" and any(isinstance(value, Mapping) for value in rope.values()):
-        return ("its Llama draft layer builds one rotary and cannot from rope_parameters nested by layer type (an "
-                "export of a Gemma target before draftsmith wrote them flat)")
+    if reader == "vllm" and nested_rope(layer):
+        return nested_rope(layer)
     nested = nested_layer_ids(header) if fmt != "speculators" else None
     ids = header.get("eagle_aux_hidden_state_layer_ids") or (nested if reader == "vllm" else None)
     ids = tuple(int(i) for i in ids) if ids else default_layer_ids(n)
