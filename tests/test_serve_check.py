@@ -302,3 +302,56 @@ def test_vllm_serves_drafters_of_interleaved_window_families_with_our_acceptance
     assert code == 0 and row.startswith("  PASS") and "identical outputs 5/5" in row, out
     theirs = re.search(r"vLLM: tau ([\d.]+), accepted per position (\[[^\]]*\]) of (\d+)", row).groups()
     assert theirs == re.search(r"ours: tau ([\d.]+), (\[[^\]]*\]) of (\d+)", row).groups(), row
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
+def test_vllm_serves_a_gemma4_assistant_export_with_our_outputs_and_first_drafts(tmp_path):
+    """A Gemma 4 assistant (2 layers over a tiny Gemma 4's K/V) trained 2 steps and exported as gemma4_assistant:
+    vLLM (method mtp, its Gemma4 MTP proposer) decodes our tokens and accepts our first drafts in the same rounds;
+    at later draft positions it has accepted more than ours ([12, 12, 11] of 121 rounds against [12, 10, 10] of
+    124, not explained yet: docs/distributed.md), which this records rather than checks."""
+    import transformers
+
+    from drafters import load_drafter
+    from inference.engine.target import TargetModel
+    from inference.evaluation.eval import render_prompt
+    from inference.evaluation.prompts import load_questions
+    from tests.test_mtp import features
+    from train.serve_check import ours, vllm_served
+
+    shared = dict(vocab_size=260, eos_token_id=258, pad_token_id=256, bos_token_id=None, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, global_head_dim=128, hidden_size_per_layer_input=0,
+                  vocab_size_per_layer_input=0, final_logit_softcapping=30.0, max_position_embeddings=2048,
+                  sliding_window=16)
+    types = ["sliding_attention", "full_attention"]
+    directory = served_target(tmp_path / "target", transformers.Gemma4ForCausalLM, transformers.Gemma4TextConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, layer_types=types * 2, **shared))
+    torch.manual_seed(1)
+    text = transformers.Gemma4TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, layer_types=types,
+                                         **shared)
+    start = transformers.Gemma4AssistantForCausalLM(transformers.Gemma4AssistantConfig(text_config=text,
+                                                                                       backbone_hidden_size=128))
+    with torch.no_grad():  # off the unit-norm, zero-scalar start
+        for parameter in start.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    start.save_pretrained(str(tmp_path / "start"))
+    target = TargetModel.from_pretrained(directory)
+    drafter = load_drafter(str(tmp_path / "start"), target.target_info()).float()
+    _, questions = load_questions(PROMPTS, num_prompts=5)
+    prompts = [render_prompt(target.tokenizer, q.turns[:1], [], True) for q in questions]
+    answers = ours(target, None, prompts, 0, 48).tokens
+    rows = [p + a for p, a in zip(prompts, answers)]
+    width = max(map(len, rows))
+    ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    batch = features(target, drafter, ids, torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]))
+    batch["attention_mask"] = batch["loss_mask"]
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
+    for step in range(2):
+        loss, _ = drafter.loss(drafter({**batch, "epoch": step}), batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    drafter.eval().save(str(tmp_path / "assistant"), "gemma4_assistant")
+    mine = ours(target, drafter, prompts, 3, 32)
+    theirs = vllm_served(directory, str(tmp_path / "assistant"), "mtp", 3, prompts, 32, "float32", "cpu")
+    assert theirs.tokens == mine.tokens and theirs.survived[0] == mine.survived[0] > 0, (theirs, mine)

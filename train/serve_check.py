@@ -27,7 +27,9 @@ from inference.engine.api import speculative_generate
 from inference.evaluation.metrics import acceptance_counts
 from train.features.vllm_features import eager_kwargs
 
-METHODS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark", "mtp": "mtp", "medusa": "medusa"}
+# vLLM's method per drafter kind: a gemma4_assistant export is served as an MTP model (vLLM's Gemma4 MTP proposer)
+METHODS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark", "mtp": "mtp", "medusa": "medusa",
+           "assistant": "mtp"}
 TOLERANCE = 0.10
 FLOOR = 0.05
 SERVERS = ("vllm",)
