@@ -309,7 +309,8 @@ def test_vllm_serves_a_gemma4_assistant_export_with_our_outputs_and_first_drafts
     """A Gemma 4 assistant (2 layers over a tiny Gemma 4's K/V) trained 2 steps and exported as gemma4_assistant:
     vLLM (method mtp, its Gemma4 MTP proposer) decodes our tokens and accepts our first drafts in the same rounds;
     at later draft positions it has accepted more than ours ([12, 12, 11] of 121 rounds against [12, 10, 10] of
-    124, not explained yet: docs/distributed.md), which this records rather than checks."""
+    124): vLLM queries at the last cached position with the target's window, ours as transformers one position past
+    it with one key more (docs/distributed.md), which this records rather than checks."""
     import transformers
 
     from drafters import load_drafter
