@@ -5,6 +5,7 @@ vLLM in sorted order) fails, naming the positions whose acceptance differs."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -305,12 +306,12 @@ def test_vllm_serves_drafters_of_interleaved_window_families_with_our_acceptance
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
-def test_vllm_serves_a_gemma4_assistant_export_with_our_outputs_and_first_drafts(tmp_path):
+@pytest.mark.parametrize("reading", ["transformers", "vllm"])
+def test_vllm_serves_a_gemma4_assistant_export_in_its_reading(tmp_path, reading):
     """A Gemma 4 assistant (2 layers over a tiny Gemma 4's K/V) trained 2 steps and exported as gemma4_assistant:
-    vLLM (method mtp, its Gemma4 MTP proposer) decodes our tokens and accepts our first drafts in the same rounds;
-    at later draft positions it has accepted more than ours ([12, 12, 11] of 121 rounds against [12, 10, 10] of
-    124): vLLM queries at the last cached position with the target's window, ours as transformers one position past
-    it with one key more (docs/distributed.md), which this records rather than checks."""
+    vLLM (method mtp, its Gemma4 MTP proposer) decodes our tokens. Trained and drafting in vLLM's reading
+    (AssistantConfig.reading: queries at the last cached position, the target's window) it accepts exactly our
+    drafts; in transformers' reading (one position past it, one key more) only the first drafts agree."""
     import transformers
 
     from drafters import load_drafter
@@ -337,7 +338,10 @@ def test_vllm_serves_a_gemma4_assistant_export_with_our_outputs_and_first_drafts
             parameter.add_(0.1 * torch.randn_like(parameter))
     start.save_pretrained(str(tmp_path / "start"))
     target = TargetModel.from_pretrained(directory)
-    drafter = load_drafter(str(tmp_path / "start"), target.target_info()).float()
+    loaded = load_drafter(str(tmp_path / "start"), target.target_info())
+    drafter = type(loaded)(dataclasses.replace(loaded.config, reading=reading), target.target_info())
+    drafter.load_state_dict(loaded.state_dict())
+    drafter = drafter.float()
     _, questions = load_questions(PROMPTS, num_prompts=5)
     prompts = [render_prompt(target.tokenizer, q.turns[:1], [], True) for q in questions]
     answers = ours(target, None, prompts, 0, 48).tokens
@@ -356,3 +360,4 @@ def test_vllm_serves_a_gemma4_assistant_export_with_our_outputs_and_first_drafts
     mine = ours(target, drafter, prompts, 3, 32)
     theirs = vllm_served(directory, str(tmp_path / "assistant"), "mtp", 3, prompts, 32, "float32", "cpu")
     assert theirs.tokens == mine.tokens and theirs.survived[0] == mine.survived[0] > 0, (theirs, mine)
+    assert (theirs == mine) == (reading == "vllm"), (theirs, mine)  # every count, every position

@@ -28,6 +28,10 @@ class AssistantConfig:
       `text_config` (set by that import, drafters/assistant/export.py). Then the layers are Gemma 4's own decoder
       layers with KV reuse (sandwich norms, layer scalar, GELU MLP, unit attention scale, per-type head dim, RoPE and
       sliding window), and num_layers / hidden_size / intermediate_size must agree with it. None = Llama layers.
+    reading: whose reading of the assistant it trains and drafts with, where the two disagree. "transformers" (its
+      Gemma4AssistantForCausalLM): every step queries one position past the last cached key, and a sliding layer
+      shows it window + 1 keys. "vllm" (vLLM 0.32's Gemma4 MTP, which serves gemma4_assistant exports): every step
+      queries at the last cached position, and a sliding layer shows it the target's window of keys.
     """
 
     num_layers: int = 2
@@ -40,6 +44,7 @@ class AssistantConfig:
     embed_scale: float | None = None
     sample_drafts: bool = False
     gemma4_config: dict[str, Any] | None = None
+    reading: Literal["transformers", "vllm"] = "transformers"
 
     # What a run started from a trained drafter (train.init_from) takes from its recipe; every other field is the
     # checkpoint's (train/warm_start.py).

@@ -9,7 +9,9 @@
 
 Reading maps it onto an AssistantDrafter whose `gemma4_config` is the checkpoint's text_config (so its layers are
 transformers' own Gemma 4 layers); writing is the inverse and needs such a drafter (Llama-style layers have no
-Gemma 4 equivalent). Assistants with `use_ordered_embeddings` (centroid-masked logits) are refused by name.
+Gemma 4 equivalent). Assistants with `use_ordered_embeddings` (centroid-masked logits) are refused by name. The
+drafter's AssistantConfig.reading is written as `draftsmith_reading` (servers ignore it) and read back; a checkpoint
+without it (a released assistant) is read in transformers' reading.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
                          "supported; only assistants with a plain tied lm_head are read")
     check_target_match(target_info, header.get("backbone_hidden_size"), text.get("vocab_size"), directory)
     config = AssistantConfig(num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
-                             intermediate_size=int(text["intermediate_size"]), gemma4_config=text)
+                             intermediate_size=int(text["intermediate_size"]), gemma4_config=text,
+                             reading=header.get("draftsmith_reading", "transformers"))
     path = os.path.join(directory, "model.safetensors")
     if not os.path.isfile(path):
         raise ValueError(f"{directory}: no model.safetensors (sharded assistant checkpoints are not read)")
@@ -72,7 +75,7 @@ def write(drafter, directory: str, fmt: str) -> None:
     os.makedirs(directory, exist_ok=True)
     header = {"architectures": ["Gemma4AssistantForCausalLM"], "model_type": "gemma4_assistant",
               "backbone_hidden_size": drafter.target_info.hidden_size, "text_config": config.gemma4_config,
-              "use_ordered_embeddings": False, "tie_word_embeddings": True}
+              "use_ordered_embeddings": False, "tie_word_embeddings": True, "draftsmith_reading": config.reading}
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(header, f, indent=2)
     inverse = {ours: theirs for theirs, ours in _OWN.items()}

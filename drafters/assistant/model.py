@@ -43,6 +43,8 @@ class AssistantDrafter(Drafter):
         super().__init__(config, target_info)
         if config.num_steps < 1:
             raise ValueError(f"drafter.num_steps must be >= 1, got {config.num_steps}")
+        if config.reading not in ("transformers", "vllm"):
+            raise ValueError(f"drafter.reading {config.reading!r} must be 'transformers' or 'vllm'")
         self.kv_layers = resolve_kv_layers(config, target_info)
         target = text_config(target_info)
         eps = target_info.rms_norm_eps
@@ -137,10 +139,14 @@ class AssistantDrafter(Drafter):
                 # transformers' Gemma 4 assistant shows a query the last window + 1 keys (its flipped bidirectional
                 # window mask), one more than a target query sees; the imported weights were made for that
                 distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # [B, 1, n, C]
-                layer_mask = mask & (distance <= layer.window + 1)
+                layer_mask = mask & (distance < layer.window if self.vllm_reading else distance <= layer.window + 1)
             x = layer(x, keys, values, layer_mask, *rope[layer.layer_type])
         normed = self.norm(x)
         return normed, self.post_projection(normed)
+
+    @property
+    def vllm_reading(self) -> bool:
+        return self.config.reading == "vllm"
 
     # ---- training ---------------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Any]) -> DraftOutput:
@@ -159,9 +165,10 @@ class AssistantDrafter(Drafter):
         input_ids = batch["input_ids"]
         batch_size, seq_len = input_ids.shape
         device = input_ids.device
-        query_positions = torch.arange(1, seq_len + 1, device=device).expand(batch_size, seq_len)
+        first = 0 if self.vllm_reading else 1  # AssistantConfig.reading
+        query_positions = torch.arange(first, seq_len + first, device=device).expand(batch_size, seq_len)
         columns = torch.arange(seq_len, device=device)
-        # row i (query position i + 1) sees the target's keys 0..i of its own sequence
+        # row i (query position i + 1, or i in vLLM's reading) sees the target's keys 0..i of its own sequence
         mask = (columns[None, :] <= columns[:, None])[None] & batch["attention_mask"].bool()[:, None, :]
         mask = mask.unsqueeze(1)  # [B, 1, T, T]
         key_positions = columns.expand(batch_size, seq_len)
@@ -226,7 +233,7 @@ class AssistantDrafter(Drafter):
             raise ValueError("propose() called before begin()")
         state = self._state
         kv_valid = state["kv_valid"]  # [B, L]
-        query_positions = kv_valid.long().sum(dim=1, keepdim=True)  # [B, 1]
+        query_positions = kv_valid.long().sum(dim=1, keepdim=True) - int(self.vllm_reading)  # [B, 1]
         key_positions = kv_valid.long().cumsum(dim=1) - 1  # [B, L]; holes are masked anyway
         mask = kv_valid[:, None, None, :]  # [B, 1, 1, L]
         tokens, hidden = state["tokens"][:, None], state["hidden"][:, None]
