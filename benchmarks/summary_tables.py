@@ -41,11 +41,12 @@ class Drafter:
 
 DRAFTERS = [
     Drafter("EAGLE-3", "study", "study_A", "eagle3:final",
-            read_by="vLLM CPU 0.32 (served: same acceptance, same outputs), speculators 0.9, SpecForge 0.2; "
-                    "SGLang layout written, not run",
+            read_by="vLLM CPU 0.32 (served: same acceptance, same outputs; so too on tiny Gemma 4 and gpt-oss "
+                    "targets), speculators 0.9, SpecForge 0.2; SGLang layout written, not run",
             read_anchor="eagle-3-served-by-vllm-read-by-speculators-and-specforge"),
     Drafter("DFlash", "study", "study_A", "dflash:final",
-            read_by="vLLM CPU 0.32 (served in the speculators and z-lab layouts: same acceptance, same outputs), "
+            read_by="vLLM CPU 0.32 (served in the speculators and z-lab layouts: same acceptance, same outputs; so "
+                    "too on a tiny Gemma 4), "
                     "the `dflash` package 0.1, transformers 5.24, speculators 0.9 (logits to 1.2e-5)",
             read_anchor="dflash-the-dflash-package-transformers-and-speculators"),
     Drafter("DSpark", "study", "study_A", "dspark:final",
@@ -61,7 +62,9 @@ DRAFTERS = [
             read_by="as MTP-1"),
     Drafter("Medusa-3", "study", "study_B", "medusa:final", read_by="native format only"),
     Drafter("KV-sharing assistant (Gemma-4 style)", "equal_budget", "", "assistant:final",
-            read_by="Gemma 4 `gemma4_assistant` layout; drafts equal transformers' Gemma4AssistantForCausalLM (test)"),
+            read_by="Gemma 4 `gemma4_assistant` layout; drafts equal transformers' Gemma4AssistantForCausalLM (test); "
+                    "served by vLLM CPU 0.32 with `drafter.reading: vllm` (a tiny Gemma 4: same outputs, same "
+                    "acceptance per position)"),
     Drafter("n-gram (prompt lookup, no training)", "study", "study_C", "ngram", has_k3=False,
             read_by="nothing to export"),
 ]

@@ -209,8 +209,8 @@ def _vllm_view(fmt: str, header: Mapping[str, Any], shapes: Mapping[str, tuple],
     if len(layer_ids) != num_fc:
         return f"it captures {len(layer_ids)} target features for an fc built for {num_fc}"
     layer = header.get("transformer_layer_config") or header
-    if nested_rope(layer):
-        return nested_rope(layer)
+    if problem := nested_rope(layer):
+        return problem
     draft_vocab = int(header.get("draft_vocab_size") or layer.get("vocab_size") or vocab)
     rows = shapes["lm_head.weight"][0] if "lm_head.weight" in shapes else None
     if rows is None and draft_vocab != vocab or rows is not None and rows != draft_vocab:

@@ -107,8 +107,8 @@ def reader_view(reader: str, fmt: str, header: Mapping[str, Any], shapes: Mappin
 def _vllm_view(reader, fmt, header, layer, names, n) -> dict[str, Any] | str:
     """vLLM (both layouts) and the speculators library. vLLM's speculators updater defaults norm_before_residual
     to True; everything else to False. vLLM reads nested eagle_config ids as vLLM ids when the top level has none."""
-    if reader == "vllm" and nested_rope(layer):
-        return nested_rope(layer)
+    if reader == "vllm" and (problem := nested_rope(layer)):
+        return problem
     nested = nested_layer_ids(header) if fmt != "speculators" else None
     ids = header.get("eagle_aux_hidden_state_layer_ids") or (nested if reader == "vllm" else None)
     ids = tuple(int(i) for i in ids) if ids else default_layer_ids(n)
