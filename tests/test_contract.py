@@ -220,6 +220,12 @@ def test_proposals_equal_the_training_forward(kind):
     drafter = build(kind, target)
     if not trainable(drafter):
         pytest.skip(f"{kind} has no training forward to agree with")
+    assert_proposals_are_training_predictions(target, drafter)
+
+
+def assert_proposals_are_training_predictions(target, drafter):
+    """Decode with forced accept counts, then the training forward over the decoded sequences: wherever a round's
+    drafts up to step k were accepted, its step-k prediction is the proposal; returns the training output."""
     prompts = [[5, 17, 33, 9, 120, 41, 7], [250, 11, 64, 90, 3]]
     schedules = [[2, NUM_DRAFTS, 0, 1], [0, 1, NUM_DRAFTS, None]]  # row 1 finishes before the last round
     with torch.no_grad():
@@ -242,6 +248,7 @@ def test_proposals_equal_the_training_forward(kind):
                 assert predicted == proposed[k], (row, anchor, k)
                 checked += 1
     assert checked >= 12
+    return output, batch
 
 
 # ---- lossless through the real engine ------------------------------------------------------------------------------
