@@ -48,7 +48,8 @@ class AssistantConfig:
 
     # What a run started from a trained drafter (train.init_from) takes from its recipe; every other field is the
     # checkpoint's (train/warm_start.py).
-    TRAINING_OPTIONS: ClassVar[tuple[str, ...]] = ("num_steps", "loss_weights", "loss", "sample_drafts")
+    TRAINING_OPTIONS: ClassVar[tuple[str, ...]] = ("num_steps", "loss_weights", "loss", "sample_drafts",
+                                                   "reading")  # a released assistant fine-tuned in vLLM's reading
 
     def step_shape(self, *, hidden: int, vocab: int, seq_len: int) -> dict:
         """One training step's shape for drafters/step_memory.StepShape: num_steps steps of its layers over every
