@@ -179,6 +179,11 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def rope_by_layer_type(params: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The entries of a `rope_parameters` dict nested by layer type (Gemma 3 / 4), {} for a plain one."""
+    return {key: value for key, value in params.items() if isinstance(value, Mapping)}
+
+
 def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
     """The RoPE parameters of an HF config dict in transformers-5 form: {"rope_type", "rope_theta", ...scaling}.
 
@@ -188,7 +193,7 @@ def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
     written nested into a drafter's config, vLLM's Llama drafter layer cannot build its rotary from it.
     """
     params = dict(config.get("rope_parameters") or {})
-    nested = {key: value for key, value in params.items() if isinstance(value, Mapping)}
+    nested = rope_by_layer_type(params)
     if nested:
         params = dict(nested.get("sliding_attention") or next(iter(nested.values())))
     if not params:

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from drafters.base import NATIVE_KIND_KEY, TargetInfo
+from drafters.layers import rope_by_layer_type
 
 
 class Check(NamedTuple):
@@ -125,7 +126,7 @@ def reader_verdict(name: str, label: str, outcome: str | list[str], bad: str, fi
 def nested_rope(layer: Mapping[str, Any]) -> str | None:
     """Why vLLM cannot build the draft layers of a layer config whose rope_parameters are nested by layer type (as
     a Gemma target's are; drafters.layers.rope_parameters writes the one RoPE a drafter computes), or None."""
-    if any(isinstance(value, Mapping) for value in (layer.get("rope_parameters") or {}).values()):
+    if rope_by_layer_type(layer.get("rope_parameters") or {}):
         return ("its draft layer builds one rotary and cannot from rope_parameters nested by layer type (an export "
                 "of a Gemma target before draftsmith wrote them flat)")
     return None

@@ -72,17 +72,22 @@ def require(server: str, kind: str, header: dict) -> str:
     return METHODS[kind]
 
 
+def _text_config(directory: str) -> dict:
+    """The text model's config of the model directory `directory` as its config.json writes it ({} without one)."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return dict(text_config_of(json.load(f)))
+
+
 def routing(directory: str) -> tuple[str, str, str] | None:
     """doctor's row on how vLLM routes the experts of the DeepSeek-V3 checkpoint in `directory` (the target, or a
     target checkpoint with MTP modules), None for another family: vLLM 0.32 scores experts by config.json's
     `scoring_func`, softmax when the key is absent, while transformers' DeepSeek-V3, which draftsmith trains and
     measures with, always scores by sigmoid, as the release's config.json states (transformers' DeepseekV3Config
     writes no such key, so a checkpoint built from it is served as another model)."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        config = text_config_of(json.load(f))
+    config = _text_config(directory)
     if config.get("model_type") != "deepseek_v3":
         return None
     scoring = config.get("scoring_func")
@@ -99,11 +104,7 @@ def model_window(directory: str) -> tuple[str, str, str] | None:
     layer_types, or all of them sliding: Mistral-7B-v0.1's 4,096), None otherwise: vLLM 0.32 then makes that window
     its cache's, which every attention layer without its own window takes, the drafter's too, while draftsmith
     trains and evaluates the drafter's attention over the whole context (measured: tests/test_serve_check.py)."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        config = text_config_of(json.load(f))
+    config = _text_config(directory)
     window, types = config.get("sliding_window"), config.get("layer_types")
     if not window or config.get("use_sliding_window") is False or (types and set(types) != {"sliding_attention"}):
         return None

@@ -160,8 +160,7 @@ class MTPDrafter(DraftHead, Drafter):
         export of the target into its layout holds the same trunk) into this drafter; `state`: their tensors as
         export.read_native already read them."""
         directory = directory or self.target_info.name_or_path
-        model_type = target_text_config(self.target_info).get("model_type")
-        found = mtp_export.find_native(directory, self.target_info.num_layers, model_type)
+        found = mtp_export.find_native(directory, self.target_info.num_layers, self._model_type)
         if found.layout != self.config.layout:
             raise ValueError(f"drafter.layout is {self.config.layout!r}, but the target checkpoint {directory} holds "
                              f"its MTP weights in the {found.layout} layout")
