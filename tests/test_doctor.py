@@ -24,9 +24,9 @@ TARGET = "debug:tiny-llama"
 PROMPTS = str(Path(__file__).parent / "data" / "questions_small.jsonl")
 
 
-def overfit(target: TargetModel, drafter, steps: int, lr: float = 1e-2):
-    """Train `drafter` (in a few seconds) on the target's own greedy answers to the doctor's prompts, so that its
-    acceptance there is far above random weights."""
+def answered_prompts(target: TargetModel) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """The doctor's five prompts rendered for `target`, and each with the target's greedy answer (48 tokens) as
+    right-padded rows: (prompts, input_ids [5, T], mask [5, T])."""
     _, questions = load_questions(PROMPTS, num_prompts=5)
     prompts = [render_prompt(target.tokenizer, q.turns[:1], [], True) for q in questions]
     answers = speculative_generate(target, None, prompts, num_draft_tokens=0, max_new_tokens=48).tokens
@@ -34,10 +34,11 @@ def overfit(target: TargetModel, drafter, steps: int, lr: float = 1e-2):
     width = max(map(len, rows))
     ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
     mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
-    drafter.init_from_data(torch.bincount(ids[mask.bool()], minlength=target.target_info().vocab_size).float())
-    features = target.features(ids, mask, drafter.target_layer_ids())
-    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, "hidden": features.hidden,
-             "final_hidden": features.final_hidden, "target_argmax": features.argmax}
+    return prompts, ids, mask
+
+
+def train_steps(drafter, batch: dict, steps: int, lr: float):
+    """`steps` AdamW steps of `drafter`'s own loss on one batch."""
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
     for step in range(steps):
         loss, _ = drafter.loss(drafter({**batch, "epoch": step}), batch)
@@ -45,6 +46,17 @@ def overfit(target: TargetModel, drafter, steps: int, lr: float = 1e-2):
         loss.backward()
         optimizer.step()
     return drafter
+
+
+def overfit(target: TargetModel, drafter, steps: int, lr: float = 1e-2):
+    """Train `drafter` (in a few seconds) on the target's own greedy answers to the doctor's prompts, so that its
+    acceptance there is far above random weights."""
+    _, ids, mask = answered_prompts(target)
+    drafter.init_from_data(torch.bincount(ids[mask.bool()], minlength=target.target_info().vocab_size).float())
+    features = target.features(ids, mask, drafter.target_layer_ids())
+    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, "hidden": features.hidden,
+             "final_hidden": features.final_hidden, "target_argmax": features.argmax}
+    return train_steps(drafter, batch, steps, lr)
 
 
 @pytest.fixture(scope="module")

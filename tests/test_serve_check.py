@@ -14,7 +14,7 @@ import torch
 from conftest import served_target
 from safetensors.torch import load_file, save_file
 
-from tests.test_doctor import PROMPTS, overfit
+from tests.test_doctor import PROMPTS, answered_prompts, overfit, train_steps
 from train.doctor import main
 from train.serve_check import Served, compare, require
 
@@ -316,8 +316,6 @@ def test_vllm_serves_a_gemma4_assistant_export_in_its_reading(tmp_path, reading)
 
     from drafters import load_drafter
     from inference.engine.target import TargetModel
-    from inference.evaluation.eval import render_prompt
-    from inference.evaluation.prompts import load_questions
     from tests.test_mtp import features
     from train.serve_check import ours, vllm_served
 
@@ -342,20 +340,10 @@ def test_vllm_serves_a_gemma4_assistant_export_in_its_reading(tmp_path, reading)
     drafter = type(loaded)(dataclasses.replace(loaded.config, reading=reading), target.target_info())
     drafter.load_state_dict(loaded.state_dict())
     drafter = drafter.float()
-    _, questions = load_questions(PROMPTS, num_prompts=5)
-    prompts = [render_prompt(target.tokenizer, q.turns[:1], [], True) for q in questions]
-    answers = ours(target, None, prompts, 0, 48).tokens
-    rows = [p + a for p, a in zip(prompts, answers)]
-    width = max(map(len, rows))
-    ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
-    batch = features(target, drafter, ids, torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]))
+    prompts, ids, mask = answered_prompts(target)
+    batch = features(target, drafter, ids, mask)
     batch["attention_mask"] = batch["loss_mask"]
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
-    for step in range(2):
-        loss, _ = drafter.loss(drafter({**batch, "epoch": step}), batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    train_steps(drafter, batch, steps=2, lr=1e-3)
     drafter.eval().save(str(tmp_path / "assistant"), "gemma4_assistant")
     mine = ours(target, drafter, prompts, 3, 32)
     theirs = vllm_served(directory, str(tmp_path / "assistant"), "mtp", 3, prompts, 32, "float32", "cpu")
