@@ -28,7 +28,7 @@ from drafters.files import replace_directory
 from inference.assets import default_cache_dir
 
 DEBUG_PREFIX = "debug:"
-DEBUG_TARGET_VERSION = "v2"  # part of the cache directory name: bump when the built model changes
+DEBUG_TARGET_VERSION = "v3"  # part of the cache directory name: bump when the built model changes
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -72,18 +72,21 @@ DEBUG_TARGETS = {
         _ATTENTION, intermediate_size=64, num_hidden_layers=4, head_dim=16, sliding_window=16, num_local_experts=4,
         num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2,
         max_position_embeddings=131072)),  # = its YaRN factor x original length, as gpt-oss ships
+    # the routing keys the releases' config.json states (transformers routes so regardless and writes neither; vLLM
+    # reads their absence as softmax routing: train/serve_check.routing)
     "tiny-deepseek-v3": dict(model_type="deepseek_v3", seed=6, logit_scale=8.0, mtp=False, config=dict(
         _ATTENTION, num_key_value_heads=4, intermediate_size=128, num_hidden_layers=3, moe_intermediate_size=32,
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=16)),
+        v_head_dim=16, scoring_func="sigmoid", topk_method="noaux_tc")),
     # DeepSeek-V3.2's and GLM-5's sparse attention (DSA): MLA whose indexer (16 heads, so scores rarely tie at zero)
     # keeps the top 8 keys per query by score, under the attention mask
     **{name: dict(model_type=kind, seed=seed, logit_scale=8.0, mtp=False, pad_row=True, config=dict(
         _ATTENTION, num_key_value_heads=4, intermediate_size=128, num_hidden_layers=3, moe_intermediate_size=32,
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=16, index_n_heads=16, index_head_dim=16, index_topk=8))
+        v_head_dim=16, index_n_heads=16, index_head_dim=16, index_topk=8, scoring_func="sigmoid",
+        topk_method="noaux_tc"))
        for name, kind, seed in (("tiny-deepseek-v3.2", "deepseek_v32", 10), ("tiny-glm-5", "glm_moe_dsa", 11))},
     # Nemotron-H's shape (Nemotron 3 Nano / Super): one mixer per block, Mamba-2 (a conv and an SSM state), routed
     # MoE, attention without RoPE or a dense MLP
