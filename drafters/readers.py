@@ -30,11 +30,12 @@ class Check(NamedTuple):
 
 
 class Checkpoint(NamedTuple):
-    """A checkpoint directory in a serving layout: its format, config.json dict and tensor index."""
+    """A checkpoint directory in a serving layout: its format, config.json dict, tensor index and path."""
 
     fmt: str
     header: dict[str, Any]
     index: dict[str, tuple]  # tensor name -> (shape, file name)
+    directory: str
 
     @property
     def shapes(self) -> dict[str, tuple]:
@@ -98,7 +99,7 @@ def open_checkpoint(directory: str, kind: str, detect: Detect, exports: str) -> 
     if fmt == "native":
         return Check("layout", "info", "draftsmith's native checkpoint: only draftsmith reads it; for a server run "
                      + exports)
-    return Checkpoint(fmt, header, tensor_index(directory))
+    return Checkpoint(fmt, header, tensor_index(directory), directory)
 
 
 def our_reader(read_file: Callable[[], Any]) -> tuple[Check, Any]:

@@ -146,6 +146,40 @@ def test_vllm_serves_a_good_export_alike_and_the_check_catches_a_misread_one(tmp
     assert code == 1 and row.startswith("  FAIL") and "acceptance differs at positions" in row, out
 
 
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
+def test_vllm_serves_a_medusa_export_alike_and_drops_biases_the_config_does_not_declare(tmp_path, capsys):
+    """SmolLM2 with overfitted Medusa heads (the target's head at the end) in vLLM's medusa layout: served as ours.
+    The same file with large biases and medusa_fc_bias false: vLLM builds no biases and drafts as before, ours reads
+    them (acceptance differs), and the reader row said so before serving."""
+    from drafters.medusa import MedusaConfig, MedusaDrafter
+    from inference.engine.target import TargetModel
+
+    target = TargetModel.from_pretrained("smollm2-135m-instruct")
+    torch.manual_seed(0)
+    drafter = MedusaDrafter(MedusaConfig(num_heads=3), target.target_info())
+    overfit(target, drafter, steps=40, lr=1e-3).save(str(tmp_path / "good"), "medusa")
+    argv = ["--target", "smollm2-135m-instruct", "--prompts", PROMPTS, "--max-new-tokens", "32", "--serve", "vllm"]
+    code = main([str(tmp_path / "good"), *argv])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "serve vllm" in line)
+    assert code == 0 and row.startswith("  PASS") and "identical outputs 5/5" in row, out
+    with open(tmp_path / "good" / "config.json") as f:
+        config = json.load(f)
+    (tmp_path / "undeclared").mkdir()
+    with open(tmp_path / "undeclared" / "config.json", "w") as f:
+        json.dump({**config, "medusa_fc_bias": False}, f)
+    weights = load_file(str(tmp_path / "good" / "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    save_file({name: w + 2.0 * torch.randn(w.shape, generator=generator) if name.endswith(".bias") else w
+               for name, w in sorted(weights.items())}, str(tmp_path / "undeclared" / "model.safetensors"))
+    code = main([str(tmp_path / "undeclared"), *argv])
+    out = capsys.readouterr().out
+    rows = {name: next(line for line in out.splitlines() if line[8:].startswith(name)) for name in
+            ("reader vllm", "serve vllm")}
+    assert code == 1 and rows["reader vllm"].startswith("  FAIL") and "drops the file's" in rows["reader vllm"], out
+    assert "acceptance differs at positions" in rows["serve vllm"], out
+
+
 def mimo_target(directory, num_layers: int = 2) -> str:
     """A tiny random Qwen2 model that vLLM runs as MiMo (architectures[0] MiMoForCausalLM picks its MTP model):
     head_dim 64, which vLLM's CPU attention supports. vLLM 0.32 renames MTP module i to num_layers + i one prefix

@@ -64,7 +64,8 @@ def test_every_kind_starts_from_its_checkpoint_with_the_recipes_training_options
     assert drafter.target_layer_ids() == saved.target_layer_ids()
 
 
-@pytest.mark.parametrize("kind, fmt", [("eagle3", "speculators"), ("eagle3", "eagle3"), ("dflash", "dflash")])
+@pytest.mark.parametrize("kind, fmt", [("eagle3", "speculators"), ("eagle3", "eagle3"), ("dflash", "dflash"),
+                                       ("medusa", "medusa")])
 def test_a_run_starts_from_an_export_and_its_recipe_records_the_checkpoints_architecture(kind, fmt, workdir, target,
                                                                                          tmp_path):
     from train.build import build_trainer
@@ -79,7 +80,7 @@ def test_a_run_starts_from_an_export_and_its_recipe_records_the_checkpoints_arch
     assert all(torch.equal(value, exported.state_dict()[name]) for name, value in model.state_dict().items())
     recorded = yaml.safe_load((out / "recipe.yaml").read_text())
     assert recorded["train"]["init_from"] == str(tmp_path / "export")
-    assert tuple(recorded["drafter"]["layer_ids"]) == exported.target_layer_ids()
+    assert tuple(recorded["drafter"].get("layer_ids", ())) == exported.target_layer_ids()
     final = trainer.fit()
     trainer.accelerator.end_training()
     again = load_drafter(final, target.target_info())  # trained on: its weights moved, its architecture kept

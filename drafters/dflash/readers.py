@@ -277,7 +277,7 @@ def _reader_check(reader: str, fmt: str, header, shapes, ours: dict[str, Any], n
 
 # ---- the doctor's entry point --------------------------------------------------------------------------------------
 def _body(directory: str, opened: Checkpoint, target_info: TargetInfo) -> list[Check]:
-    fmt, header, index = opened
+    fmt, header, index, _ = opened
     shapes = opened.shapes
     return [*backbone_checks(LAYOUTS[fmt], header, shapes, target_info),
             draft_vocab_check(header, shapes, index, directory, target_info.vocab_size), block_check(fmt, header)]
@@ -285,7 +285,7 @@ def _body(directory: str, opened: Checkpoint, target_info: TargetInfo) -> list[C
 
 def _reader_rows(opened: Checkpoint, target_info: TargetInfo, outcome) -> list[Check]:
     """Every reader's row against what the file means: what our reader read, else what its header says."""
-    fmt, header, _ = opened
+    fmt, header, _, _ = opened
     shapes = opened.shapes
     ours = _header_view(fmt, header, shapes) if outcome is None else _our_view(outcome[1][0])
     return [_reader_check(reader, fmt, header, shapes, ours, target_info.num_layers, target_info.vocab_size)

@@ -91,7 +91,7 @@ def heads_check(header: Mapping[str, Any], shapes: Mapping[str, tuple], info: Ta
 
 
 def _body(directory: str, opened: Checkpoint, target_info: TargetInfo) -> list[Check]:
-    fmt, header, _ = opened
+    fmt, header, _, _ = opened
     return [*backbone_checks(LAYOUTS[fmt], header, opened.shapes, target_info), block_check(fmt, header),
             heads_check(header, opened.shapes, target_info)]
 

@@ -146,7 +146,7 @@ def compare_views(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
 
 # ---- the doctor's checks ----------------------------------------------------------------------------------------
 def _body(directory: str, opened: Checkpoint, target_info: TargetInfo) -> list[Check]:
-    fmt, header, index = opened
+    fmt, header, index, _ = opened
     n = target_info.num_layers
     return [_fields_check(fmt, header, n), _layer_ids_check(fmt, header, n),
             _sizes_check(fmt, header, opened.shapes, target_info),

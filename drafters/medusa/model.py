@@ -17,7 +17,7 @@ block drafter's.
   distribution) or hard (data token) cross-entropy, weighted step_decay**k, normalised over all processes.
 - Inference: `begin` / `commit` keep each row's final hidden state at its last verified position; `propose(k)` runs
   heads 0..k-1 on it (top-1 chain, or sampled with probs when sample_drafts). max_draft_tokens = num_heads.
-- Persistence: native only (config.json + model.safetensors).
+- Persistence: native, and vLLM's `medusa` layout (drafters/medusa/export.py; also read: FasterDecoding's releases).
 
 Shapes: B batch, T sequence, N rows, K heads, D hidden, V vocab.
 """
@@ -34,6 +34,7 @@ from drafters.chunked import with_autocast_of_now
 from drafters.output import DraftOutput
 from drafters.layers import FrozenTargetTensors, draw_drafts
 from drafters.losses import acceptance_metric, check_lk_eta, distilled_cells, position_cells, weighted_depth_loss
+from drafters.medusa import export as medusa_export
 from drafters.medusa.config import MedusaConfig
 from drafters.medusa.layers import MedusaHead
 
@@ -44,6 +45,7 @@ class MedusaDrafter(Drafter):
     kind = "medusa"
     row_state = ("_state",)  # per-row inference state (drafters/base.py keep_rows)
     Config = MedusaConfig
+    export_module = medusa_export  # vLLM's medusa layout (save / load in drafters/base.py)
 
     def __init__(self, config: MedusaConfig, target_info: TargetInfo):
         super().__init__(config, target_info)
