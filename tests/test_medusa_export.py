@@ -147,3 +147,13 @@ def test_export_and_doctor_commands_take_the_format(tmp_path, capsys, target):
     code = doctor_main([str(tmp_path / "out"), "--target", TARGET, "--prompts", PROMPTS, "--max-new-tokens", "48"])
     out = capsys.readouterr().out
     assert code == 0 and "reader vllm" in out and "0 failed" in out, out
+
+
+def test_a_file_missing_one_heads_block_is_refused_naming_the_tensor(target, tmp_path):
+    trained_looking(target, lm_head="copy").save(str(tmp_path / "good"), "medusa")
+    broken = edited(tmp_path / "good", tmp_path, "broken",
+                    tensors=lambda w: {k: v for k, v in w.items() if k != "blocks.1.layers.0.weight"})
+    with pytest.raises(ValueError, match=r"the tensors lack blocks\.1\.layers\.0\.weight$"):
+        load_drafter(str(broken), target.target_info())
+    rows = {row.name: row for row in export_checks(str(broken), target.target_info())}
+    assert rows["heads"].status == rows["reader draftsmith"].status == rows["reader vllm"].status == "fail"

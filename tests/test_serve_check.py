@@ -123,6 +123,14 @@ def reorder_layer_ids(export: str) -> None:
     save_file(weights, f"{export}/model.safetensors", metadata={"format": "pt"})
 
 
+def doctor_serves(capsys, export, target: str = "smollm2-135m-instruct", names=("serve vllm",)):
+    """`draftsmith doctor EXPORT --target T --serve vllm` on the doctor's prompts (32 tokens): the exit code, the
+    output and each named row's line."""
+    code = main([str(export), "--target", target, "--prompts", PROMPTS, "--max-new-tokens", "32", "--serve", "vllm"])
+    out = capsys.readouterr().out
+    return code, out, {name: next(line for line in out.splitlines() if line[8:].startswith(name)) for name in names}
+
+
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
 def test_vllm_serves_a_good_export_alike_and_the_check_catches_a_misread_one(tmp_path, capsys):
     from drafters.eagle3 import Eagle3Config, Eagle3Drafter
@@ -133,17 +141,13 @@ def test_vllm_serves_a_good_export_alike_and_the_check_catches_a_misread_one(tmp
     drafter = Eagle3Drafter(Eagle3Config(layer_ids=(2, 15, 27), draft_vocab_size=2048, ttt_steps=2),
                             target.target_info())
     overfit(target, drafter, steps=60, lr=1e-3).save(str(tmp_path / "good"), "eagle3")
-    argv = ["--target", "smollm2-135m-instruct", "--prompts", PROMPTS, "--max-new-tokens", "32", "--serve", "vllm"]
-    code = main([str(tmp_path / "good"), *argv])
-    out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if "serve vllm" in line)
-    assert code == 0 and row.startswith("  PASS") and "identical outputs 5/5" in row, out
+    code, out, rows = doctor_serves(capsys, tmp_path / "good")
+    assert code == 0 and rows["serve vllm"].startswith("  PASS") and "identical outputs 5/5" in rows["serve vllm"], out
     drafter.save(str(tmp_path / "reordered"), "eagle3")
     reorder_layer_ids(str(tmp_path / "reordered"))
-    code = main([str(tmp_path / "reordered"), *argv])
-    out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if "serve vllm" in line)
-    assert code == 1 and row.startswith("  FAIL") and "acceptance differs at positions" in row, out
+    code, out, rows = doctor_serves(capsys, tmp_path / "reordered")
+    assert code == 1 and rows["serve vllm"].startswith("  FAIL") and "acceptance differs at positions" in \
+        rows["serve vllm"], out
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
@@ -158,11 +162,8 @@ def test_vllm_serves_a_medusa_export_alike_and_drops_biases_the_config_does_not_
     torch.manual_seed(0)
     drafter = MedusaDrafter(MedusaConfig(num_heads=3), target.target_info())
     overfit(target, drafter, steps=40, lr=1e-3).save(str(tmp_path / "good"), "medusa")
-    argv = ["--target", "smollm2-135m-instruct", "--prompts", PROMPTS, "--max-new-tokens", "32", "--serve", "vllm"]
-    code = main([str(tmp_path / "good"), *argv])
-    out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if "serve vllm" in line)
-    assert code == 0 and row.startswith("  PASS") and "identical outputs 5/5" in row, out
+    code, out, rows = doctor_serves(capsys, tmp_path / "good")
+    assert code == 0 and rows["serve vllm"].startswith("  PASS") and "identical outputs 5/5" in rows["serve vllm"], out
     with open(tmp_path / "good" / "config.json") as f:
         config = json.load(f)
     (tmp_path / "undeclared").mkdir()
@@ -172,12 +173,34 @@ def test_vllm_serves_a_medusa_export_alike_and_drops_biases_the_config_does_not_
     generator = torch.Generator().manual_seed(0)
     save_file({name: w + 2.0 * torch.randn(w.shape, generator=generator) if name.endswith(".bias") else w
                for name, w in sorted(weights.items())}, str(tmp_path / "undeclared" / "model.safetensors"))
-    code = main([str(tmp_path / "undeclared"), *argv])
-    out = capsys.readouterr().out
-    rows = {name: next(line for line in out.splitlines() if line[8:].startswith(name)) for name in
-            ("reader vllm", "serve vllm")}
+    code, out, rows = doctor_serves(capsys, tmp_path / "undeclared", names=("reader vllm", "serve vllm"))
     assert code == 1 and rows["reader vllm"].startswith("  FAIL") and "drops the file's" in rows["reader vllm"], out
     assert "acceptance differs at positions" in rows["serve vllm"], out
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
+def test_a_fasterdecoding_release_fails_in_vllm_as_doctor_says_and_serves_once_exported(tmp_path, capsys):
+    """Medusa heads in FasterDecoding's release layout (no hidden_size, biases without medusa_fc_bias): vLLM builds
+    4,096-wide blocks for SmolLM2's 576 and fails loading, as the reader row says beforehand; `draftsmith export
+    --format medusa` of the release is served with our acceptance."""
+    from drafters.medusa import MedusaConfig, MedusaDrafter
+    from inference.engine.target import TargetModel
+    from tests.test_medusa_export import fasterdecoding_release
+    from train.export import main as export_main
+
+    target = TargetModel.from_pretrained("smollm2-135m-instruct")
+    torch.manual_seed(0)
+    drafter = overfit(target, MedusaDrafter(MedusaConfig(num_heads=3, lm_head="copy"), target.target_info()),
+                      steps=40, lr=1e-3)
+    fasterdecoding_release(drafter, tmp_path / "release")
+    code, out, rows = doctor_serves(capsys, tmp_path / "release", names=("reader vllm", "serve vllm"))
+    assert code == 1 and "hidden_size 4096 (its default" in rows["reader vllm"], out
+    assert rows["serve vllm"].startswith("  FAIL") and "into parameter (torch.Size([4096, 4096]))" in \
+        rows["serve vllm"], out
+    assert export_main([str(tmp_path / "release"), "--format", "medusa", "--out", str(tmp_path / "export"),
+                        "--target", "smollm2-135m-instruct"]) == 0
+    code, out, rows = doctor_serves(capsys, tmp_path / "export")
+    assert code == 0 and rows["serve vllm"].startswith("  PASS") and "identical outputs 5/5" in rows["serve vllm"], out
 
 
 def mimo_target(directory, num_layers: int = 2) -> str:

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from drafters.base import TargetInfo, check_target_match
 from drafters.medusa.config import MedusaConfig
-from drafters.medusa.readers import CHECKS, layout
+from drafters.medusa.readers import CHECKS, layout, vllm_name
 
 EXPORT_FORMATS = ("medusa",)
 
@@ -98,14 +98,7 @@ def write(drafter, directory: str, fmt: str) -> None:
               "draftsmith": {"lm_head": config.lm_head, "step_decay": config.step_decay}}
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(header, f, indent=2)
-    tensors = {}
-    for name, tensor in drafter.state_dict().items():
-        h, rest = name.removeprefix("heads.").split(".", 1)
-        if rest.startswith("blocks."):
-            layer, part = rest.removeprefix("blocks.").split(".linear.")
-            tensors[f"blocks.{h}.layers.{layer}.{part}"] = tensor
-        else:
-            tensors[f"lm_heads.{h}.weight"] = tensor
+    tensors = {vllm_name(name): tensor for name, tensor in drafter.state_dict().items()}
     if shared:
         tensors["lm_head.weight"] = info.lm_head_weight
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},

@@ -65,18 +65,34 @@ def layout(header: Mapping[str, Any], names: list[str], source: str) -> dict[str
                              "drafts over the full vocabulary")
         else:
             raise ValueError(f"{source}: tensor {name!r} is neither a Medusa block nor a head")
-    heads = {int(n.split(".")[1]) for n in ours.values() if n.startswith("heads.")}
-    layers = {int(n.split(".")[3]) for n in ours.values() if ".blocks." in n}
-    own = {int(n.split(".")[1]) for n in ours.values() if n.endswith("lm_head.weight")}
-    if heads - set(range(num_heads)) or layers != set(range(num_layers)) or (not shared and own != set(range(
-            num_heads))) or (num_layers and heads != set(range(num_heads))):
-        raise ValueError(f"{source}: the tensors hold heads {sorted(heads)} ({len(own)} with their own lm_head) and "
-                         f"blocks {sorted(layers)}; config.json says {num_heads} heads of {num_layers} blocks"
-                         + ("" if shared else ", each with its own lm_head (original_lm_head is not set)"))
+    cells = [(h, layer) for h in range(num_heads) for layer in range(num_layers)]
+    weights = {f"heads.{h}.blocks.{layer}.linear.weight" for h, layer in cells} | (
+        set() if shared else {f"heads.{h}.lm_head.weight" for h in range(num_heads)})
+    biases = {f"heads.{h}.blocks.{layer}.linear.bias" for h, layer in cells}
+    held = set(ours.values()) - {"lm_head"}
+    missing, extra = sorted(weights - held), sorted(held - weights - biases)
+    if held & biases and held & biases != biases:
+        missing += sorted(biases - held)
+    if missing or extra:
+        raise ValueError(f"{source}: config.json says {num_heads} heads of {num_layers} blocks"
+                         + ("" if shared else ", each with its own lm_head (original_lm_head is not set)")
+                         + "; the tensors " + "; ".join(
+                             f"{what} {', '.join(map(vllm_name, names[:3]))}{' ...' if len(names) > 3 else ''}"
+                             for what, names in (("lack", missing), ("add", extra)) if names))
     if shared and "lm_head" not in ours.values():
         raise ValueError(f"{source}: original_lm_head is set and the file holds no lm_head.weight")
     return {"num_heads": num_heads, "num_layers": num_layers, "shared": shared, "ours": ours,
             "biases": any(n.endswith(".bias") for n in ours.values())}
+
+
+def vllm_name(ours: str) -> str:
+    """Our state-dict name of a Medusa tensor -> vLLM's name for it (heads.{h}.blocks.{l}.linear.weight ->
+    blocks.{h}.layers.{l}.weight; heads.{h}.lm_head.weight -> lm_heads.{h}.weight)."""
+    h, rest = ours.removeprefix("heads.").split(".", 1)
+    if rest.startswith("blocks."):
+        layer, part = rest.removeprefix("blocks.").split(".linear.")
+        return f"blocks.{h}.layers.{layer}.{part}"
+    return f"lm_heads.{h}.weight"
 
 
 def stored(directory: str, index: Mapping[str, tuple], names: list[str]) -> dict[str, torch.Tensor]:
