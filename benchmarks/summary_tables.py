@@ -50,7 +50,8 @@ DRAFTERS = [
                     "the `dflash` package 0.1, transformers 5.24, speculators 0.9 (logits to 1.2e-5)",
             read_anchor="dflash-the-dflash-package-transformers-and-speculators"),
     Drafter("DSpark", "study", "study_A", "dspark:final",
-            read_by="DeepSpec, speculators 0.9 (logits to 5.2e-6); vLLM 0.32 refuses the dspark method",
+            read_by="DeepSpec, speculators 0.9 (logits to 5.2e-6); vLLM 0.32 serves DSpark in its V2 GPU model "
+                    "runner only (Triton): its CPU build refuses the method, so no served check has run",
             read_anchor="dspark-deepspec-and-speculators"),
     Drafter("MTP-1", "study", "study_C", "mtp:final", has_k3=False,
             read_by="DeepSeek-V3 / Qwen3-Next / Qwen3.5 / MiMo / Nemotron-H layouts for vLLM `method: mtp` and "
