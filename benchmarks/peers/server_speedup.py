@@ -10,16 +10,17 @@ the embedded name smollm2-135m-instruct); EXPORT_DIR: an export vLLM serves (EAG
 that our loader reads too, its method taken from its kind (train/serve_check.METHODS); FILE: FastChat question jsonl or a builtin
 prompt set name (mt_bench, ...). A DFlash export is measured at its block's k (block_size - 1: `--k 7` for block 8).
 
-Method. One vLLM engine per k (k = 0: plain decoding) lives in its own worker process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, enforce_eager, fp32, greedy, OMP threads = --threads, unbound), at most two at
-once (k = 0 and the k being measured: each holds a model and its KV cache); our engine runs in this process with the
-same thread count. Every request is the first turn of a question under the chat template, served alone (batch 1 on
-both sides: vLLM gets one request per `generate` call), stopping at EOS or M tokens. For each k, after one untimed
-warm-up pass, each repeat runs ours and vLLM at k = 0 and at k once over all prompts, taking turns so a drift of the
-machine's load hits each alike (k = 0 is measured beside every k; its median pools all of them); tokens/s = new
-tokens / wall seconds of the pass (prefill included on both sides), the median over repeats; speedup = a k's
-tokens/s / the same engine's k = 0 tokens/s. Acceptance: tau = 1 + accepted / drafts from vLLM's spec-decode
-counters (disable_log_stats=False) and from our engine's rounds, same definitions.
+Method. One vLLM engine per k (k = 0: plain decoding) lives in its own worker process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+enforce_eager, fp32, greedy, OMP threads = --threads, unbound; vLLM's C++ CPU kernels, the speed an eager CPU server
+has, which compute an MLA target wrong: train/features/vllm_features.py eager_kwargs, so time Llama-like targets here),
+at most two at once (k = 0 and the k being measured: each holds a model and its KV cache); our engine runs in this
+process with the same thread count. Every request is the first turn of a question under the chat template, served alone
+(batch 1 on both sides: vLLM gets one request per `generate` call), stopping at EOS or M tokens. For each k, after one
+untimed warm-up pass, each repeat runs ours and vLLM at k = 0 and at k once over all prompts, taking turns so a drift of
+the machine's load hits each alike (k = 0 is measured beside every k; its median pools all of them); tokens/s = new
+tokens / wall seconds of the pass (prefill included on both sides), the median over repeats; speedup = a k's tokens/s /
+the same engine's k = 0 tokens/s. Acceptance: tau = 1 + accepted / drafts from vLLM's spec-decode counters
+(disable_log_stats=False) and from our engine's rounds, same definitions.
 
 JSON: ar_tokens_per_s_ours, ar_tokens_per_s_vllm, rows [{k, speedup_ours, speedup_vllm, tokens_per_s_ours,
 tokens_per_s_vllm, tau_ours, tau_vllm, acceptance_rate_ours, acceptance_rate_vllm, identical_outputs}], and the
