@@ -62,8 +62,8 @@ DRAFTERS = [
     Drafter("one MTP module reused for 3 steps", "equal_budget", "", "mtp:final", nth_k1=2, nth_k3=1,
             read_by="as MTP-1"),
     Drafter("Medusa-3", "study", "study_B", "medusa:final",
-            read_by="vLLM's `medusa` layout, served by vLLM CPU 0.32 (SmolLM2: same outputs, same acceptance per "
-                    "position); FasterDecoding's releases read"),
+            read_by="vLLM's `medusa` layout, served by vLLM CPU 0.32 (SmolLM2, tiny Gemma 4 and gpt-oss: same "
+                    "outputs, same acceptance per position); FasterDecoding's releases read"),
     Drafter("KV-sharing assistant (Gemma-4 style)", "equal_budget", "", "assistant:final",
             read_by="Gemma 4 `gemma4_assistant` layout; drafts equal transformers' Gemma4AssistantForCausalLM (test); "
                     "served by vLLM CPU 0.32 with `drafter.reading: vllm` (a tiny Gemma 4: same outputs, same "

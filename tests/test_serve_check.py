@@ -318,10 +318,11 @@ def test_vllm_windows_the_drafter_of_a_target_sliding_one_window(tmp_path, capsy
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
-@pytest.mark.parametrize("family,kind", [("gemma4_text", "eagle3"), ("gpt_oss", "eagle3"), ("gemma4_text", "dflash")])
+@pytest.mark.parametrize("family,kind", [("gemma4_text", "eagle3"), ("gpt_oss", "eagle3"), ("gemma4_text", "dflash"),
+                                         ("gemma4_text", "medusa"), ("gpt_oss", "medusa")])
 def test_vllm_serves_drafters_of_interleaved_window_families_with_our_acceptance(tmp_path, capsys, family, kind):
-    """EAGLE-3 and DFlash exports for tiny Gemma 4 (its RoPE nested by layer type, which the export writes as the
-    drafter's one) and gpt-oss targets, whose sliding windows are per layer: vLLM's outputs and acceptance per
+    """EAGLE-3, DFlash and Medusa exports for tiny Gemma 4 (its RoPE nested by layer type, which the export writes as
+    the drafter's one) and gpt-oss targets, whose sliding windows are per layer: vLLM's outputs and acceptance per
     position are ours."""
     import re
 
@@ -329,6 +330,7 @@ def test_vllm_serves_drafters_of_interleaved_window_families_with_our_acceptance
 
     from drafters.dflash import DFlashConfig, DFlashDrafter
     from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from drafters.medusa import MedusaConfig, MedusaDrafter
     from inference.engine.target import TargetModel
 
     common = dict(vocab_size=260, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
@@ -349,6 +351,9 @@ def test_vllm_serves_drafters_of_interleaved_window_families_with_our_acceptance
         drafter = Eagle3Drafter(Eagle3Config(layer_ids=(0, 1, 2), draft_vocab_size=260, ttt_steps=2),
                                 target.target_info())
         overfit(target, drafter, steps=60, lr=1e-3).save(str(tmp_path / "export"), "speculators")
+    elif kind == "medusa":  # the target's head after the blocks (Gemma 4's softcap leaves its argmax alone)
+        drafter = MedusaDrafter(MedusaConfig(num_heads=3), target.target_info())
+        overfit(target, drafter, steps=60, lr=1e-2).save(str(tmp_path / "export"), "medusa")
     else:  # the byte tokenizer's last row as the mask: 30 steps leave the acceptance below saturation
         drafter = DFlashDrafter(DFlashConfig(layer_ids=(0, 1, 2), num_layers=1, block_size=4, num_anchors=256,
                                              mask_token_id=259, allow_text_mask_token=True), target.target_info())
