@@ -157,3 +157,24 @@ def test_a_file_missing_one_heads_block_is_refused_naming_the_tensor(target, tmp
         load_drafter(str(broken), target.target_info())
     rows = {row.name: row for row in export_checks(str(broken), target.target_info())}
     assert rows["heads"].status == rows["reader draftsmith"].status == rows["reader vllm"].status == "fail"
+
+
+def test_a_release_for_another_width_is_refused_naming_the_tensor(target, tmp_path, capsys):
+    """FasterDecoding's config gives no width, so the tensors are checked against the target's when the drafter loads
+    (as every export that records no target: drafters.check_drafter_spec): one error line from eval, no traceback."""
+    from inference.evaluation.eval import main as eval_main
+
+    release, width, vocab = tmp_path / "release", 2 * target.target_info().hidden_size, target.target_info().vocab_size
+    release.mkdir()
+    (release / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    save_file({name: torch.zeros(shape) for h in range(2) for name, shape in (
+        (f"medusa_heads.{h}.0.linear.weight", (width, width)), (f"medusa_heads.{h}.0.linear.bias", (width,)),
+        (f"medusa_heads.{h}.1.weight", (vocab, width)))}, str(release / "medusa_lm_head.safetensors"))
+    with pytest.raises(ValueError, match=rf"0\.0\.linear\.(weight|bias) is \[{width}"):
+        load_drafter(str(release), target.target_info())
+    code = eval_main(["--target", TARGET, "--drafter", str(release), "--prompts", PROMPTS, "--num-prompts", "1",
+                      "--max-new-tokens", "4", "--out", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert code == 2 and len(errors) == 1 and errors[0].startswith("draftsmith eval: error:") and \
+        "the target's widths make it" in errors[0], err
