@@ -284,16 +284,18 @@ def exact_joint(model, prompt: list[int], vocab: int) -> torch.Tensor:
     return (p1[:, None, None] * p2[:, :, None] * p3).flatten()
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_sampling_law_is_the_targets(kind):
+@pytest.mark.parametrize("kind,verification", [(kind, "token") for kind in KINDS]
+                         + [("eagle3", "block"), ("dflash", "block"), ("ngram", "block")])
+def test_sampling_law_is_the_targets(kind, verification):
     """T = 1: the joint law of the first three emitted tokens equals the target's, with the drafter's own q where
-    it samples and one-hot q where it drafts deterministically."""
+    it samples and one-hot q where it drafts deterministically, verified token by token and (a sampling chain
+    drafter, a block drafter, a deterministic one) as a block."""
     vocab, rows = 6, 4000
     target = tiny_target(vocab_size=vocab)
     drafter = build(kind, target, sampling=kind in SAMPLING)
     prompt = [1, 4, 2, 5, 3]
     out = speculative_generate(target, drafter, [prompt] * rows, num_draft_tokens=2, max_new_tokens=3,
-                               temperature=1.0, seed=0, eos_token_ids=[])
+                               temperature=1.0, seed=0, eos_token_ids=[], verification=verification)
     counts = joint_counts(out.tokens, vocab)
     expected = exact_joint(target.model, prompt, vocab) * rows
     keep = expected >= 5

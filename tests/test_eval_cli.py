@@ -113,19 +113,22 @@ def test_greedy_eval_matches_plain_greedy_and_writes_the_report(dirs, tmp_path, 
     assert "| dataset |" in capsys.readouterr().out
 
 
-def test_sampling_eval_runs_without_exact_match(dirs, tmp_path):
+@pytest.mark.parametrize("verification", ["token", "block"])
+def test_sampling_eval_runs_without_exact_match(dirs, tmp_path, verification):
     rc = run_eval(dirs, tmp_path, "--num-prompts", "2", "--num-draft-tokens", "2", "--temperature", "0.8",
-                  "--top-k", "20", "--categories", "math,coding")
+                  "--top-k", "20", "--categories", "math,coding", "--verification", verification)
     assert rc == 0
-    records = json.loads((tmp_path / "report.json").read_text())["records"]
-    assert {record["category"] for record in records} == {"all", "math", "coding"}
-    assert all(record["greedy_exact_match"] is None for record in records)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {record["category"] for record in report["records"]} == {"all", "math", "coding"}
+    assert all(record["greedy_exact_match"] is None for record in report["records"])
+    assert report["config"].get("verification", "token") == verification
 
 
 @pytest.mark.parametrize("extra, drafter, message", [
     (("--num-draft-tokens", "2,-1"), "ngram", "--num-draft-tokens: values must be >= 0"),
     (("--temperature", "-0.5"), "ngram", "--temperature: values must be >= 0"),
     (("--top-p", "0"), "ngram", "--top-p must be in (0, 1]"),
+    (("--verification", "block", "--tree-budget", "4"), "ngram", "--verification block: block verification tests a"),
     ((), "BAD_DRAFT", "vocab_size"),
     ((), "OTHER_TARGET", "(hidden_size 32, vocab_size 322), not "),
     ((), "missing_dir", "missing_dir"),

@@ -5,6 +5,8 @@ import torch
 
 from inference.engine.verify import (
     acceptance_probability,
+    block_verify,
+    block_weights,
     greedy_verify,
     residual_distribution,
     sample_verify,
@@ -111,3 +113,90 @@ def test_sample_verify_short_proposal_gets_a_bonus_not_a_residual():
     p = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]])
     accepted, nxt = sample_verify(torch.tensor([[1, 0]]), None, p, num_valid=torch.tensor([1]))
     assert accepted.tolist() == [1] and nxt.tolist() == [2]
+
+
+# ---- block verification: the exact law of what a round emits, enumerated over every draft --------------------------
+def _trees(vocab: int, depth: int, seed: int, one_hot_drafts: bool = False):
+    """Random conditional laws for every prefix: target p(.|prefix) up to `depth` tokens, draft q(.|prefix) below
+    it (one-hot at a random token when one_hot_drafts: an argmax drafter)."""
+    import itertools
+
+    gen = torch.Generator().manual_seed(seed)
+    p, q = {}, {}
+    for length in range(depth + 1):
+        for prefix in itertools.product(range(vocab), repeat=length):
+            p[prefix] = torch.softmax(1.5 * torch.randn(vocab, generator=gen, dtype=torch.float64), -1)
+            if length < depth:
+                q[prefix] = (torch.nn.functional.one_hot(torch.randint(0, vocab, (), generator=gen), vocab).double()
+                             if one_hot_drafts else
+                             torch.softmax(1.5 * torch.randn(vocab, generator=gen, dtype=torch.float64), -1))
+    return p, q
+
+
+def _round_law(p, q, vocab: int, depth: int, limit: int):
+    """{emitted tokens: probability} of one block-verified round of `depth` drafts drawn from q (the row's last
+    draft: limit), and the expected number of drafts kept; sequences of q-probability 0 are skipped."""
+    import itertools
+
+    drafts = list(itertools.product(range(vocab), repeat=depth))
+    tokens = torch.tensor(drafts)
+    weight = torch.tensor([float(torch.prod(torch.stack([q[d[:i]][d[i]] for i in range(depth)]))) for d in drafts],
+                          dtype=torch.float64)
+    target = torch.stack([torch.stack([p[d[:i]] for i in range(depth + 1)]) for d in drafts])
+    draft_probs = torch.stack([torch.stack([q[d[:i]] for i in range(depth)]) for d in drafts])
+    h, laws = block_weights(tokens, draft_probs, target, torch.full((len(drafts),), limit))
+    law, kept = {}, 0.0
+    for b, d in enumerate(drafts):
+        if weight[b] == 0:
+            continue
+        for t in range(depth + 1):
+            p_tau = h[b, t - 1] if t else torch.tensor(1.0, dtype=torch.float64)  # tau = t: test t passes (t > 0)
+            p_tau = p_tau * torch.prod(1 - h[b, t:])  # and every later test fails
+            kept += float(weight[b] * p_tau) * t
+            for y in range(vocab):
+                key = d[:t] + (y,)
+                law[key] = law.get(key, 0.0) + float(weight[b] * p_tau * laws[b, t, y])
+    return law, kept
+
+
+@pytest.mark.parametrize("one_hot_drafts", [False, True])
+@pytest.mark.parametrize("limit", [3, 2])
+def test_block_verification_emits_the_targets_law_exactly(one_hot_drafts, limit):
+    """The round's emitted prefix, continued by the target, has the target's law over every sequence of depth + 1
+    tokens; and it keeps at least as many drafts in expectation as token-wise verification."""
+    import itertools
+
+    vocab, depth = 3, 3
+    for seed in range(4):
+        p, q = _trees(vocab, depth, seed, one_hot_drafts)
+        law, kept = _round_law(p, q, vocab, depth, limit)
+        for sequence in itertools.product(range(vocab), repeat=depth + 1):
+            want = float(torch.prod(torch.stack([p[sequence[:i]][sequence[i]] for i in range(depth + 1)])))
+            got = sum(mass * float(torch.prod(torch.stack([p[sequence[:i]][sequence[i]] for i in range(len(prefix),
+                                                                                                  depth + 1)] or
+                                                          [torch.tensor(1.0, dtype=torch.float64)])))
+                      for prefix, mass in law.items() if sequence[:len(prefix)] == prefix)
+            assert abs(got - want) < 1e-12, (seed, sequence, got, want)
+        token_wise = sum(float(torch.prod(torch.stack([torch.minimum(p[d[:i]][d[i]], q[d[:i]][d[i]])
+                                                       for i in range(j)])))
+                         for j in range(1, limit + 1) for d in itertools.product(range(vocab), repeat=j))
+        assert kept >= token_wise - 1e-12, (seed, kept, token_wise)
+        if one_hot_drafts:  # argmax drafts: the same expected drafts kept either way (only sampled drafts gain)
+            assert abs(kept - token_wise) < 1e-12, (seed, kept, token_wise)
+
+
+def test_block_verify_draws_its_tests_and_law():
+    """Monte Carlo of block_verify against block_weights: the kept count's law and the first emitted token's."""
+    vocab, depth, rows = 3, 2, 40000
+    p, q = _trees(vocab, depth, seed=7)
+    gen = torch.Generator().manual_seed(0)
+    first = torch.multinomial(q[()].expand(rows, vocab), 1, replacement=True, generator=gen)[:, 0]
+    second = torch.stack([torch.multinomial(q[(int(x),)], 1, generator=gen)[0] for x in first[:2000]])
+    tokens = torch.stack([first[:2000], second], dim=1)
+    target = torch.stack([torch.stack([p[()], p[(int(a),)], p[(int(a), int(b))]]) for a, b in tokens.tolist()])
+    draft_probs = torch.stack([torch.stack([q[()], q[(int(a),)]]) for a, _ in tokens.tolist()])
+    h, _ = block_weights(tokens, draft_probs, target)
+    expected = (h[:, 1] + h[:, 0] * (1 - h[:, 1]) * 1).mean()  # P(tau >= 1)
+    reps = 20
+    kept = torch.stack([block_verify(tokens, draft_probs, target, generator=gen)[0] for _ in range(reps)])
+    assert abs(float((kept >= 1).double().mean()) - float(expected)) < 0.02

@@ -29,10 +29,12 @@ __all__ = ["GenerateOutput", "speculative_generate", "tree_speculative_generate"
 def speculative_generate(target, drafter: Drafter | None, prompts: list[list[int]], *, num_draft_tokens: int,
                          max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                          seed: int = 0, eos_token_ids=None, schedule=None, adaptive: WidthPolicy | None = None,
-                         drop_finished_rows: bool = True, timed: bool = True) -> GenerateOutput:
+                         drop_finished_rows: bool = True, timed: bool = True,
+                         verification: str = "token") -> GenerateOutput:
     """Chain rounds of num_draft_tokens drafts (target: an inference.engine.target.TargetModel). `adaptive`: a width
     policy choosing each round's width in 0..num_draft_tokens (adaptive.AdaptiveK; None = k every round);
-    `schedule`: schedule.StaticThreshold or PrefixScheduler cutting each row's proposal by its confidences."""
+    `schedule`: schedule.StaticThreshold or PrefixScheduler cutting each row's proposal by its confidences;
+    `verification`: how a sampled round is verified (verify.Sampling: "token" or "block")."""
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     if adaptive is not None and adaptive.max_width != num_draft_tokens:
@@ -45,8 +47,8 @@ def speculative_generate(target, drafter: Drafter | None, prompts: list[list[int
 
     def run(rows: list[list[int]], row_seed: int) -> GenerateOutput:
         return decode(target, drafter if width else None, rows, ChainRounds(), policy, max_new_tokens=max_new_tokens,
-                      sampling=Sampling(temperature, top_p, top_k, row_seed), eos_token_ids=eos_token_ids,
-                      drop_finished_rows=drop_finished_rows, timed=timed)
+                      sampling=Sampling(temperature, top_p, top_k, row_seed, verification),
+                      eos_token_ids=eos_token_ids, drop_finished_rows=drop_finished_rows, timed=timed)
 
     if len(prompts) > 1 and getattr(target, "one_row", False):  # MiniMax-M3, Llama 4: eval refuses a batch instead
         # each row its own random streams, drawn from `seed` (one seed for every row would repeat one sample)
@@ -58,10 +60,14 @@ def speculative_generate(target, drafter: Drafter | None, prompts: list[list[int
 def tree_speculative_generate(target, drafter: Drafter | None, prompts: list[list[int]], *, tree_budget: int,
                               max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                               seed: int = 0, eos_token_ids=None, tree_top_k: int = 4,
-                              timed: bool = True) -> GenerateOutput:
+                              timed: bool = True, verification: str = "token") -> GenerateOutput:
     """Tree rounds of tree_budget nodes (root included; 1 = plain autoregression). tree_top_k: children per
-    expanded node and frontier width of EAGLE-2 trees (inference/engine/tree/rounds.py)."""
+    expanded node and frontier width of EAGLE-2 trees (inference/engine/tree/rounds.py). A tree's sampled rounds are
+    verified node by node (`verification` "token"; block verification is a chain's)."""
     check_budget(tree_budget)
+    if verification != "token":
+        raise ValueError(f"verification {verification!r}: block verification tests a chain; a tree is verified "
+                         "token by token")
     return decode(target, drafter if tree_budget > 1 else None, prompts, TreeRounds(tree_top_k),
                   FixedWidth(tree_budget - 1), max_new_tokens=max_new_tokens,
                   sampling=Sampling(temperature, top_p, top_k, seed), eos_token_ids=eos_token_ids, timed=timed)

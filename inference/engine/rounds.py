@@ -22,7 +22,7 @@ import torch
 from drafters.base import DraftContext, select_rows
 from drafters.served import Served
 from inference.engine.run import Draft, Verdict
-from inference.engine.verify import GREEDY, Sampling, greedy_verify, sample_verify
+from inference.engine.verify import GREEDY, Sampling, block_verify, greedy_verify, sample_verify
 
 
 def commit_context(target, block: torch.Tensor, num_accepted: torch.Tensor, active: torch.Tensor,
@@ -49,14 +49,16 @@ def roll_back(target, mark: int, num_accepted: torch.Tensor, active: torch.Tenso
 def verify_chain(target, *, block: torch.Tensor, drafts: torch.Tensor, num_valid: torch.Tensor, request,
                  active: torch.Tensor, draft_probs=None, sampling: Sampling = GREEDY, generator=None):
     """One target forward over block [B, W + 1] = [last token, drafts], the accept decision and the rollback:
-    greedy at temperature 0, else min(1, p/q) over sampling.probs(logits) (the run's warped distribution) with
-    draft_probs q. Returns (num_accepted [B], new_tokens [B], served features of the block)."""
+    greedy at temperature 0, else sampling.verification's test (token-wise min(1, p/q), or block verification) over
+    sampling.probs(logits) (the run's warped distribution) with draft_probs q. Returns (num_accepted [B], new_tokens
+    [B], served features of the block)."""
     mark = target.mark()
     logits, served = target.extend(block, request)
     if sampling.greedy:
         num_accepted, new_tokens = greedy_verify(drafts, logits, num_valid)
     else:
-        num_accepted, new_tokens = sample_verify(drafts, draft_probs, sampling.probs(logits), num_valid, generator)
+        verify = block_verify if sampling.verification == "block" else sample_verify
+        num_accepted, new_tokens = verify(drafts, draft_probs, sampling.probs(logits), num_valid, generator)
     return num_accepted, new_tokens, roll_back(target, mark, num_accepted, active, request, served)
 
 

@@ -8,7 +8,8 @@ Greedy: accept the longest prefix where the draft equals the target argmax; the 
 the first mismatch (correction) or after the last draft (bonus).
 Sampling (Leviathan et al. 2023): accept draft x with probability min(1, p(x) / q(x)); on the first rejection emit a
 token from the residual norm(max(p - q, 0)); if all are accepted emit a bonus token from p. Deterministic drafts
-(argmax, n-gram) use q = one-hot, so acceptance is p(x) and the residual is p with x removed.
+(argmax, n-gram) use q = one-hot, so acceptance is p(x) and the residual is p with x removed. Block verification
+(Sun et al. 2024; vLLM's rejection_sample_method "block"), a chain's alternative: `block_weights`.
 """
 
 from __future__ import annotations
@@ -18,15 +19,20 @@ from dataclasses import dataclass
 import torch
 
 
+VERIFICATIONS = ("token", "block")  # how a sampled chain is verified (Sampling.verification)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How the target samples its tokens, one value through the engine: temperature (0 = greedy), top-k (0 = off),
-    top-p (1 = off) and the seed of the run's two random streams (the target's and the drafter's)."""
+    top-p (1 = off), the seed of the run's two random streams (the target's and the drafter's), and how a sampled
+    chain is verified: "token" (sample_verify) or "block" (block_verify); greedy verification ignores it."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    verification: str = "token"
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -35,6 +41,8 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {self.verification!r}")
 
     @property
     def greedy(self) -> bool:
@@ -130,6 +138,70 @@ def sample_verify(
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
     return _accept_prefix(uniforms < accept_p, num_valid, emit)
+
+
+def block_weights(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                  num_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification's tests and emitted laws for a chain (Sun et al. 2024, "Block verification accelerates
+    speculative decoding"; what vLLM calls rejection_sample_method "block").
+
+    With the draft law q (one-hot at each draft when None) and weights w_0 = 1, w_i = min(1, w_{i-1} p(x_i) / q(x_i)):
+    the i-th test passes with h_i = m_i / (m_i + 1 - w_i), m_i = sum_v max(w_i p_i(v) - q_i(v), 0) the residual mass
+    after i drafts (p_i, q_i: the laws of the token after draft i), and h_i = w_i at the row's last draft (num_valid,
+    else K); tests past it never pass. Every test is drawn, and the round keeps drafts up to the LAST test that passed
+    (tau; 0 when none did), then emits from law tau: norm(max(w_tau p_tau - q_tau, 0)) below the row's last draft,
+    p at it. Token-wise verification stops at the first failure instead; block verification keeps at least as many
+    drafts in expectation, and both emit the target's law (tests/test_verify.py enumerates it exactly).
+
+    Args: draft_tokens [B, K]; draft_probs [B, K, V] or None; target_probs [B, K+1, V]; num_valid [B].
+    Returns: h [B, K] (test i at column i - 1) and laws [B, K+1, V] (the emitted token's law when tau = t).
+    """
+    batch, num_drafts = draft_tokens.shape
+    p = target_probs
+    q = (torch.nn.functional.one_hot(draft_tokens, p.shape[-1]).to(p.dtype) if draft_probs is None
+         else draft_probs.to(p.dtype))
+    limit = torch.full((batch,), num_drafts, device=p.device) if num_valid is None else num_valid.clamp(0, num_drafts)
+    ratio = _unclamped_ratio(p[:, :num_drafts], q, draft_tokens)  # p(x_i) / q(x_i) [B, K]
+    weights = [torch.ones(batch, dtype=p.dtype, device=p.device)]
+    for i in range(num_drafts):
+        weights.append(torch.minimum(weights[-1] * ratio[:, i], torch.ones_like(weights[-1])))
+    w = torch.stack(weights, dim=1)  # [B, K+1]
+    raw = (w[:, :num_drafts, None] * p[:, :num_drafts] - q).clamp(min=0)  # [B, K, V]
+    mass = raw.sum(-1)
+    denominator = mass + 1 - w[:, :num_drafts]
+    inner = torch.where(denominator > 0, mass / denominator.clamp(min=1e-30), torch.zeros_like(mass))
+    steps = torch.arange(1, num_drafts + 1, device=p.device)[None, :]  # test i = 1..K
+    h = torch.cat([inner[:, 1:], torch.zeros_like(inner[:, :1])], dim=1)  # test i from the residual after draft i
+    h = torch.where(steps == limit[:, None], w[:, 1:], torch.where(steps < limit[:, None], h, torch.zeros_like(h)))
+    residual = torch.where(mass[..., None] > 0, raw / mass[..., None].clamp(min=1e-30), p[:, :num_drafts])
+    laws = torch.cat([residual, p[:, num_drafts:]], dim=1).clone()  # [B, K+1, V]
+    rows = torch.arange(batch, device=p.device)
+    laws[rows, limit] = p[rows, limit]  # all of the row's drafts kept: the bonus from p
+    return h, laws
+
+
+def _unclamped_ratio(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """p(x) / q(x) for each drafted x (q(x) = 0, a token the draft law never proposes: 1, as acceptance_probability)."""
+    p_x = p.gather(-1, tokens[..., None]).squeeze(-1)
+    q_x = q.gather(-1, tokens[..., None]).squeeze(-1)
+    return torch.where(q_x > 0, p_x / q_x.clamp(min=1e-30), torch.ones_like(p_x))
+
+
+def block_verify(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    num_valid: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+):
+    """Lossless block verification over a chain (`block_weights`). Same arguments and returns as sample_verify."""
+    h, laws = block_weights(draft_tokens, draft_probs, target_probs, num_valid)
+    uniforms = torch.rand(h.shape, generator=generator, device=h.device)
+    steps = torch.arange(1, h.shape[1] + 1, device=h.device)
+    num_accepted = torch.where(uniforms < h, steps, torch.zeros_like(steps)).amax(dim=1) if h.shape[1] else \
+        torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
+    rows = torch.arange(h.shape[0], device=h.device)
+    return num_accepted, torch.multinomial(laws[rows, num_accepted], 1, generator=generator).squeeze(-1)
 
 
 def _accept_prefix(accepted: torch.Tensor, num_valid: torch.Tensor | None, emit):

@@ -41,6 +41,7 @@ from inference.engine.schedule import build_schedules, parse_schedule_specs
 from inference.engine.target import TargetModel, default_device
 from inference.engine.target_files import check_one_row
 from inference.engine.tree.draft import check_budget
+from inference.engine.verify import VERIFICATIONS
 from inference.evaluation.chat_template import (check_chat_template, parse_template_kwargs, render_prompt,
                                                 trained_mode_mismatch)
 from inference.evaluation.intervals import merge_counts, question_counts
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", default="0", help="comma-separated temperatures; 0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at temperature > 0 (1 = off)")
     parser.add_argument("--top-k", type=int, default=0, help="top-k sampling at temperature > 0 (0 = off)")
+    parser.add_argument("--verification", default="token", choices=VERIFICATIONS,
+                        help="how a sampled chain is verified at temperature > 0: token by token (Leviathan et al.) "
+                             "or as a block (Sun et al.; vLLM's rejection_sample_method block); chains only")
     parser.add_argument("--num-draft-tokens", default="auto",
                         help="comma-separated k values and/or auto (k chosen per round at run time), e.g. auto,3,7")
     parser.add_argument("--batch-size", default="1", help="comma-separated batch sizes, e.g. 1,4,8,16 (a load sweep)")
@@ -122,7 +126,8 @@ def parse_settings(args: argparse.Namespace) -> EvalSettings:
         target=args.target, drafter=split(args.drafter) or ("none",), prompts=split(args.prompts),
         categories=split(args.categories) if args.categories else None, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
-        num_draft_tokens=num_draft_tokens, batch_size=batch_size, seed=args.seed, threads=args.threads,
+        verification=args.verification, num_draft_tokens=num_draft_tokens, batch_size=batch_size, seed=args.seed,
+        threads=args.threads,
         no_chat_template=args.no_chat_template, dtype=args.dtype, tree_budget=tree_budget, schedule=schedule,
         out=args.out, outputs=args.outputs, append=args.append, target_path=args.target_path,
         chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs), trust_remote_code=args.trust_remote_code)
@@ -133,6 +138,9 @@ def parse_settings(args: argparse.Namespace) -> EvalSettings:
                    ("--num-prompts", settings.num_prompts, 1))
     if not 0.0 < settings.top_p <= 1.0:
         raise ValueError(f"--top-p must be in (0, 1], got {settings.top_p}")
+    if settings.verification != "token" and settings.tree_budget:
+        raise ValueError(f"--verification {settings.verification}: block verification tests a chain, and "
+                         "--tree-budget decodes trees, which are verified token by token; drop one of them")
     if not settings.prompts:
         raise ValueError("--prompts: no prompt set given")
     for flag, path in (("--out", settings.out), ("--outputs", settings.outputs)):
@@ -191,6 +199,7 @@ def run_methods(target, methods: list[Method], questions: list, settings: EvalSe
                                              settings.chat_template_kwargs) for i in batch]
                     out = generate(target, method, prompts, max_new_tokens=settings.max_new_tokens,
                                    temperature=temperature, top_p=settings.top_p, top_k=settings.top_k,
+                                   verification=settings.verification,
                                    seed=settings.seed + calls, eos_token_ids=eos)
                     result.by_category.setdefault(category, []).append(out)
                     result.counts.append(question_counts(out, batch))
@@ -342,6 +351,7 @@ def run_config(settings: EvalSettings, device) -> dict:
             "top_k": settings.top_k, "seed": settings.seed, "chat_template": not settings.no_chat_template,
             "target_path": settings.target_path, "chat_template_kwargs": settings.chat_template_kwargs or None,
             "categories": list(settings.categories) if settings.categories else settings.categories,
+            **({"verification": settings.verification} if settings.verification != "token" else {}),
             "environment": environment(torch.device(device), settings.torch_dtype(device))}
 
 

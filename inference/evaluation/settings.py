@@ -29,6 +29,7 @@ class EvalSettings:
     temperature: tuple[float, ...] = (0.0,)
     top_p: float = 1.0
     top_k: int = 0
+    verification: str = "token"  # how a sampled chain is verified (inference/engine/verify.Sampling)
     num_draft_tokens: tuple = ("auto",)  # ints and the word "auto"
     batch_size: tuple[int, ...] = (1,)
     seed: int = 0
