@@ -200,3 +200,10 @@ def test_block_verify_draws_its_tests_and_law():
     reps = 20
     kept = torch.stack([block_verify(tokens, draft_probs, target, generator=gen)[0] for _ in range(reps)])
     assert abs(float((kept >= 1).double().mean()) - float(expected)) < 0.02
+
+
+def test_block_verify_of_no_drafts_emits_from_p():
+    """A width-0 round (adaptive k) verifies the last token alone: nothing kept, the token drawn from p."""
+    p = torch.tensor([[[0.0, 1.0, 0.0]]])
+    accepted, nxt = block_verify(torch.zeros(1, 0, dtype=torch.long), None, p)
+    assert accepted.tolist() == [0] and nxt.tolist() == [1]
