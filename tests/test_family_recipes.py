@@ -16,7 +16,7 @@ from transformers import AutoConfig
 
 from drafters.layer_ids import attention_output_ids, auto_layer_ids, nearest_distinct
 from drafters.ragged_state import config_dict
-from inference.assets.debug_target import DEBUG_TARGETS
+from inference.assets.debug_target import DEBUG_TARGET_VERSION, DEBUG_TARGETS
 from train.cli import main as cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +62,7 @@ def test_debug_recipe_trains_on_the_family(recipe, target, chats, tmp_path, caps
     assert status == 0, capsys.readouterr().err[-2000:]
     with open(tmp_path / "run" / "final" / "config.json") as f:
         header = json.load(f)
-    assert header["target"]["name_or_path"].endswith(f"debug-{target}-v2")
+    assert header["target"]["name_or_path"].endswith(f"debug-{target}-{DEBUG_TARGET_VERSION}")
     # the config as TargetInfo carries it (Nemotron-H's layer kinds under another name, Jamba's derived from periods)
     target_config = config_dict(AutoConfig.from_pretrained(header["target"]["name_or_path"]))
     allowed = attention_output_ids(target_config, header["target"]["num_layers"])
