@@ -90,11 +90,9 @@ def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_v
 
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
     """min(1, p(x)/q(x)) for each drafted x. p [..., V], q [..., V] or None (one-hot draft), tokens [...]."""
-    p_x = p.gather(-1, tokens[..., None]).squeeze(-1)
     if q is None:
-        return p_x.clamp(max=1.0)
-    q_x = q.gather(-1, tokens[..., None]).squeeze(-1)
-    return torch.where(q_x > 0, (p_x / q_x.clamp(min=1e-30)).clamp(max=1.0), torch.ones_like(p_x))
+        return p.gather(-1, tokens[..., None]).squeeze(-1).clamp(max=1.0)
+    return _unclamped_ratio(p, q, tokens).clamp(max=1.0)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
