@@ -11,7 +11,7 @@ import time
 import torch
 
 from drafters.files import write_json_atomic
-from inference.evaluation.eval import environment
+from inference.evaluation.environment import environment
 
 
 def write_measurement(path: str, result: dict, device="cpu") -> None:

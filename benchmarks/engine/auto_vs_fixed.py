@@ -31,7 +31,7 @@ from inference.engine.adaptive import AdaptiveK
 from inference.engine.api import speculative_generate
 from inference.engine.policy import FixedWidth
 from inference.engine.target import TargetModel
-from inference.evaluation.eval import environment
+from inference.evaluation.environment import environment
 from inference.evaluation.methods import AUTO_MAX_DRAFT_TOKENS
 from inference.evaluation.profile import profile_costs
 from inference.evaluation.prompts import load_questions

@@ -25,7 +25,8 @@ from drafters.draft_model import DraftModelConfig
 from inference.assets.store import make_truncated_draft_model, resolve_target
 from inference.engine.api import speculative_generate
 from inference.engine.target import TargetModel
-from inference.evaluation.eval import environment, render_prompt
+from inference.evaluation.environment import environment
+from inference.evaluation.eval import render_prompt
 from inference.evaluation.metrics import build_record, merge_outputs
 from inference.evaluation.prompts import load_questions
 

@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from drafters.base import FeatureRequest
 from inference.engine.rounds import verify_chain
 from inference.engine.target import TargetModel, synchronize
-from inference.evaluation.eval import environment
+from inference.evaluation.environment import environment
 
 
 def timed(device, fn) -> float:

@@ -23,7 +23,8 @@ import torch
 from drafters import load_drafter
 from inference.engine.api import speculative_generate, tree_speculative_generate
 from inference.engine.target import TargetModel
-from inference.evaluation.eval import environment, render_prompt
+from inference.evaluation.environment import environment
+from inference.evaluation.eval import render_prompt
 from inference.evaluation.metrics import build_record, merge_outputs, tokens_per_second
 from inference.evaluation.prompts import load_questions
 

@@ -22,19 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import transformers
 from tqdm import tqdm
 
 from drafters import check_drafter_spec
 from inference.assets.store import resolve_target, target_config
 from inference.engine.costs import CostProfile
-from inference.engine.cpu import CpuBackend, cpu_flags, cpu_model
+from inference.engine.cpu import CpuBackend
 from inference.engine.generate import GenerateOutput
 from inference.engine.roofline import stream_bandwidth, weight_bytes
 from inference.engine.schedule import build_schedules, parse_schedule_specs
@@ -44,6 +42,7 @@ from inference.engine.tree.draft import check_budget
 from inference.engine.verify import VERIFICATIONS
 from inference.evaluation.chat_template import (check_chat_template, parse_template_kwargs, render_prompt,
                                                 trained_mode_mismatch)
+from inference.evaluation.environment import environment
 from inference.evaluation.intervals import merge_counts, question_counts
 from inference.evaluation.lossless import divergence_gaps, summarize
 from inference.evaluation.methods import Method, generate, load_methods
@@ -151,18 +150,6 @@ def parse_settings(args: argparse.Namespace) -> EvalSettings:
                 raise ValueError(f"{flag}: cannot create the folder of {path} ({err.filename}: "
                                  f"{(err.strerror or str(err)).lower()}); choose another path") from None
     return settings
-
-
-def environment(device: torch.device, dtype: torch.dtype = torch.float32) -> dict:
-    """Software and hardware the numbers were measured on (no host name)."""
-    env = {"torch": torch.__version__, "transformers": transformers.__version__,
-           "python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
-           "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-           "cpu": cpu_model(), "cpu_flags": cpu_flags()}
-    backend = getattr(torch, device.type, None)  # torch.cuda also serves ROCm builds
-    if device.type != "cpu" and hasattr(backend, "get_device_name"):
-        env["accelerator"] = backend.get_device_name(device)
-    return env
 
 
 @dataclass
