@@ -15,6 +15,7 @@ from drafters.eagle3 import Eagle3Drafter
 from drafters.medusa import MedusaDrafter
 from drafters.mtp import MTPDrafter
 from drafters.ngram import NgramDrafter
+from drafters.peagle import PEagleDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {
     "assistant": AssistantDrafter,
@@ -25,6 +26,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "medusa": MedusaDrafter,
     "mtp": MTPDrafter,
     "ngram": NgramDrafter,
+    "peagle": PEagleDrafter,
 }
 
 

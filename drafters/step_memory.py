@@ -74,6 +74,7 @@ class StepShape:
     modules: int = 0
     kv_features: int = 0
     trained_head: bool = False  # MTP: a draft-vocabulary head is trained (whatever its rows)
+    placeholder: bool = False  # P-EAGLE: a trained placeholder of the concatenated features (n_f x D values)
     kv_expanded: bool = False
     step_keys: bool = False
     checkpointing: bool = False
@@ -115,7 +116,8 @@ def trained_params(s: StepShape) -> int:
     fc = s.num_features * s.hidden * s.hidden
     if s.step == "ttt":  # the first layer reads [embedding ; hidden], a trained draft head
         return fc + layer_params(s, 2 * s.hidden) + (s.num_layers - 1) * layer_params(s, s.hidden) \
-            + s.head_vocab * s.hidden + 2 * s.hidden  # + hidden_norm and the final norm
+            + s.head_vocab * s.hidden + 2 * s.hidden \
+            + (s.num_features * s.hidden if s.placeholder else 0)  # + hidden_norm, the final norm, mask_hidden
     layers = s.num_layers * (layer_params(s, s.hidden) + 2 * s.head_dim)  # + q_norm / k_norm
     head = s.head_vocab * s.hidden if s.head_vocab != s.vocab else 0  # a reduced DFlash vocabulary is trained
     return fc + layers + head + 2 * s.vocab * s.markov_rank + s.extra_params + 2 * s.hidden

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from drafters.base import TargetInfo
+
 
 @dataclass(frozen=True)
 class DraftVocab:
@@ -152,3 +154,23 @@ def complete_vocab_tables(state: dict[str, torch.Tensor], draft_vocab_size: int,
         state["t2d"] = torch.zeros(vocab_size, dtype=torch.bool)
         state["t2d"][torch.arange(draft_vocab_size) + state["d2t"]] = True
     state["t2d"] = state["t2d"].bool()
+
+
+def resolve_mask_token_id(token: int | None, allow_text: bool, target_info: TargetInfo) -> int:
+    """A drafter's mask row of the target vocabulary (DFlash's and P-EAGLE's `drafter.mask_token_id`): `token`
+    checked against the tokenizer's unused rows (allow_text: `drafter.allow_text_mask_token`), or the first unused
+    row when it is None. ValueError naming the field otherwise."""
+    unused = target_info.unused_token_ids
+    vocab = target_info.vocab_size
+    if token is None:
+        if not unused:
+            raise ValueError("drafter.mask_token_id: the target has no known unused vocabulary row (no tokenizer, or "
+                             "every row is used); set drafter.mask_token_id to a reserved token id")
+        return int(unused[0])
+    if not 0 <= token < vocab:
+        raise ValueError(f"drafter.mask_token_id {token} is outside the target vocabulary [0, {vocab})")
+    if unused is not None and token not in unused and not allow_text:
+        allowed = list(unused[:16]) + (["..."] if len(unused) > 16 else [])
+        raise ValueError(f"drafter.mask_token_id {token} is a token the tokenizer uses for text; choose an unused id "
+                         f"({allowed}) or set drafter.allow_text_mask_token: true")
+    return int(token)

@@ -30,6 +30,7 @@ from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.medusa import MedusaConfig, MedusaDrafter
 from drafters.mtp import MTPConfig, MTPDrafter
 from drafters.ngram import NgramConfig, NgramDrafter
+from drafters.peagle import PEagleConfig, PEagleDrafter
 from inference.engine.api import speculative_generate
 from inference.engine.rounds import commit_context, roll_back
 from inference.engine.target import TargetModel
@@ -55,6 +56,11 @@ FACTORIES: dict[str, Callable[[TargetInfo], Drafter]] = {
                                                       init_head_from_target=False), info),
     "draft_model": lambda info: DraftModelDrafter(DraftModelConfig(path="tiny"), info, model=_draft_lm(info)),
     "ngram": lambda info: NgramDrafter(NgramConfig(), info),
+    # EAGLE-3's layers drafting in one forward; the tiny targets have no tokenizer, so the last row is the mask token
+    "peagle": lambda info: PEagleDrafter(PEagleConfig(layer_ids=(1, 2, 4), num_layers=2,
+                                                      draft_vocab_size=info.vocab_size, ttt_steps=NUM_DRAFTS,
+                                                      init_head_from_target=False, mask_token_id=info.vocab_size - 1),
+                                         info),
     "mtp": lambda info: MTPDrafter(MTPConfig(num_modules=NUM_DRAFTS), info),
     "medusa": lambda info: MedusaDrafter(MedusaConfig(num_heads=NUM_DRAFTS), info),
     # blocks of NUM_DRAFTS + 1; enough anchors that the training forward covers every position; the tiny targets
@@ -75,6 +81,9 @@ SAMPLING = {  # the factory variant that samples its drafts, for kinds that can
     "medusa": lambda info: MedusaDrafter(MedusaConfig(num_heads=NUM_DRAFTS, sample_drafts=True), info),
     "eagle3": lambda info: Eagle3Drafter(Eagle3Config(layer_ids=(1, 2, 4), draft_vocab_size=info.vocab_size,
                                                       ttt_steps=NUM_DRAFTS, sample_drafts=True), info),
+    "peagle": lambda info: PEagleDrafter(PEagleConfig(layer_ids=(1, 2, 4), draft_vocab_size=info.vocab_size,
+                                                      ttt_steps=NUM_DRAFTS, sample_drafts=True,
+                                                      mask_token_id=info.vocab_size - 1), info),
     "draft_model": lambda info: DraftModelDrafter(DraftModelConfig(path="tiny", sample_drafts=True), info,
                                                   model=_draft_lm(info)),
 }

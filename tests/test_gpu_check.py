@@ -44,7 +44,7 @@ def test_the_cpu_dry_run_passes_every_section(tmp_path):
     assert failed == {} and proc.returncode == 0, (failed, proc.stdout[-3000:])
     assert summary["finished"] and summary["machine"]["device"] == "cpu"
     sections = summary["sections"]
-    assert set(sections["B"]["numbers"]) == {"eagle3", "dflash", "dspark", "mtp", "medusa", "assistant"}
+    assert set(sections["B"]["numbers"]) == {"eagle3", "peagle", "dflash", "dspark", "mtp", "medusa", "assistant"}
     assert all(kind["resume_max_abs_weight_change"] == 0.0 for kind in sections["B"]["numbers"].values())
     assert sections["D"]["numbers"]["eval_float32"]["eagle3:final"]["greedy_exact_match"] == 1.0
     assert all("error" not in sections["H"]["numbers"][name] for name in H_FAMILIES)

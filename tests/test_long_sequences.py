@@ -22,6 +22,7 @@ from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.losses import full_vocab_cross_entropy, soft_cross_entropy
 from drafters.medusa import MedusaConfig, MedusaDrafter
 from drafters.mtp import MTPConfig, MTPDrafter
+from drafters.peagle import PEagleConfig, PEagleDrafter
 
 HIDDEN, VOCAB, LENGTH = 16, 96, 160  # every width but the vocabulary below LENGTH / 2 (the shape check)
 
@@ -39,6 +40,8 @@ def target_info() -> TargetInfo:
 
 FACTORIES = {
     "eagle3": lambda info: Eagle3Drafter(Eagle3Config(layer_ids=(1, 2, 3), num_layers=2, draft_vocab_size=64,
+                                                      ttt_steps=3), info),
+    "peagle": lambda info: PEagleDrafter(PEagleConfig(layer_ids=(1, 2, 3), num_layers=2, draft_vocab_size=64,
                                                       ttt_steps=3), info),
     "dflash": lambda info: DFlashDrafter(DFlashConfig(layer_ids=(1, 2, 3), num_layers=2, block_size=4,
                                                       num_anchors=24, mask_token_id=3), info),

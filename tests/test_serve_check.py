@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.test_doctor import PROMPTS, answered_prompts, overfit, train_steps
 from train.doctor import main
+from train import serve_check
 from train.serve_check import Served, compare, require
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -148,6 +149,37 @@ def test_vllm_serves_a_good_export_alike_and_the_check_catches_a_misread_one(tmp
     code, out, rows = doctor_serves(capsys, tmp_path / "reordered")
     assert code == 1 and rows["serve vllm"].startswith("  FAIL") and "acceptance differs at positions" in \
         rows["serve vllm"], out
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
+def test_vllm_serves_a_peagle_export_with_parallel_drafting_alike_and_refuses_one_without_mask_hidden(tmp_path,
+                                                                                                      capsys):
+    """vLLM drafts a P-EAGLE speculators export in one forward (eagle3 with parallel_drafting) with our acceptance
+    at every position, which its sequential EAGLE-3 reading of the same file does not give ([68, 2, 0] of 69 rounds
+    against [48, 30, 13] of 49 when measured); without its mask_hidden tensor vLLM's loader fails, as the doctor's
+    row says."""
+    from drafters.peagle import PEagleConfig, PEagleDrafter
+    from inference.engine.target import TargetModel
+
+    target = TargetModel.from_pretrained("smollm2-135m-instruct")
+    torch.manual_seed(0)
+    drafter = PEagleDrafter(PEagleConfig(layer_ids=(2, 15, 27), draft_vocab_size=2048, ttt_steps=3),
+                            target.target_info())
+    overfit(target, drafter, steps=300, lr=1e-3).save(str(tmp_path / "good"), "speculators")
+    code, out, rows = doctor_serves(capsys, tmp_path / "good")
+    assert code == 0 and rows["serve vllm"].startswith("  PASS") and "identical outputs 5/5" in rows["serve vllm"], out
+    prompts, _, _ = answered_prompts(target)
+    ours = serve_check.ours(target, drafter.eval(), prompts, 3, 32)
+    sequential = serve_check.vllm_served(target.name_or_path, str(tmp_path / "good"), {"method": "eagle3"}, 3, prompts,
+                                         32, "float32", "cpu")
+    assert ours.survived[1] > 0 and sequential.shares[1:] != ours.shares[1:]
+    weights = load_file(str(tmp_path / "good" / "model.safetensors"))
+    del weights["mask_hidden"]
+    (tmp_path / "bare").mkdir()
+    save_file(weights, str(tmp_path / "bare" / "model.safetensors"))
+    (tmp_path / "bare" / "config.json").write_text((tmp_path / "good" / "config.json").read_text())
+    code, out, rows = doctor_serves(capsys, tmp_path / "bare", names=("parallel drafting",))
+    assert code == 1 and rows["parallel drafting"].startswith("  FAIL") and "mask_hidden not found" in out, out
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
@@ -408,6 +440,6 @@ def test_vllm_serves_a_gemma4_assistant_export_in_its_reading(tmp_path, reading)
     train_steps(drafter, batch, steps=2, lr=1e-3)
     drafter.eval().save(str(tmp_path / "assistant"), "gemma4_assistant")
     mine = ours(target, drafter, prompts, 3, 32)
-    theirs = vllm_served(directory, str(tmp_path / "assistant"), "mtp", 3, prompts, 32, "float32", "cpu")
+    theirs = vllm_served(directory, str(tmp_path / "assistant"), {"method": "mtp"}, 3, prompts, 32, "float32", "cpu")
     assert theirs.tokens == mine.tokens and theirs.survived[0] == mine.survived[0] > 0, (theirs, mine)
     assert (theirs == mine) == (reading == "vllm"), (theirs, mine)  # every count, every position

@@ -112,15 +112,16 @@ def engine_check(trained: dict, random: dict) -> tuple[str, str]:
                     " training?)")
 
 
-def served(target, drafter, directory: str, method: str, prompts: list[list[int]], k_asked: int,
+def served(target, drafter, directory: str, fields: dict, prompts: list[list[int]], k_asked: int,
            settings: EvalSettings, native: str | None = None) -> tuple[str, str]:
-    """The export served by vLLM beside our engine (train/serve_check.py), as one row's (status, detail); `native`:
-    the model directory whose own MTP modules vLLM serves instead."""
+    """The export served by vLLM beside our engine (train/serve_check.py), as one row's (status, detail); fields:
+    vLLM's speculative method and flags (serve_check.require); `native`: the model directory whose own MTP modules
+    vLLM serves instead."""
     k = serve_check.served_k(drafter, k_asked)
     mine = serve_check.ours(target, drafter, prompts, k, settings.max_new_tokens)
     dtype = str(target.model.dtype).removeprefix("torch.")
     try:
-        theirs = serve_check.vllm_served(native or target.name_or_path, None if native else directory, method, k,
+        theirs = serve_check.vllm_served(native or target.name_or_path, None if native else directory, fields, k,
                                          prompts, settings.max_new_tokens, dtype, target.device.type,
                                          settings.trust_remote_code)
     except Exception as err:  # vLLM's refusal of the file (or of the target) is the finding: one line, the rows stand
@@ -128,7 +129,7 @@ def served(target, drafter, directory: str, method: str, prompts: list[list[int]
         if target.device.type == "cpu" and serve_check.CPU_LIMIT in str(err):
             return "warn", f"vLLM CPU cannot run this drafter beside this target ({message}): its MLA and standard " \
                 "attention kernels share no KV block size, which says nothing of the export; serve it on a GPU"
-        return "fail", f"vLLM (method {method}, k={k}) did not serve it (the export or the target: read the error): " \
+        return "fail", f"vLLM (method {fields['method']}, k={k}) did not serve it (the export or the target: read the error): " \
             + message
     status, detail = serve_check.compare(theirs, mine)
     return status, f"k={k}, " + detail
@@ -171,7 +172,7 @@ def run(settings: EvalSettings, serve: str | None = None) -> int:
     kind = "mtp" if native else checkpoint_kind(directory)
     if kind not in DRAFTERS:
         raise ValueError(f"{directory}: drafter kind {kind!r} is not registered; known: {sorted(DRAFTERS)}")
-    method = serve_check.require(serve, kind, _header(native or directory)) if serve else None
+    fields = serve_check.require(serve, kind, _header(native or directory)) if serve else None
     check_drafters(settings, flag="DRAFTER")  # trained for a target of other sizes: refused before the target loads
     _, questions = load_questions(prompt_set, num_prompts=settings.num_prompts)
     device = default_device()
@@ -206,8 +207,8 @@ def run(settings: EvalSettings, serve: str | None = None) -> int:
         trained = acceptance(target, drafter, prompts, k, settings.max_new_tokens)
         random = acceptance(target, randomised(drafter), prompts, k, settings.max_new_tokens)
         rows.append(("engine", *engine_check(trained, random)))
-        if method:
-            rows.append((f"serve {serve}", *served(target, drafter, directory, method, prompts, k_asked, settings,
+        if fields:
+            rows.append((f"serve {serve}", *served(target, drafter, directory, fields, prompts, k_asked, settings,
                                                     native)))
     width = max(len(name) for name, _, _ in rows)
     for name, status, detail in rows:

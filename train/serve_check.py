@@ -29,7 +29,10 @@ from train.features.vllm_features import eager_kwargs
 
 # vLLM's method per drafter kind: a gemma4_assistant export is served as an MTP model (vLLM's Gemma4 MTP proposer)
 METHODS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark", "mtp": "mtp", "medusa": "medusa",
-           "assistant": "mtp"}
+           "assistant": "mtp", "peagle": "eagle3"}
+# kinds vLLM serves with `parallel_drafting` (a round's drafts from one forward: P-EAGLE as eagle3, as `vllm serve`
+# reads a speculators config of type peagle)
+PARALLEL_DRAFTING = ("peagle",)
 TOLERANCE = 0.10
 FLOOR = 0.05
 SERVERS = ("vllm",)
@@ -55,8 +58,15 @@ class Served:
         return [s / max(self.rounds, 1) for s in self.survived]
 
 
-def require(server: str, kind: str, header: dict) -> str:
-    """vLLM's speculative method for this export; ValueError (one line: what to do) when it cannot be served."""
+def speculative_fields(kind: str) -> dict:
+    """vLLM's speculative_config fields that choose how it drafts with a `kind` export: the method, and parallel
+    drafting where the kind drafts so."""
+    return {"method": METHODS[kind], **({"parallel_drafting": True} if kind in PARALLEL_DRAFTING else {})}
+
+
+def require(server: str, kind: str, header: dict) -> dict:
+    """vLLM's speculative_config fields for this export (speculative_fields); ValueError (one line: what to do)
+    when it cannot be served."""
     if server not in SERVERS:
         raise ValueError(f"--serve {server!r}: the servers it checks are {', '.join(SERVERS)}")
     try:
@@ -69,7 +79,7 @@ def require(server: str, kind: str, header: dict) -> str:
     if header.get(NATIVE_KIND_KEY) == kind:
         raise ValueError("--serve vllm: this is draftsmith's native checkpoint, which vLLM does not read; export it "
                          "(draftsmith export DIR --format ...) and check the export")
-    return METHODS[kind]
+    return speculative_fields(kind)
 
 
 def _text_config(directory: str) -> dict:
@@ -126,10 +136,11 @@ def ours(target, drafter: Drafter, prompts: list[list[int]], k: int, max_new_tok
     return Served([list(t) for t in out.tokens], counts["rounds"], counts["accepted"], counts["survived"])
 
 
-def vllm_served(target_dir: str, export_dir: str | None, method: str, k: int, prompts: list[list[int]],
+def vllm_served(target_dir: str, export_dir: str | None, fields: dict, k: int, prompts: list[list[int]],
                 max_new_tokens: int, dtype: str, device_type: str, trust_remote_code: bool = False) -> Served:
-    """vLLM's engine with the export as its drafter, one request at a time (batch 1, as ours), greedy (export_dir
-    None: the MTP modules in target_dir's own checkpoint, method mtp); trust_remote_code: the user's
+    """vLLM's engine with the export as its drafter, one request at a time (batch 1, as ours), greedy; fields: the
+    speculative_config's method and flags (speculative_fields) (export_dir None: the MTP modules in target_dir's
+    own checkpoint, method mtp); trust_remote_code: the user's
     (--trust-remote-code), for the tokenizer code a target ships."""
     if device_type == "cpu":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -141,7 +152,7 @@ def vllm_served(target_dir: str, export_dir: str | None, method: str, k: int, pr
     drafter = {"model": export_dir} if export_dir else {}
     llm = None
     try:
-        llm = LLM(model=target_dir, speculative_config={"method": method, **drafter, "num_speculative_tokens": k},
+        llm = LLM(model=target_dir, speculative_config={**fields, **drafter, "num_speculative_tokens": k},
                   **eager_kwargs(device_type == "cpu", True), disable_log_stats=False, dtype=dtype,
                   max_model_len=2048, seed=0, gpu_memory_utilization=0.3,
                   language_model_only=True,  # the drafter's target: the text model

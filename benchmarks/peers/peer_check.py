@@ -114,7 +114,7 @@ def parity(_args) -> list[dict]:
 # layouts. MTP's native layouts are the target families' own checkpoints.
 SERVED = {"eagle3": ("eagle3", "speculators,eagle3,sglang"), "dflash": ("dflash", "speculators,dflash"),
           "dspark": ("dspark", "speculators,deepspec"), "mtp": ("mtp", "speculators,deepseek_v3"),
-          "medusa": ("medusa", "medusa")}
+          "medusa": ("medusa", "medusa"), "peagle": ("eagle3", "speculators")}
 
 
 def serve(args) -> list[dict]:

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-path", default="auto", choices=("auto", "hf"))
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # internal: a vLLM worker's k
     parser.add_argument("--target-dir", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--method", default="eagle3", help=argparse.SUPPRESS)  # internal: vLLM's method name
+    parser.add_argument("--speculative", default='{"method": "eagle3"}',  # internal: vLLM's method and flags (JSON)
+                        help=argparse.SUPPRESS)
     return parser
 
 
@@ -85,7 +86,7 @@ def vllm_worker(args) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    spec = None if args.worker == 0 else {"method": args.method, "model": args.drafter,
+    spec = None if args.worker == 0 else {**json.loads(args.speculative), "model": args.drafter,
                                           "num_speculative_tokens": args.worker}
     llm = LLM(model=args.target_dir, speculative_config=spec, enforce_eager=True, disable_log_stats=False,
               dtype="float32", max_model_len=2048, seed=0, gpu_memory_utilization=0.1)
@@ -119,7 +120,7 @@ class VllmWorker:
         command = [sys.executable, os.path.abspath(__file__), "--worker", str(k), "--target-dir", target_dir,
                    "--target", args.target, "--drafter", args.drafter, "--prompts", args.prompts, "--out", args.out,
                    "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads),
-                   "--method", args.method]
+                   "--speculative", args.speculative]
         self.log = open(f"{args.out}.vllm_k{k}.log", "w")
         self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True)
@@ -213,12 +214,12 @@ def main(argv=None) -> int:
         target = TargetModel.from_pretrained(
             args.target, backend=CpuBackend() if args.target_path == "auto" else None)
         drafter = target.serve(load_drafter(args.drafter, target.target_info()).eval())
-        from train.serve_check import METHODS  # drafter kind -> vLLM's speculative method, as doctor --serve uses
+        from train.serve_check import METHODS, speculative_fields  # drafter kind -> vLLM's method, as doctor uses
 
         if drafter.kind not in METHODS:
             raise ValueError(f"--drafter {args.drafter!r}: a {drafter.kind} drafter; vLLM serves "
                              f"{', '.join(sorted(METHODS))} exports")
-        args.method = METHODS[drafter.kind]
+        args.speculative = json.dumps(speculative_fields(drafter.kind))
         _, questions = load_questions(args.prompts, num_prompts=args.num_prompts)
     except (ValueError, OSError) as err:
         print(f"server_speedup: error: {err}", file=sys.stderr)
@@ -255,7 +256,7 @@ def main(argv=None) -> int:
     result.update({"target": target.name_or_path, "drafter": args.drafter, "prompts": args.prompts,
                    "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "threads": args.threads,
                    "vllm_threads": plain.info.get("threads"), "repeats": args.repeats,
-                   "target_path": target.path, "method": args.method,
+                   "target_path": target.path, "speculative": json.loads(args.speculative),
                    "drafter_path": target.path if target.drafter_kernels(drafter) is not None else "hf",
                    "load_1min": os.getloadavg()[0], "torch": torch.__version__,
                    "transformers": transformers.__version__, "vllm": vllm.__version__})

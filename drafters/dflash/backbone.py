@@ -32,9 +32,9 @@ from drafters.dflash.layers import (
     fuse_context,
     new_context_caches,
     resolve_layer_ids,
-    resolve_mask_token_id,
 )
 from drafters.layers import FrozenTargetTensors, KVCache
+from drafters.vocab import resolve_mask_token_id
 
 
 class BlockBackbone(Drafter):
@@ -48,7 +48,7 @@ class BlockBackbone(Drafter):
     def __init__(self, config: Any, target_info: TargetInfo, backbone: DFlashConfig):
         super().__init__(config, target_info)
         self.layer_ids = resolve_layer_ids(backbone, target_info)
-        self.mask_token_id = resolve_mask_token_id(backbone, target_info)
+        self.mask_token_id = resolve_mask_token_id(backbone.mask_token_id, backbone.allow_text_mask_token, target_info)
         self.layer_config = draft_layer_config(backbone, target_info)
         self.fc, self.hidden_norm, self.layers, self.norm, self.rotary = backbone_modules(
             self.layer_config, len(self.layer_ids), backbone.num_layers)  # the final norm starts at ones

@@ -60,25 +60,6 @@ def resolve_layer_ids(config: DFlashConfig, target_info: TargetInfo) -> tuple[in
     return auto_layer_ids(layer_ids, target_info.config, n - 1, "drafter.layer_ids")
 
 
-def resolve_mask_token_id(config: DFlashConfig, target_info: TargetInfo) -> int:
-    """config.mask_token_id (checked against the tokenizer's unused rows) or the first unused row."""
-    unused = target_info.unused_token_ids
-    vocab = target_info.vocab_size
-    token = config.mask_token_id
-    if token is None:
-        if not unused:
-            raise ValueError("drafter.mask_token_id: the target has no known unused vocabulary row (no tokenizer, or "
-                             "every row is used); set drafter.mask_token_id to a reserved token id")
-        return int(unused[0])
-    if not 0 <= token < vocab:
-        raise ValueError(f"drafter.mask_token_id {token} is outside the target vocabulary [0, {vocab})")
-    if unused is not None and token not in unused and not config.allow_text_mask_token:
-        allowed = list(unused[:16]) + (["..."] if len(unused) > 16 else [])
-        raise ValueError(f"drafter.mask_token_id {token} is a token the tokenizer uses for text; choose an unused id "
-                         f"({allowed}) or set drafter.allow_text_mask_token: true")
-    return int(token)
-
-
 def decay_gamma(config: DFlashConfig) -> float:
     """gamma of the loss weights exp(-(k-1)/gamma): configured, published (16/10/8 -> 7/5/4), else block_size / 2."""
     if config.loss_decay_gamma is not None:

@@ -160,7 +160,8 @@ class Eagle3Drafter(DraftHead, Drafter):
         normed = []
         for step in range(steps):
             cos, sin = self.rotary(positions + step, hidden.dtype)
-            hidden = self._ttt_layers(embeds[:, step : step + length], hidden, cos, sin, key_valid, step_keys, step)
+            step_embeds, hidden = self._step_inputs(step, embeds[:, step : step + length], hidden)
+            hidden = self._ttt_layers(step_embeds, hidden, cos, sin, key_valid, step_keys, step)
             rows = (target_position - 1 - step).clamp(min=0)
             normed.append(self.norm(hidden[batch_index, rows]))
         head_input = torch.stack(normed, dim=1)  # [N, K, D]; the head runs on it when the loss asks (chunks of N)
@@ -170,6 +171,12 @@ class Eagle3Drafter(DraftHead, Drafter):
         head = with_autocast_of_now(lambda rows: self.lm_head(head_input[rows]), head_input.device)
         return DraftOutput(batch_index=batch_index, label_position=label_position, depth_valid=depth_valid,
                            draft_ids=self.draft_ids(), head=head)
+
+    def _step_inputs(self, step: int, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What TTT step `step` reads at every position: (token embeddings, hidden input), each [B, L, D]. EAGLE-3:
+        the ground-truth tokens and the previous step's output (fc of the target features at step 0). P-EAGLE
+        replaces both after step 0 (drafters/peagle/model.py)."""
+        return embeds, hidden
 
     def _ttt_layers(self, embeds, hidden, cos, sin, key_valid, step_keys, step: int) -> torch.Tensor:
         """One TTT step through every draft layer. step_keys[i] keeps layer i's step-0 keys and diagonal keys.

@@ -148,9 +148,9 @@ def compare_views(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
 def _body(directory: str, opened: Checkpoint, target_info: TargetInfo) -> list[Check]:
     fmt, header, index, _ = opened
     n = target_info.num_layers
-    return [_fields_check(fmt, header, n), _layer_ids_check(fmt, header, n),
-            _sizes_check(fmt, header, opened.shapes, target_info),
-            _vocab_check(fmt, header, index, directory, target_info.vocab_size)]
+    return [_fields_check(fmt, header, n), layer_ids_check(fmt, header, n),
+            sizes_check(fmt, header, opened.shapes, target_info),
+            vocab_check(fmt, header, index, directory, target_info.vocab_size)]
 
 
 def _our_view(opened: Checkpoint, target_info: TargetInfo) -> dict[str, Any]:
@@ -202,7 +202,7 @@ def _fields_check(fmt, header, n) -> Check:
                  + "; re-export with `draftsmith export CKPT --format " + fmt + "`")
 
 
-def _layer_ids_check(fmt, header, n) -> Check:
+def layer_ids_check(fmt, header, n) -> Check:
     try:
         listed = list(listed_layer_ids(header, fmt, n))
     except ValueError as err:
@@ -219,7 +219,7 @@ def _layer_ids_check(fmt, header, n) -> Check:
     return Check("layer ids", "pass", f"{listed} (vLLM convention) from {where}: in range, sorted, unique")
 
 
-def _sizes_check(fmt, header, shapes, info: TargetInfo) -> Check:
+def sizes_check(fmt, header, shapes, info: TargetInfo) -> Check:
     layer = header.get("transformer_layer_config") or {} if fmt == "speculators" else header
     hidden, vocab, problems = info.hidden_size, info.vocab_size, []
     for field, value, want in (("hidden_size", layer.get("hidden_size"), hidden), ("vocab_size",
@@ -242,7 +242,7 @@ def _sizes_check(fmt, header, shapes, info: TargetInfo) -> Check:
     return Check("sizes", "pass", f"hidden {hidden}, vocab {vocab}, fc and lm_head shapes match the target")
 
 
-def _vocab_check(fmt, header, index, directory, vocab) -> Check:
+def vocab_check(fmt, header, index, directory, vocab) -> Check:
     layer = header.get("transformer_layer_config") or {} if fmt == "speculators" else header
     draft_vocab = int(header.get("draft_vocab_size") or layer.get("vocab_size") or 0)
     if draft_vocab == vocab:
