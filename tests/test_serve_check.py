@@ -95,6 +95,16 @@ def test_what_cannot_be_served_is_refused_in_one_line():
             require("vllm", "eagle3", {"draftsmith_kind": "eagle3"})
 
 
+def test_vllm_is_asked_for_parallel_drafting_exactly_for_the_kinds_that_draft_so():
+    """P-EAGLE is vLLM's eagle3 with parallel_drafting (what `vllm serve` makes of a peagle speculators config); an
+    EAGLE-3 asked for it would be served as another drafter (tests/test_peagle.py: the drafts differ), so no other
+    kind gets the flag."""
+    flagged = {kind for kind in serve_check.METHODS if serve_check.speculative_fields(kind).get("parallel_drafting")}
+    assert flagged == {"peagle"}
+    assert serve_check.speculative_fields("peagle") == {"method": "eagle3", "parallel_drafting": True}
+    assert serve_check.speculative_fields("eagle3") == {"method": "eagle3"}
+
+
 @pytest.mark.skipif(HAS_VLLM, reason="checks the message shown where vLLM is not installed")
 def test_serve_vllm_without_vllm_is_one_line(tmp_path, capsys):
     from drafters.eagle3 import Eagle3Config, Eagle3Drafter
