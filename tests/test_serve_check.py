@@ -15,8 +15,8 @@ from conftest import served_target
 from safetensors.torch import load_file, save_file
 
 from tests.test_doctor import PROMPTS, answered_prompts, overfit, train_steps
-from train.doctor import main
 from train import serve_check
+from train.doctor import main
 from train.serve_check import Served, compare, require
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

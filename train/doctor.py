@@ -129,8 +129,8 @@ def served(target, drafter, directory: str, fields: dict, prompts: list[list[int
         if target.device.type == "cpu" and serve_check.CPU_LIMIT in str(err):
             return "warn", f"vLLM CPU cannot run this drafter beside this target ({message}): its MLA and standard " \
                 "attention kernels share no KV block size, which says nothing of the export; serve it on a GPU"
-        return "fail", f"vLLM (method {fields['method']}, k={k}) did not serve it (the export or the target: read the error): " \
-            + message
+        return "fail", f"vLLM (method {fields['method']}, k={k}) did not serve it (the export or the target: read " \
+            "the error): " + message
     status, detail = serve_check.compare(theirs, mine)
     return status, f"k={k}, " + detail
 

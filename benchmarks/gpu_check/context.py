@@ -22,7 +22,8 @@ from benchmarks.gpu_check.summary import last_error_line, one_line
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7: the spacing of bf16 numbers in [1, 2)
 DATA_FILE = "recipes/smollm2/data/sharegpt_smollm2_regenerated_320.jsonl"
-KINDS = ("eagle3", "peagle", "dflash", "dspark", "mtp", "medusa", "assistant")  # every trainable kind with a debug recipe
+# every trainable kind with a debug recipe
+KINDS = ("eagle3", "peagle", "dflash", "dspark", "mtp", "medusa", "assistant")
 
 
 class CheckFailed(Exception):

@@ -13,8 +13,14 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from drafters.base import TargetInfo
-from drafters.eagle3.readers import (compare_views, layer_ids_check, listed_layer_ids, reader_view, sizes_check,
-                                     vocab_check)
+from drafters.eagle3.readers import (
+    compare_views,
+    layer_ids_check,
+    listed_layer_ids,
+    reader_view,
+    sizes_check,
+    vocab_check,
+)
 from drafters.readers import Check, Checkpoint, FormatChecks, meant_for, reader_verdict
 
 READERS = {"draftsmith": "draftsmith's engine",
