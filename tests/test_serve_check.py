@@ -142,16 +142,22 @@ def doctor_serves(capsys, export, target: str = "smollm2-135m-instruct", names=(
     return code, out, {name: next(line for line in out.splitlines() if line[8:].startswith(name)) for name in names}
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
-def test_vllm_serves_a_good_export_alike_and_the_check_catches_a_misread_one(tmp_path, capsys):
-    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+def overfit_on_smollm2(drafter_class, config, steps: int):
+    """(SmolLM2, a drafter of `config` overfit on the doctor's prompts for `steps` steps from seed 0)."""
     from inference.engine.target import TargetModel
 
     target = TargetModel.from_pretrained("smollm2-135m-instruct")
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(Eagle3Config(layer_ids=(2, 15, 27), draft_vocab_size=2048, ttt_steps=2),
-                            target.target_info())
-    overfit(target, drafter, steps=60, lr=1e-3).save(str(tmp_path / "good"), "eagle3")
+    return target, overfit(target, drafter_class(config, target.target_info()), steps=steps, lr=1e-3)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (see docs/distributed.md, 'The vLLM environment')")
+def test_vllm_serves_a_good_export_alike_and_the_check_catches_a_misread_one(tmp_path, capsys):
+    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+
+    target, drafter = overfit_on_smollm2(Eagle3Drafter, Eagle3Config(layer_ids=(2, 15, 27), draft_vocab_size=2048,
+                                                                     ttt_steps=2), steps=60)
+    drafter.save(str(tmp_path / "good"), "eagle3")
     code, out, rows = doctor_serves(capsys, tmp_path / "good")
     assert code == 0 and rows["serve vllm"].startswith("  PASS") and "identical outputs 5/5" in rows["serve vllm"], out
     drafter.save(str(tmp_path / "reordered"), "eagle3")
@@ -169,13 +175,10 @@ def test_vllm_serves_a_peagle_export_with_parallel_drafting_alike_and_refuses_on
     against [48, 30, 13] of 49 when measured); without its mask_hidden tensor vLLM's loader fails, as the doctor's
     row says."""
     from drafters.peagle import PEagleConfig, PEagleDrafter
-    from inference.engine.target import TargetModel
 
-    target = TargetModel.from_pretrained("smollm2-135m-instruct")
-    torch.manual_seed(0)
-    drafter = PEagleDrafter(PEagleConfig(layer_ids=(2, 15, 27), draft_vocab_size=2048, ttt_steps=3),
-                            target.target_info())
-    overfit(target, drafter, steps=300, lr=1e-3).save(str(tmp_path / "good"), "speculators")
+    target, drafter = overfit_on_smollm2(PEagleDrafter, PEagleConfig(layer_ids=(2, 15, 27), draft_vocab_size=2048,
+                                                                     ttt_steps=3), steps=300)
+    drafter.save(str(tmp_path / "good"), "speculators")
     code, out, rows = doctor_serves(capsys, tmp_path / "good")
     assert code == 0 and rows["serve vllm"].startswith("  PASS") and "identical outputs 5/5" in rows["serve vllm"], out
     prompts, _, _ = answered_prompts(target)

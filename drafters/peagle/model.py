@@ -12,7 +12,7 @@ slots after the first one read:
   t + k, attends to the depth-0 keys at positions <= t and to its own depths 1..k (the mask speculators writes as
   (same anchor and depth <= k) or (depth 0 and anchor <= t)), and predicts the token t + k + 2, as EAGLE-3's depth
   k does. Every depth runs at every anchor (speculators' COD sampling keeps a shrinking random share of the anchors
-  at deeper depths to save memory; `train.max_seq_len` and activation checkpointing are ours).
+  at deeper depths to save memory; here chunked attention and activation checkpointing do, as for EAGLE-3).
 - Inference: `commit` absorbs the verified block as EAGLE-3 does (its last output gives the first draft); `propose(K)`
   runs the K-1 placeholder slots through the layers once, over the committed cache, and drops their keys again.
 - Trees: the drafts are per-position distributions, so a tree is built from them (DDTree, engine/tree/draft.py) and
