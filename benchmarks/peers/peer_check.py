@@ -110,11 +110,10 @@ def parity(_args) -> list[dict]:
     return rows
 
 
-# What vLLM is asked to serve for each kind: its speculative method (the speculators layout routes itself) and our
-# layouts. MTP's native layouts are the target families' own checkpoints.
-SERVED = {"eagle3": ("eagle3", "speculators,eagle3,sglang"), "dflash": ("dflash", "speculators,dflash"),
-          "dspark": ("dspark", "speculators,deepspec"), "mtp": ("mtp", "speculators,deepseek_v3"),
-          "medusa": ("medusa", "medusa"), "peagle": ("eagle3", "speculators")}
+# The layouts of each kind vLLM is asked to serve (its speculative method: train/serve_check.METHODS, as doctor --serve
+# asks; the speculators layout routes itself). MTP's native layouts are the target families' own checkpoints.
+SERVED = {"eagle3": "speculators,eagle3,sglang", "dflash": "speculators,dflash", "dspark": "speculators,deepspec",
+          "mtp": "speculators,deepseek_v3", "medusa": "medusa", "peagle": "speculators"}
 
 
 def serve(args) -> list[dict]:
@@ -140,8 +139,9 @@ def serve(args) -> list[dict]:
 def _serve_drafter(drafter, checkpoint: str, target, prompts: list, args) -> list[dict]:
     from inference.engine.api import speculative_generate
     from inference.evaluation.metrics import acceptance_counts
+    from train.serve_check import METHODS
 
-    method, formats = SERVED[drafter.kind]
+    method, formats = METHODS[drafter.kind], SERVED[drafter.kind]
     # a block drafter proposes block_size - 1 tokens a round, which is the k vLLM serves it with
     k = drafter.config.block_size - 1 if hasattr(drafter.config, "block_size") else args.k
     k = min(k, drafter.max_draft_tokens() or k)  # e.g. one MTP module drafts one token

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from drafters.base import TargetInfo, check_target_match
 from drafters.medusa.config import MedusaConfig
-from drafters.medusa.readers import CHECKS, layout, vllm_name
+from drafters.medusa.readers import CHECKS, expected_shape, layout, vllm_name
 
 EXPORT_FORMATS = ("medusa",)
 
@@ -69,7 +69,7 @@ def read(directory: str, header: Mapping[str, Any], fmt: str, target_info: Targe
     d, v = target_info.hidden_size, target_info.vocab_size
     check_target_match(target_info, int(header.get("hidden_size") or d), int(header.get("vocab_size") or v), directory)
     for name, ours in found["ours"].items():  # FasterDecoding's config gives neither width: vLLM takes the target's V
-        want = (d,) if ours.endswith(".bias") else (d, d) if ".blocks." in ours else (v, d)
+        want = expected_shape(ours, d, v)
         if tuple(tensors[name].shape) != want:
             raise ValueError(f"{directory}: {name} is {list(tensors[name].shape)}; the target's widths make it "
                              f"{list(want)}")

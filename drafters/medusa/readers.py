@@ -85,6 +85,11 @@ def layout(header: Mapping[str, Any], names: list[str], source: str) -> dict[str
             "biases": any(n.endswith(".bias") for n in ours.values())}
 
 
+def expected_shape(ours: str, hidden: int, vocab: int) -> tuple[int, ...]:
+    """The shape of our state-dict tensor `ours` (or "lm_head", the shared head) for a target of these widths."""
+    return (hidden,) if ours.endswith(".bias") else (hidden, hidden) if ".blocks." in ours else (vocab, hidden)
+
+
 def vllm_name(ours: str) -> str:
     """Our state-dict name of a Medusa tensor -> vLLM's name for it (heads.{h}.blocks.{l}.linear.weight ->
     blocks.{h}.layers.{l}.weight; heads.{h}.lm_head.weight -> lm_heads.{h}.weight)."""
@@ -143,7 +148,7 @@ def _body(directory: str, opened: Checkpoint, target_info: TargetInfo) -> list[C
                   + ("one shared lm_head (original_lm_head)" if found["shared"] else "each with its own lm_head"))]
     d, v = target_info.hidden_size, target_info.vocab_size
     wrong = [f"{name} {list(names[name])}" for name, ours in found["ours"].items()
-             if names[name] != ((d,) if ours.endswith(".bias") else (d, d) if ".blocks." in ours else (v, d))]
+             if names[name] != expected_shape(ours, d, v)]
     rows.append(Check("sizes", "fail", f"not the target's widths (hidden {d}, vocab {v}): {', '.join(wrong)}")
                 if wrong else Check("sizes", "pass", f"hidden {d}, vocab {v}: the target's"))
     if found["shared"] and not wrong:
